@@ -1,0 +1,259 @@
+"""Pure tensor helpers: the classic ``trl.core`` surface, plus the shared sequence helpers.
+
+Every function here is pure: tensors in, tensors out, no config objects, no I/O, no ``.item()``,
+no in-place edits of inputs. Shapes: ``B`` batch, ``T`` sequence, ``A`` response tokens, ``V`` vocab.
+Masks are 1 for a real token and 0 for padding.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+# Value used to pad ragged stats when they are stacked (classic TRL uses the same sentinel).
+WANDB_PADDING = -1
+
+
+# --------------------------------------------------------------------------------------------
+# log-probabilities and entropy
+# --------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor | None, gather: bool = True) -> torch.Tensor:
+    """Log-probabilities of ``labels`` under ``logits`` (B, T, V) -> (B, T), computed in fp32.
+
+    With ``gather=False`` the full log-softmax (B, T, V) is returned and ``labels`` is ignored.
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    if not gather:
+        return logp
+    return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits`` (..., V) -> (...), in fp32."""
+    logits = logits.float()
+    probs = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
+
+
+def shifted_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each token given its prefix: logits (B, T, V), ids (B, T) -> (B, T-1).
+
+    Position ``t`` of the result scores token ``t+1``: the causal-LM shift written once.
+    """
+    return logprobs_from_logits(logits[:, :-1, :], input_ids[:, 1:])  # (B, T-1)
+
+
+def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """Sum (or mean) of per-token log-probs over the masked tokens: (B, A), (B, A) -> (B,).
+
+    The one helper for "log-probability of a response" (DPO, evaluation, PPO stats).
+    """
+    mask = mask.to(token_logprobs.dtype)
+    total = (token_logprobs * mask).sum(-1)  # (B,)
+    if average:
+        return total / mask.sum(-1).clamp(min=1)
+    return total
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real (mask = 1) token in each row, whatever the padding side: (B, T) -> (B,).
+
+    Rows with no real token get index 0.
+    """
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)  # (T,)
+    return (attention_mask.bool() * positions).amax(dim=-1)  # (B,)
+
+
+def gather_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The value at the last real token of each row: values (B, T) or (B, T, H), mask (B, T) -> (B,) or (B, H).
+
+    The one helper for "the score at the last real token" (reward models, PPO's score placement).
+    """
+    index = last_token_index(attention_mask)  # (B,)
+    rows = torch.arange(values.shape[0], device=values.device)
+    return values[rows, index]
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only real tokens, so left padding does not shift positions: (B, T) -> (B, T)."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    return position_ids.clamp(min=0)
+
+
+# --------------------------------------------------------------------------------------------
+# masked statistics
+# --------------------------------------------------------------------------------------------
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1 (all of them, or along ``axis``)."""
+    mask = mask.to(values.dtype)
+    if axis is not None:
+        return (values * mask).sum(dim=axis) / mask.sum(dim=axis)
+    return (values * mask).sum() / mask.sum()
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions; Bessel-corrected when ``unbiased``."""
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count <= 1:
+            raise ValueError(
+                f"masked_var needs at least two unmasked values for an unbiased estimate, got {int(count)}; "
+                "a batch with a single response token cannot be whitened (use more or longer responses)."
+            )
+        variance = variance * (count / (count - 1))
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Standardise ``values`` with the mean and (unbiased) variance of its masked positions."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def whiten(values: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Standardise ``values`` with its mean and unbiased variance."""
+    mean, var = torch.mean(values), torch.var(values)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor | float, tensor_max: torch.Tensor | float) -> torch.Tensor:
+    """Element-wise clip of ``x`` to ``[tensor_min, tensor_max]`` (bounds may be tensors)."""
+    tensor_min = torch.as_tensor(tensor_min, dtype=x.dtype, device=x.device)
+    tensor_max = torch.as_tensor(tensor_max, dtype=x.dtype, device=x.device)
+    return torch.max(torch.min(x, tensor_max), tensor_min)
+
+
+# --------------------------------------------------------------------------------------------
+# stats dictionaries
+# --------------------------------------------------------------------------------------------
+
+
+def flatten_dict(nested: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
+    """Flatten nested dicts: ``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{sep}{key}" if prefix else str(key)
+            if isinstance(value, Mapping):
+                walk(name, value)
+            else:
+                flat[name] = value
+
+    walk("", nested)
+    return flat
+
+
+def stack_dicts(stats_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack a list of stats dicts key by key into (N, ...) tensors, padding ragged entries."""
+    results = {}
+    for key in stats_dicts[0]:
+        rows = [torch.flatten(torch.as_tensor(d[key])) for d in stats_dicts]
+        results[key] = pad_sequence(rows, batch_first=True, padding_value=WANDB_PADDING)
+    return results
+
+
+def stats_to_np(stats_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Detach tensors to numpy arrays (bf16 upcast to fp32); Python/NumPy scalars become floats."""
+    converted: dict[str, Any] = {}
+    for key, value in stats_dict.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            if value.dtype == torch.bfloat16:
+                value = value.float()
+            value = value.numpy()
+        if np.isscalar(value) or (isinstance(value, np.ndarray) and value.ndim == 0):
+            value = float(value)
+        converted[key] = value
+    return converted
+
+
+def convert_to_scalar(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn one-element tensors and arrays into floats (what scalar-only trackers expect)."""
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and tuple(value.shape) in ((), (1,)):
+            value = float(value.item())
+        out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# sampling helpers
+# --------------------------------------------------------------------------------------------
+
+
+def set_seed(seed: int) -> None:
+    """Seed ``random``, ``numpy`` and ``torch`` (all devices) for reproducible runs."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+class LengthSampler:
+    """Samples an integer uniformly from ``[min_value, max_value)`` (e.g. a response length)."""
+
+    def __init__(self, min_value: int, max_value: int):
+        if max_value <= min_value:
+            raise ValueError(f"LengthSampler needs min_value < max_value, got {min_value} and {max_value}")
+        self.values = list(range(min_value, max_value))
+
+    def __call__(self) -> int:
+        return int(np.random.choice(self.values))
+
+
+def top_k_top_p_filtering(
+    logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, filter_value: float = -float("inf")
+) -> torch.Tensor:
+    """Mask logits (B, V) outside the top-k and outside the top-p nucleus; returns a new tensor."""
+    logits = logits.clone()
+    top_k = int(top_k)
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, filter_value)
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative > top_p
+        remove_sorted[..., 1:] = remove_sorted[..., :-1].clone()  # keep the first token above the threshold
+        remove_sorted[..., 0] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, filter_value)
+    return logits
+
+
+@torch.no_grad()
+def respond_to_batch(
+    model: torch.nn.Module, queries: torch.Tensor, txt_len: int = 20, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Sample ``txt_len`` tokens after each query (B, Tq) with a causal LM; returns (B, txt_len).
+
+    The classic helper: no KV cache, no stopping on EOS. ``PPOTrainer.generate`` is the fast path.
+    """
+    input_ids = queries
+    for _ in range(txt_len):
+        logits = model(input_ids)[0][:, -1, :]  # (B, V)
+        logits = top_k_top_p_filtering(logits.float(), top_k=top_k, top_p=top_p)
+        next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+        input_ids = torch.cat([input_ids, next_token], dim=-1)
+    return input_ids[:, -txt_len:]
