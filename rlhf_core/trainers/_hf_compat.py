@@ -1,0 +1,188 @@
+"""Glue shared by the ``transformers.Trainer`` subclasses (SFT, reward, DPO).
+
+- the spec's ``tokenizer=`` argument, which transformers 5 calls ``processing_class``;
+- loading a model given as a name or path, and wrapping it with PEFT;
+- forwarding every ``Trainer.log`` call to an rlhf_core tracker (``log_with``), without double logging;
+- a model card (``README.md``) beside every safetensors checkpoint.
+
+Trainers never import MLflow here: the tracker object from ``rlhf_core.tracking`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from rlhf_core.model_card import write_model_card
+from rlhf_core.tracking import Tracker, make_tracker
+
+logger = logging.getLogger(__name__)
+
+# Trainer arguments whose value goes to the tracker's params and the model card.
+ARGS_FOR_CARD = (
+    "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs",
+    "max_steps", "lr_scheduler_type", "warmup_steps", "weight_decay", "seed",
+)
+
+
+def resolve_processing_class(tokenizer: Any = None, processing_class: Any = None) -> Any:
+    """Accept the spec's ``tokenizer=`` as transformers 5's ``processing_class=`` (not both, unless equal)."""
+    if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
+        raise ValueError("pass either tokenizer= (spec name) or processing_class= (transformers 5 name), not both")
+    return processing_class if processing_class is not None else tokenizer
+
+
+def default_training_args(args: TrainingArguments | None, trainer_name: str) -> TrainingArguments:
+    """The user's arguments, or small defaults that report nowhere (``output_dir=tmp_<trainer>``)."""
+    if args is not None:
+        return args
+    return TrainingArguments(output_dir=f"tmp_{trainer_name}", report_to=[])
+
+
+def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """A model given as a name or local path is loaded with ``auto_class.from_pretrained``; modules pass through."""
+    if isinstance(model, (str, Path)):
+        return auto_class.from_pretrained(str(model), **dict(init_kwargs or {}))
+    if init_kwargs:
+        raise ValueError("model_init_kwargs only apply when model is a name or path, not an instantiated model")
+    return model
+
+
+def load_tokenizer_for(model: Any, tokenizer: Any) -> Any:
+    """The given tokenizer, or the one saved beside a model given as a name/path (pad = EOS if missing)."""
+    if tokenizer is not None or not isinstance(model, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def is_peft_model(model: Any) -> bool:
+    """True for a ``peft.PeftModel`` (peft is optional)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def wrap_peft(model: Any, peft_config: Any) -> Any:
+    """Wrap ``model`` with ``peft_config`` (LoRA etc.); no-op without a config."""
+    if peft_config is None:
+        return model
+    if is_peft_model(model):
+        raise ValueError("model is already a PeftModel; pass peft_config=None or the un-wrapped base model")
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError as error:  # pragma: no cover - peft is a declared dependency
+        raise ImportError("peft_config needs the `peft` package") from error
+    if not isinstance(peft_config, PeftConfig):
+        raise ValueError(f"peft_config must be a peft.PeftConfig, got {type(peft_config).__name__}")
+    return get_peft_model(model, peft_config)
+
+
+def disable_dropout(model: torch.nn.Module | None) -> None:
+    """Set every dropout probability in ``model`` to 0 (DPO's default, so log-probs are deterministic)."""
+    if model is None:
+        return
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def base_model_name(model: Any) -> str | None:
+    """The name or path the model was loaded from, if it has one."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    return name or None
+
+
+class TrackerCallback(TrainerCallback):
+    """Sends everything ``Trainer.log`` reports (train and eval) to an rlhf_core ``Tracker``."""
+
+    def __init__(self, tracker: Tracker, params: Mapping[str, Any] | None = None) -> None:
+        self.tracker = tracker
+        self.params = dict(params or {})
+        self._params_logged = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Log the run's parameters once."""
+        if state.is_world_process_zero and not self._params_logged and self.params:
+            self.tracker.log_params(self.params)
+            self._params_logged = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Forward the scalar logs at the current global step."""
+        if state.is_world_process_zero and logs:
+            self.tracker.log(dict(logs), step=state.global_step)
+
+
+class RlhfTrainerMixin:
+    """Shared behaviour of rlhf_core's Trainer subclasses: tracker wiring and model cards on save.
+
+    Subclasses set ``trainer_name`` and may extend ``card_hyperparameters``.
+    """
+
+    trainer_name = "trainer"
+
+    def _setup_tracking(
+        self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        """Build the tracker named by ``log_with`` and hook it into the callbacks.
+
+        If transformers' own integration for the same backend is also on (``report_to=["mlflow"]``),
+        it is removed so every metric is logged once.
+        """
+        self.tracker = make_tracker(log_with, project_name=project_name, **dict(tracker_kwargs or {}))
+        if log_with is None:
+            return
+        backend = self.tracker.name
+        if backend in (self.args.report_to or []):
+            logger.warning("log_with=%r and report_to=%r: logging through rlhf_core's tracker only", backend, backend)
+            for callback in list(self.callback_handler.callbacks):
+                if type(callback).__name__.lower().startswith(backend):
+                    self.remove_callback(callback)
+        self.add_callback(TrackerCallback(self.tracker, params=self.card_hyperparameters()))
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        """Hyper-parameters for the model card and the tracker's params."""
+        return {name: getattr(self.args, name) for name in ARGS_FOR_CARD if hasattr(self.args, name)}
+
+    def card_metrics(self) -> dict[str, float]:
+        """The most recent value of every scalar metric logged so far."""
+        latest: dict[str, float] = {}
+        for entry in getattr(self.state, "log_history", []):
+            for key, value in entry.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    latest[key] = value
+        return latest
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save weights (safetensors, via ``save_pretrained``) and write the model card beside them."""
+        super()._save(output_dir, state_dict=state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        write_model_card(
+            output_dir,
+            model_name=Path(output_dir).name,
+            trainer_name=self.trainer_name,
+            base_model=base_model_name(model.get_base_model() if is_peft_model(model) else model),
+            hyperparameters=self.card_hyperparameters(),
+            metrics=self.card_metrics(),
+        )
+
+
+__all__ = [
+    "RlhfTrainerMixin", "TrackerCallback", "base_model_name", "default_training_args",
+    "disable_dropout", "is_peft_model", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
+]

@@ -1,0 +1,318 @@
+"""Data collators for SFT, reward and DPO training, and the packing ``ConstantLengthDataset``.
+
+Shapes: ``B`` batch, ``T`` sequence. Labels equal to ``ignore_index`` (-100) carry no loss.
+Preference collators stack nothing themselves: the trainers concatenate ``[chosen; rejected]``
+along dim 0, so chosen and rejected are padded to one common length here.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+def pad_to_length(rows: Sequence[Sequence[int]], value: int, length: int | None = None, side: str = "right") -> torch.Tensor:
+    """Pad ragged integer rows into a (B, T) LongTensor, on the right or the left."""
+    if side not in ("right", "left"):
+        raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+    width = max([len(r) for r in rows] + [length or 0])
+    out = torch.full((len(rows), width), value, dtype=torch.long)  # (B, T)
+    for i, row in enumerate(rows):
+        if len(row):
+            row_t = torch.as_tensor(list(row), dtype=torch.long)
+            if side == "right":
+                out[i, : len(row)] = row_t
+            else:
+                out[i, width - len(row):] = row_t
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# SFT: packing and completion-only labels
+# --------------------------------------------------------------------------------------------
+
+
+class ConstantLengthDataset(IterableDataset):
+    """Packs tokenised texts, separated by EOS, into blocks of exactly ``seq_length`` tokens.
+
+    Texts are read ``num_of_sequences * seq_length * chars_per_token`` characters at a time, tokenised,
+    joined with ``eos_token_id`` and cut into blocks. The tail of one buffer is carried into the next, so
+    no text is lost between buffers; at the end of a finite pass only the last tail (< ``seq_length``
+    tokens) is dropped. With ``infinite=True`` the dataset restarts and the tail continues into the next pass.
+    Each item is ``{"input_ids": (T,), "labels": (T,)}``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        dataset: Any,
+        dataset_text_field: str | None = None,
+        formatting_func: Callable[[Mapping[str, Any]], str] | None = None,
+        infinite: bool = False,
+        seq_length: int = 1024,
+        num_of_sequences: int = 1024,
+        chars_per_token: float = 3.6,
+        eos_token_id: int | None = None,
+        shuffle: bool = False,
+        append_concat_token: bool = True,
+        add_special_tokens: bool = True,
+    ) -> None:
+        if dataset_text_field is None and formatting_func is None:
+            raise ValueError("ConstantLengthDataset needs dataset_text_field or formatting_func")
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.seq_length = seq_length
+        self.infinite = infinite
+        self.num_of_sequences = num_of_sequences
+        self.chars_per_token = chars_per_token
+        self.max_buffer_size = max(1, int(seq_length * chars_per_token * num_of_sequences))
+        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        if self.eos_token_id is None and append_concat_token:
+            raise ValueError("eos_token_id is None: give eos_token_id or a tokenizer with an EOS token")
+        self.shuffle = shuffle
+        self.append_concat_token = append_concat_token
+        self.add_special_tokens = add_special_tokens
+        self.formatting_func = formatting_func or (lambda example: example[dataset_text_field])
+
+    def _texts(self) -> Iterator[str]:
+        """Formatted texts, once or forever."""
+        while True:
+            for example in self.dataset:
+                yield self.formatting_func(example)
+            if not self.infinite:
+                return
+            logger.info("ConstantLengthDataset: dataset exhausted, restarting (infinite=True)")
+
+    def _buffers(self) -> Iterator[list[str]]:
+        """Groups of texts of about ``max_buffer_size`` characters."""
+        buffer, size = [], 0
+        for text in self._texts():
+            buffer.append(text)
+            size += len(text)
+            if size >= self.max_buffer_size:
+                yield buffer
+                buffer, size = [], 0
+        if buffer:
+            yield buffer
+
+    def _token_stream(self, texts: list[str]) -> list[int]:
+        """Token ids of ``texts``, each followed by EOS."""
+        ids = self.tokenizer(texts, add_special_tokens=self.add_special_tokens, truncation=False)["input_ids"]
+        stream: list[int] = []
+        for row in ids:
+            stream.extend(row)
+            if self.append_concat_token:
+                stream.append(self.eos_token_id)
+        return stream
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        carry: list[int] = []
+        for texts in self._buffers():
+            stream = carry + self._token_stream(texts)
+            n_full = len(stream) // self.seq_length
+            blocks = [stream[i * self.seq_length:(i + 1) * self.seq_length] for i in range(n_full)]
+            carry = stream[n_full * self.seq_length:]
+            if self.shuffle:
+                random.shuffle(blocks)
+            for block in blocks:
+                ids = torch.tensor(block, dtype=torch.long)  # (T,)
+                yield {"input_ids": ids, "labels": ids.clone()}
+
+
+def _find_subsequence(row: Sequence[int], pattern: Sequence[int], start: int = 0) -> int:
+    """Index of the first occurrence of ``pattern`` in ``row`` at or after ``start``, else -1."""
+    n = len(pattern)
+    for i in range(start, len(row) - n + 1):
+        if list(row[i:i + n]) == list(pattern):
+            return i
+    return -1
+
+
+class DataCollatorForCompletionOnlyLM:
+    """Pads causal-LM examples and puts the loss on the response only.
+
+    Every label up to and including the last ``response_template`` occurrence before the response is set to
+    ``ignore_index``; with ``instruction_template`` (multi-turn), each instruction segment is masked too.
+    Templates are strings (tokenised without special tokens) or lists of token ids; pass ids when the
+    template tokenises differently in context. Rows where the template is missing get no loss, with a warning.
+    """
+
+    def __init__(
+        self,
+        response_template: str | Sequence[int],
+        instruction_template: str | Sequence[int] | None = None,
+        *,
+        tokenizer: Any,
+        mlm: bool = False,
+        ignore_index: int = IGNORE_INDEX,
+        pad_to_multiple_of: int | None = None,
+    ) -> None:
+        if mlm:
+            raise ValueError("DataCollatorForCompletionOnlyLM is for causal LMs: mlm must be False")
+        self.tokenizer = tokenizer
+        self.ignore_index = ignore_index
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.response_token_ids = self._ids(response_template)
+        self.instruction_token_ids = None if instruction_template is None else self._ids(instruction_template)
+
+    def _ids(self, template: str | Sequence[int]) -> list[int]:
+        """Token ids of a template given as text or ids."""
+        if isinstance(template, str):
+            ids = self.tokenizer(template, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(template)
+        if not ids:
+            raise ValueError("response_template/instruction_template tokenises to no tokens")
+        return ids
+
+    def _pad(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """Right-pad ``input_ids`` (B, T) and build the attention mask."""
+        rows = [list(e["input_ids"] if isinstance(e, Mapping) else e) for e in examples]
+        width = max(len(r) for r in rows)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = pad_to_length(rows, self.tokenizer.pad_token_id, width)  # (B, T)
+        mask = pad_to_length([[1] * len(r) for r in rows], 0, width)  # (B, T)
+        return {"input_ids": input_ids, "attention_mask": mask}
+
+    def _response_mask(self, row: Sequence[int]) -> list[int] | None:
+        """1 where a token is part of a response, 0 elsewhere; None when no response template is found."""
+        keep = [0] * len(row)
+        starts = []
+        pos = _find_subsequence(row, self.response_token_ids)
+        while pos >= 0:
+            starts.append(pos + len(self.response_token_ids))
+            pos = _find_subsequence(row, self.response_token_ids, pos + 1)
+        if not starts:
+            return None
+        if self.instruction_token_ids is None:
+            starts = starts[:1]  # single turn: everything after the first template is the response
+        for start in starts:
+            end = len(row)
+            if self.instruction_token_ids is not None:
+                nxt = _find_subsequence(row, self.instruction_token_ids, start)
+                end = nxt if nxt >= 0 else len(row)
+            for i in range(start, end):
+                keep[i] = 1
+        return keep
+
+    def __call__(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
+        batch = self._pad(examples)
+        labels = batch["input_ids"].clone()  # (B, T)
+        labels[batch["attention_mask"] == 0] = self.ignore_index
+        for i, example in enumerate(examples):
+            row = list(example["input_ids"] if isinstance(example, Mapping) else example)
+            keep = self._response_mask(row)
+            if keep is None:
+                warnings.warn(
+                    f"response_template {self.response_token_ids} not found in example {i}; it gets no loss",
+                    stacklevel=2,
+                )
+                labels[i, :] = self.ignore_index
+                continue
+            labels[i, : len(row)][torch.tensor(keep) == 0] = self.ignore_index
+        batch["labels"] = labels
+        return batch
+
+
+# --------------------------------------------------------------------------------------------
+# preference data
+# --------------------------------------------------------------------------------------------
+
+
+class RewardDataCollatorWithPadding:
+    """Pads reward pairs: ``input_ids_chosen``/``attention_mask_chosen`` and the rejected pair, (B, T) each.
+
+    Chosen and rejected are padded to one common length (so the trainer can stack them), on the
+    tokenizer's padding side. An optional ``margin`` column becomes a float tensor (B,).
+    """
+
+    REQUIRED = ("input_ids_chosen", "attention_mask_chosen", "input_ids_rejected", "attention_mask_rejected")
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        padding: bool | str = True,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        return_tensors: str = "pt",
+    ) -> None:
+        if return_tensors != "pt":
+            raise ValueError(f"only return_tensors='pt' is supported, got {return_tensors!r}")
+        self.tokenizer = tokenizer
+        self.padding = padding
+        self.max_length = max_length
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        missing = [k for k in self.REQUIRED if k not in features[0]]
+        if missing:
+            raise ValueError(f"reward features are missing the columns {missing}; expected {list(self.REQUIRED)}")
+        chosen = [list(f["input_ids_chosen"]) for f in features]
+        rejected = [list(f["input_ids_rejected"]) for f in features]
+        width = max(len(r) for r in chosen + rejected)
+        if self.padding == "max_length" and self.max_length:
+            width = max(width, self.max_length)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        side = getattr(self.tokenizer, "padding_side", "right")
+        pad_id = self.tokenizer.pad_token_id
+        batch = {
+            "input_ids_chosen": pad_to_length(chosen, pad_id, width, side),  # (B, T)
+            "attention_mask_chosen": pad_to_length([list(f["attention_mask_chosen"]) for f in features], 0, width, side),
+            "input_ids_rejected": pad_to_length(rejected, pad_id, width, side),  # (B, T)
+            "attention_mask_rejected": pad_to_length([list(f["attention_mask_rejected"]) for f in features], 0, width, side),
+            "return_loss": True,
+        }
+        if "margin" in features[0]:
+            batch["margin"] = torch.tensor([float(f["margin"]) for f in features], dtype=torch.float)  # (B,)
+        return batch
+
+
+class DPODataCollatorWithPadding:
+    """Pads tokenised DPO rows (see ``DPOTrainer.tokenize_row``).
+
+    ``*_input_ids`` are padded with ``pad_token_id``, ``*_attention_mask`` with 0 and ``*_labels`` with
+    ``label_pad_token_id``; prompts are padded on the left (ready for generation), responses on the right.
+    Text columns (``prompt``, ``chosen``, ``rejected``) pass through as lists; precomputed
+    ``reference_*_logps`` become float tensors (B,).
+    """
+
+    def __init__(self, pad_token_id: int = 0, label_pad_token_id: int = IGNORE_INDEX, is_encoder_decoder: bool = False):
+        if is_encoder_decoder:
+            raise NotImplementedError("encoder-decoder DPO is not implemented in rlhf_core yet")
+        self.pad_token_id = pad_token_id
+        self.label_pad_token_id = label_pad_token_id
+
+    def _pad_value(self, key: str) -> int:
+        """Padding value for one column."""
+        if key.endswith("_labels"):
+            return self.label_pad_token_id
+        if key.endswith("_attention_mask"):
+            return 0
+        return self.pad_token_id
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch: dict[str, Any] = {}
+        for key in features[0]:
+            values = [f[key] for f in features]
+            if key.endswith(("_input_ids", "_attention_mask", "_labels")):
+                side = "left" if key.startswith("prompt") else "right"
+                batch[key] = pad_to_length([list(v) for v in values], self._pad_value(key), side=side)  # (B, T)
+            elif key.endswith("_logps"):
+                batch[key] = torch.tensor(values, dtype=torch.float)  # (B,)
+            else:
+                batch[key] = values
+        return batch

@@ -1,0 +1,178 @@
+"""SFTTrainer: supervised fine-tuning of a causal LM on text, a ``transformers.Trainer`` subclass.
+
+The dataset is prepared once at construction: packed into fixed-length blocks (``packing=True``, a
+``ConstantLengthDataset``) or tokenised row by row (truncated to ``max_seq_length``, EOS appended).
+Loss is the model's own next-token cross-entropy over the labels the collator builds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers.data.data_collator import default_data_collator
+
+from rlhf_core.trainers._hf_compat import (
+    RlhfTrainerMixin,
+    default_training_args,
+    load_model,
+    load_tokenizer_for,
+    resolve_processing_class,
+    wrap_peft,
+)
+from rlhf_core.trainers.collators import ConstantLengthDataset, DataCollatorForCompletionOnlyLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQ_LENGTH = 512
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    """True for a ``datasets.Dataset`` (has column names and ``map``)."""
+    return hasattr(dataset, "column_names") and hasattr(dataset, "map")
+
+
+def format_batch(batch: Mapping[str, list], dataset_text_field: str | None, formatting_func: Callable | None) -> list[str]:
+    """The texts of a batched ``map`` call: a column, or ``formatting_func`` (batched or per example)."""
+    if formatting_func is None:
+        return list(batch[dataset_text_field])
+    n_rows = len(next(iter(batch.values())))
+    texts = formatting_func(batch)
+    if isinstance(texts, list) and len(texts) == n_rows and all(isinstance(t, str) for t in texts):
+        return texts
+    rows = [{key: values[i] for key, values in batch.items()} for i in range(n_rows)]
+    texts = [formatting_func(row) for row in rows]
+    if not all(isinstance(t, str) for t in texts):
+        raise ValueError("formatting_func must return a list of str for a batch, or a str for one example")
+    return texts
+
+
+def tokenize_texts(texts: list[str], tokenizer: Any, max_seq_length: int) -> dict[str, list[list[int]]]:
+    """Token ids with EOS appended (if the tokenizer did not add it), truncated to ``max_seq_length``."""
+    ids = tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    rows = [(row + [eos] if eos is not None and (not row or row[-1] != eos) else row)[:max_seq_length] for row in ids]
+    return {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+
+
+class SFTTrainer(RlhfTrainerMixin, Trainer):
+    """Supervised fine-tuning trainer with the classic TRL arguments (``tokenizer=`` accepted)."""
+
+    trainer_name = "sft"
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        tokenizer: Any = None,
+        model_init: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        preprocess_logits_for_metrics: Callable | None = None,
+        peft_config: Any = None,
+        dataset_text_field: str | None = None,
+        packing: bool = False,
+        formatting_func: Callable | None = None,
+        max_seq_length: int | None = None,
+        infinite: bool = False,
+        num_of_sequences: int = 1024,
+        chars_per_token: float = 3.6,
+        dataset_num_proc: int | None = None,
+        dataset_batch_size: int = 1000,
+        model_init_kwargs: Mapping[str, Any] | None = None,
+        processing_class: Any = None,
+        log_with: Any = None,
+        tracker_project_name: str = "trl",
+        tracker_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = default_training_args(args, self.trainer_name)
+        tokenizer = load_tokenizer_for(model, resolve_processing_class(tokenizer, processing_class))
+        if tokenizer is None:
+            raise ValueError("SFTTrainer needs tokenizer= (or processing_class=), or a model name/path to load one from")
+        model = wrap_peft(load_model(model, AutoModelForCausalLM, model_init_kwargs), peft_config)
+        if packing and isinstance(data_collator, DataCollatorForCompletionOnlyLM):
+            raise ValueError("packing=True cannot be combined with DataCollatorForCompletionOnlyLM")
+        self.max_seq_length = self._resolve_max_seq_length(max_seq_length, model)
+        self.packing = packing
+        self.dataset_text_field = dataset_text_field
+        prepare = dict(
+            tokenizer=tokenizer, packing=packing, dataset_text_field=dataset_text_field,
+            formatting_func=formatting_func, infinite=infinite, num_of_sequences=num_of_sequences,
+            chars_per_token=chars_per_token, dataset_num_proc=dataset_num_proc, dataset_batch_size=dataset_batch_size,
+        )
+        train_dataset = self._prepare_dataset(train_dataset, **prepare)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self._prepare_dataset(v, **{**prepare, "infinite": False}) for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = self._prepare_dataset(eval_dataset, **{**prepare, "infinite": False})
+        if data_collator is None:
+            data_collator = default_data_collator if packing else DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+
+    @staticmethod
+    def _resolve_max_seq_length(max_seq_length: int | None, model: Any) -> int:
+        """``max_seq_length``, or 512 capped by the model's position limit."""
+        if max_seq_length is not None:
+            if max_seq_length < 1:
+                raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
+            return max_seq_length
+        config = getattr(model, "config", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        return min(DEFAULT_MAX_SEQ_LENGTH, limit) if limit else DEFAULT_MAX_SEQ_LENGTH
+
+    def _prepare_dataset(
+        self,
+        dataset: Any,
+        tokenizer: Any,
+        packing: bool,
+        dataset_text_field: str | None,
+        formatting_func: Callable | None,
+        infinite: bool,
+        num_of_sequences: int,
+        chars_per_token: float,
+        dataset_num_proc: int | None,
+        dataset_batch_size: int,
+    ) -> Any:
+        """Pack or tokenise ``dataset``; ready datasets (tokenised, torch, ConstantLengthDataset) pass through."""
+        if dataset is None or isinstance(dataset, ConstantLengthDataset) or not _is_hf_dataset(dataset):
+            return dataset
+        if "input_ids" in dataset.column_names and dataset_text_field is None and formatting_func is None:
+            return dataset
+        if dataset_text_field is None and formatting_func is None:
+            raise ValueError(
+                f"SFTTrainer needs dataset_text_field or formatting_func (dataset columns: {dataset.column_names})"
+            )
+        if formatting_func is None and dataset_text_field not in dataset.column_names:
+            raise ValueError(
+                f"dataset_text_field={dataset_text_field!r} is not a column of the dataset: {dataset.column_names}"
+            )
+        if packing:
+            return ConstantLengthDataset(
+                tokenizer, dataset, dataset_text_field=dataset_text_field, formatting_func=formatting_func,
+                infinite=infinite, seq_length=self.max_seq_length, num_of_sequences=num_of_sequences,
+                chars_per_token=chars_per_token, eos_token_id=tokenizer.eos_token_id,
+            )
+
+        def tokenize(batch: Mapping[str, list]) -> dict[str, list[list[int]]]:
+            return tokenize_texts(format_batch(batch, dataset_text_field, formatting_func), tokenizer, self.max_seq_length)
+
+        return dataset.map(
+            tokenize, batched=True, batch_size=dataset_batch_size if dataset_batch_size and dataset_batch_size > 0 else None,
+            num_proc=dataset_num_proc, remove_columns=dataset.column_names,
+        )
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        """Trainer arguments plus SFT's own."""
+        return {**super().card_hyperparameters(), "max_seq_length": self.max_seq_length, "packing": self.packing}

@@ -1,0 +1,156 @@
+"""SFTTrainer, ConstantLengthDataset packing and the completion-only collator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainingArguments
+
+from rlhf_core.models.tiny import DEFAULT_CORPUS, tiny_causal_lm
+from rlhf_core.trainers.collators import IGNORE_INDEX, ConstantLengthDataset, DataCollatorForCompletionOnlyLM
+from rlhf_core.trainers.sft import SFTTrainer, tokenize_texts
+
+TEXTS = list(DEFAULT_CORPUS[:8])
+
+
+def small_args(tmp_path, **overrides) -> TrainingArguments:
+    """Tiny CPU arguments that report nowhere and save nothing."""
+    kwargs = dict(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def token_stream(tokenizer, texts) -> list[int]:
+    """Expected packing stream: each text's ids followed by EOS."""
+    stream = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return stream
+
+
+def test_packing_full_blocks_eos_separators_no_lost_text(tokenizer):
+    # buffer of 8 * 1.0 * 2 = 16 chars: many buffers, so the carry between buffers is exercised
+    dataset = Dataset.from_dict({"text": TEXTS})
+    packed = ConstantLengthDataset(
+        tokenizer, dataset, dataset_text_field="text", seq_length=8, num_of_sequences=2, chars_per_token=1.0
+    )
+    blocks = [item["input_ids"] for item in packed]
+    stream = token_stream(tokenizer, TEXTS)
+    assert all(block.shape == (8,) for block in blocks)
+    flat = torch.cat(blocks).tolist()
+    assert flat == stream[: len(flat)]  # nothing lost or reordered between buffers
+    assert len(stream) - len(flat) < 8  # only the final short tail is dropped
+    assert flat.count(tokenizer.eos_token_id) == stream[: len(flat)].count(tokenizer.eos_token_id) >= len(TEXTS) - 1
+    assert all(torch.equal(item["input_ids"], item["labels"]) for item in packed)
+
+
+def test_packing_infinite_wraps_and_formatting_func(tokenizer):
+    dataset = Dataset.from_dict({"a": ["ab"], "b": ["cd"]})
+    packed = ConstantLengthDataset(
+        tokenizer, dataset, formatting_func=lambda ex: ex["a"] + " " + ex["b"], infinite=True,
+        seq_length=4, num_of_sequences=1, chars_per_token=1.0,
+    )
+    iterator = iter(packed)
+    blocks = [next(iterator)["input_ids"].tolist() for _ in range(5)]  # more than one pass of data
+    one_pass = token_stream(tokenizer, ["ab cd"])
+    flat = sum(blocks, [])
+    assert flat == (one_pass * 20)[: len(flat)]
+
+
+def test_completion_only_labels_mask_prompt(tokenizer):
+    prompts = ["Question: the film\nAnswer:", "Question: a story was\nAnswer:"]
+    responses = [" great and warm", " boring"]
+    rows = [
+        tokenizer(p, add_special_tokens=False)["input_ids"] + tokenizer(r, add_special_tokens=False)["input_ids"]
+        for p, r in zip(prompts, responses)
+    ]
+    collator = DataCollatorForCompletionOnlyLM("Answer:", tokenizer=tokenizer)
+    batch = collator([{"input_ids": r} for r in rows])
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        labels = batch["labels"][i]
+        assert (labels[:n_prompt] == IGNORE_INDEX).all()  # prompt and template: no loss
+        assert labels[n_prompt: len(row)].tolist() == row[n_prompt:]  # response: full loss
+        assert (labels[len(row):] == IGNORE_INDEX).all()  # padding: no loss
+        assert batch["attention_mask"][i].sum() == len(row)
+
+
+def test_completion_only_missing_template_gets_no_loss(tokenizer):
+    collator = DataCollatorForCompletionOnlyLM("Answer:", tokenizer=tokenizer)
+    ids = tokenizer("no template here", add_special_tokens=False)["input_ids"]
+    with pytest.warns(UserWarning, match="not found"):
+        batch = collator([{"input_ids": ids}])
+    assert (batch["labels"] == IGNORE_INDEX).all()
+
+
+def test_tokenize_texts_appends_eos_and_truncates(tokenizer):
+    out = tokenize_texts(["the film", "the film was great and the acting was wonderful"], tokenizer, 6)
+    assert out["input_ids"][0] == tokenizer("the film")["input_ids"] + [tokenizer.eos_token_id]
+    assert len(out["input_ids"][1]) == 6
+    assert out["attention_mask"][0] == [1] * len(out["input_ids"][0])
+
+
+def test_sft_trainer_lowers_loss_and_accepts_tokenizer_kwarg(tokenizer, tmp_path):
+    model = tiny_causal_lm(tokenizer)
+    dataset = Dataset.from_dict({"text": TEXTS})
+    batch = tokenizer(TEXTS[:4], return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+
+    def loss() -> float:
+        with torch.no_grad():
+            return model(**batch, labels=labels).loss.item()
+
+    before = loss()
+    trainer = SFTTrainer(
+        model=model, args=small_args(tmp_path, max_steps=8), train_dataset=dataset, tokenizer=tokenizer,
+        dataset_text_field="text", max_seq_length=32,
+    )
+    assert trainer.processing_class is tokenizer
+    trainer.train()
+    assert loss() < before - 0.5
+
+
+def test_sft_trainer_packing_builds_constant_length_dataset(tokenizer, tmp_path):
+    trainer = SFTTrainer(
+        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=2), train_dataset=Dataset.from_dict({"text": TEXTS}),
+        processing_class=tokenizer, dataset_text_field="text", packing=True, max_seq_length=16, infinite=True,
+    )
+    assert isinstance(trainer.train_dataset, ConstantLengthDataset)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_sft_trainer_errors(tokenizer, tmp_path):
+    model = tiny_causal_lm(tokenizer)
+    dataset = Dataset.from_dict({"text": TEXTS})
+    with pytest.raises(ValueError, match="dataset_text_field='body'"):
+        SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer, dataset_text_field="body")
+    with pytest.raises(ValueError, match="dataset_text_field or formatting_func"):
+        SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer)
+    collator = DataCollatorForCompletionOnlyLM("Answer:", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="packing=True"):
+        SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer,
+                   dataset_text_field="text", packing=True, data_collator=collator)
+    with pytest.raises(ValueError, match="not both"):
+        SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer,
+                   processing_class=object(), dataset_text_field="text")
+
+
+def test_sft_save_writes_safetensors_and_card(tokenizer, tmp_path):
+    trainer = SFTTrainer(
+        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=1), train_dataset=Dataset.from_dict({"text": TEXTS}),
+        tokenizer=tokenizer, dataset_text_field="text", max_seq_length=16, log_with="memory",
+    )
+    trainer.train()
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    assert (out / "model.safetensors").exists()
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: rlhf_core\ntags:\n- rlhf_core\n- \"sft\"")
+    assert "max_seq_length" in card
+    logged = [m for _, m in trainer.tracker.metrics]
+    assert any("loss" in m for m in logged) and trainer.tracker.params["max_seq_length"] == 16
