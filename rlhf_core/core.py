@@ -107,12 +107,10 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     variance = masked_mean((values - mean) ** 2, mask)
     if unbiased:
         count = mask.sum()
-        if count <= 1:
-            raise ValueError(
-                f"masked_var needs at least two unmasked values for an unbiased estimate, got {int(count)}; "
-                "a batch with a single response token cannot be whitened (use more or longer responses)."
-            )
-        variance = variance * (count / (count - 1))
+        if count == 0:
+            raise ValueError("masked_var got an all-zero mask: there is no value to take the variance of")
+        # With a single value the spread is 0; Bessel's factor would divide by zero, so keep 0.
+        variance = variance * (count / (count - 1)) if count > 1 else variance
     return variance
 
 

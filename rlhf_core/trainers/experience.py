@@ -1,0 +1,145 @@
+"""The typed batches where rollout and learning meet.
+
+``ModelBatch`` holds padded model inputs plus where each response sits in them; ``Experience``
+holds everything PPO computes from one batch before the optimisation epochs. Every field has a
+shape: ``B`` batch, ``T`` padded model sequence, ``A`` padded response length, ``V`` vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from rlhf_core.core import position_ids_from_attention_mask
+
+
+@dataclass
+class ModelBatch:
+    """Padded model inputs for B query/response pairs, and the response positions inside them."""
+
+    model_inputs: dict[str, torch.Tensor]
+    """Keyword arguments of the model's forward: ids, attention masks, position ids; each (B, T)."""
+    response_index: torch.Tensor
+    """(B, A) long: column of the shifted log-prob array (B, T-1) that scores response token a."""
+    response_mask: torch.Tensor
+    """(B, A) float: 1 on a real (and not user-masked) response token, 0 on padding."""
+    token_ids_key: str
+    """Which model input holds the scored tokens: ``input_ids`` or ``decoder_input_ids``."""
+
+    def rows(self, index: torch.Tensor) -> "ModelBatch":
+        """The sub-batch of the given rows."""
+        return replace(
+            self,
+            model_inputs={key: value[index] for key, value in self.model_inputs.items()},
+            response_index=self.response_index[index],
+            response_mask=self.response_mask[index],
+        )
+
+    def __len__(self) -> int:
+        return self.response_index.shape[0]
+
+
+@dataclass
+class Experience:
+    """What one PPO step computes before optimising: all tensors (B, A) and detached."""
+
+    logprobs: torch.Tensor
+    """Policy log-prob of each response token at rollout time (the "old" log-probs)."""
+    ref_logprobs: torch.Tensor
+    """Reference-model log-prob of each response token."""
+    values: torch.Tensor
+    """Value-head prediction before each response token, zeroed on padding."""
+    rewards: torch.Tensor
+    """Per-token reward: -kl_coef * KL, plus the score on the last real token."""
+    non_score_rewards: torch.Tensor
+    """The KL part of the reward alone."""
+    kls: torch.Tensor
+    """Per-token KL estimate (the configured ``kl_penalty``)."""
+    advantages: torch.Tensor
+    """Whitened GAE advantages."""
+    returns: torch.Tensor
+    """advantages (before whitening) + values: the value-head targets."""
+
+    def rows(self, index: torch.Tensor) -> "Experience":
+        """The sub-batch of the given rows."""
+        return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+def _pad(sequences: list[torch.Tensor], value: int, left: bool) -> torch.Tensor:
+    """Pad 1-d tensors to (B, max_len) on the left or the right."""
+    if not left:
+        return pad_sequence(sequences, batch_first=True, padding_value=value)
+    flipped = [seq.flip(0) for seq in sequences]
+    return pad_sequence(flipped, batch_first=True, padding_value=value).flip(1)
+
+
+def _response_slots(starts: torch.Tensor, lengths: torch.Tensor, max_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index (B, A) of each response token in the shifted log-prob array, and the (B, A) padding mask."""
+    offsets = torch.arange(int(lengths.max()), device=starts.device)  # (A,)
+    mask = (offsets[None, :] < lengths[:, None]).float()  # (B, A)
+    index = (starts[:, None] + offsets[None, :]).clamp(max=max_index)  # (B, A)
+    return index, mask
+
+
+def _apply_user_masks(mask: torch.Tensor, user_masks: list[torch.Tensor] | None) -> torch.Tensor:
+    if user_masks is None:
+        return mask
+    padded = pad_sequence([m.float() for m in user_masks], batch_first=True, padding_value=0.0)  # (B, A)
+    out = mask.clone()
+    out[:, : padded.shape[1]] *= padded[:, : out.shape[1]]
+    return out
+
+
+def build_causal_batch(
+    queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int, left_pad: bool,
+    response_masks: list[torch.Tensor] | None = None,
+) -> ModelBatch:
+    """Concatenate each query and response, pad, and locate the response tokens.
+
+    Position ids count real tokens only, so left padding leaves every sequence's positions as if
+    it were alone in the batch.
+    """
+    device = queries[0].device
+    sequences = [torch.cat([q, r]) for q, r in zip(queries, responses)]
+    input_ids = _pad(sequences, pad_token_id, left_pad)  # (B, T)
+    attention_mask = _pad([torch.ones_like(s) for s in sequences], 0, left_pad)  # (B, T)
+    seq_lens = torch.tensor([len(s) for s in sequences], device=device)
+    query_lens = torch.tensor([len(q) for q in queries], device=device)
+    pad_before = input_ids.shape[1] - seq_lens if left_pad else torch.zeros_like(seq_lens)
+    # Shifted position t scores token t+1, so the first response token is scored at query_len - 1.
+    starts = pad_before + query_lens - 1
+    lengths = torch.tensor([len(r) for r in responses], device=device)
+    index, mask = _response_slots(starts, lengths, input_ids.shape[1] - 2)
+    model_inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_attention_mask(attention_mask),
+    }
+    return ModelBatch(model_inputs, index, _apply_user_masks(mask, response_masks), "input_ids")
+
+
+def build_seq2seq_batch(
+    queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int, left_pad: bool,
+    response_masks: list[torch.Tensor] | None = None,
+) -> ModelBatch:
+    """Encoder inputs from the queries, decoder inputs from the responses.
+
+    A response starts with the decoder-start token (as ``generate`` returns it); every token after
+    it is scored. The decoder side is always right-padded.
+    """
+    input_ids = _pad(queries, pad_token_id, left_pad)
+    attention_mask = _pad([torch.ones_like(q) for q in queries], 0, left_pad)
+    decoder_input_ids = _pad(responses, pad_token_id, left=False)
+    decoder_attention_mask = _pad([torch.ones_like(r) for r in responses], 0, left=False)
+    lengths = torch.tensor([len(r) - 1 for r in responses], device=input_ids.device)
+    index, mask = _response_slots(torch.zeros_like(lengths), lengths, max(decoder_input_ids.shape[1] - 2, 0))
+    model_inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "decoder_input_ids": decoder_input_ids,
+        "decoder_attention_mask": decoder_attention_mask,
+    }
+    user = None if response_masks is None else [m[1:] for m in response_masks]
+    return ModelBatch(model_inputs, index, _apply_user_masks(mask, user), "decoder_input_ids")

@@ -1,0 +1,26 @@
+"""Shared test setup: the hub is offline, trackers stay quiet, threads are bounded."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A byte-level BPE tokenizer trained on the built-in corpus (pad distinct from EOS)."""
+    from rlhf_core.models.tiny import build_tokenizer
+
+    return build_tokenizer()
