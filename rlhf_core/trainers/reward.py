@@ -1,0 +1,216 @@
+"""RewardTrainer: pairwise (Bradley-Terry) reward-model training, a ``transformers.Trainer`` subclass.
+
+Each batch is stacked ``[chosen; rejected]`` (2B, T) for one forward pass and split with ``chunk(2)``.
+The reward of a sequence is the score head read at its last real token (``core.gather_last_token``),
+so left and right padding give the same reward. The loss is ``losses.pairwise_reward_loss``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+
+from rlhf_core.core import gather_last_token, position_ids_from_attention_mask
+from rlhf_core.losses import pairwise_reward_loss
+from rlhf_core.trainers._hf_compat import (
+    RlhfTrainerMixin,
+    default_training_args,
+    is_peft_model,
+    load_model,
+    resolve_processing_class,
+    wrap_peft,
+)
+from rlhf_core.trainers.collators import RewardDataCollatorWithPadding
+
+logger = logging.getLogger(__name__)
+
+REWARD_COLUMNS = ("input_ids_chosen", "attention_mask_chosen", "input_ids_rejected", "attention_mask_rejected")
+TEXT_COLUMNS = ("chosen", "rejected")
+DEFAULT_MAX_LENGTH = 512
+
+
+@dataclass
+class RewardConfig(TrainingArguments):
+    """``TrainingArguments`` plus the reward trainer's own fields."""
+
+    max_length: int | None = field(default=None, metadata={"help": "Longest chosen/rejected sequence kept (tokens)."})
+    """Longest chosen/rejected sequence kept, in tokens; longer pairs are dropped (default 512)."""
+    center_rewards_coefficient: float | None = field(default=None, metadata={"help": "Weight of mean((r_c + r_r)^2)."})
+    """Weight of the reward-centring term ``mean((r_c + r_r)^2)``; None disables it."""
+
+
+def compute_accuracy(eval_pred: Any) -> dict[str, float]:
+    """Fraction of pairs whose chosen reward is strictly above the rejected one: predictions (N, 2)."""
+    predictions = np.asarray(eval_pred.predictions if hasattr(eval_pred, "predictions") else eval_pred[0])
+    return {"accuracy": float(np.mean(predictions[:, 0] > predictions[:, 1]))}
+
+
+def sequence_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward (B,) of each sequence: the score head at its last real token, whatever the padding side.
+
+    Sequence classifiers with a token-level ``score`` head (GPT-2, Llama, ...) are run as backbone + head so
+    the score is read with ``gather_last_token``; other models fall back to their pooled logits (B, 1).
+    """
+    inner = model.get_base_model() if is_peft_model(model) else model
+    backbone = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
+    head = getattr(inner, "score", None)
+    if backbone is None or head is None or backbone is inner:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]  # (B,)
+    position_ids = position_ids_from_attention_mask(attention_mask)  # (B, T)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    token_scores = head(hidden)[..., 0]  # (B, T)
+    return gather_last_token(token_scores, attention_mask)  # (B,)
+
+
+def tokenize_pair(example: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """Text convenience: ``prompt`` (optional) + ``chosen``/``rejected`` -> the four reward columns (EOS appended)."""
+    prompt = example.get("prompt") or ""
+    out: dict[str, list[int]] = {}
+    for side in TEXT_COLUMNS:
+        ids = tokenizer(prompt + example[side], add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+            ids = ids + [tokenizer.eos_token_id]
+        out[f"input_ids_{side}"] = ids
+        out[f"attention_mask_{side}"] = [1] * len(ids)
+    return out
+
+
+def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int, num_proc: int | None = None) -> Any:
+    """Check columns, tokenise text pairs if given, and drop pairs longer than ``max_length``."""
+    if dataset is None or not hasattr(dataset, "column_names"):
+        return dataset
+    columns = set(dataset.column_names)
+    if not set(REWARD_COLUMNS) <= columns and set(TEXT_COLUMNS) <= columns:
+        if tokenizer is None:
+            raise ValueError("text reward data (chosen/rejected) needs tokenizer= to be tokenised")
+        dataset = dataset.map(lambda ex: tokenize_pair(ex, tokenizer), num_proc=num_proc)
+        columns = set(dataset.column_names)
+    missing = [c for c in REWARD_COLUMNS if c not in columns]
+    if missing:
+        raise ValueError(
+            f"reward dataset is missing the columns {missing}; give {list(REWARD_COLUMNS)} "
+            f"(or text columns chosen/rejected with an optional prompt). Found: {sorted(columns)}"
+        )
+    before = len(dataset)
+    dataset = dataset.filter(
+        lambda ex: len(ex["input_ids_chosen"]) <= max_length and len(ex["input_ids_rejected"]) <= max_length,
+        num_proc=num_proc,
+    )
+    if len(dataset) == 0 and before > 0:
+        raise ValueError(f"every reward pair is longer than max_length={max_length} tokens; raise max_length")
+    if len(dataset) < before:
+        logger.warning("RewardTrainer dropped %d of %d pairs longer than max_length=%d", before - len(dataset), before, max_length)
+    return dataset
+
+
+class RewardTrainer(RlhfTrainerMixin, Trainer):
+    """Trains a one-output sequence classifier so that ``r(chosen) > r(rejected)`` (``tokenizer=`` accepted)."""
+
+    trainer_name = "reward"
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        tokenizer: Any = None,
+        model_init: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        preprocess_logits_for_metrics: Callable | None = None,
+        max_length: int | None = None,
+        peft_config: Any = None,
+        center_rewards_coefficient: float | None = None,
+        model_init_kwargs: Mapping[str, Any] | None = None,
+        processing_class: Any = None,
+        log_with: Any = None,
+        tracker_project_name: str = "trl",
+        tracker_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = default_training_args(args, self.trainer_name)
+        tokenizer = resolve_processing_class(tokenizer, processing_class)
+        if model_init_kwargs is None and isinstance(model, str):
+            model_init_kwargs = {"num_labels": 1}
+        model = wrap_peft(load_model(model, AutoModelForSequenceClassification, model_init_kwargs), peft_config)
+        self._check_one_output(model)
+        self.max_length = max_length or getattr(args, "max_length", None) or DEFAULT_MAX_LENGTH
+        self.center_rewards_coefficient = (
+            center_rewards_coefficient if center_rewards_coefficient is not None
+            else getattr(args, "center_rewards_coefficient", None)
+        )
+        num_proc = getattr(args, "dataset_num_proc", None)
+        train_dataset = prepare_reward_dataset(train_dataset, tokenizer, self.max_length, num_proc)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepare_reward_dataset(v, tokenizer, self.max_length, num_proc) for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = prepare_reward_dataset(eval_dataset, tokenizer, self.max_length, num_proc)
+        if data_collator is None:
+            if tokenizer is None:
+                raise ValueError("RewardTrainer needs tokenizer= (or processing_class=) for its default collator")
+            data_collator = RewardDataCollatorWithPadding(tokenizer, max_length=self.max_length)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
+            compute_metrics=compute_metrics or compute_accuracy, callbacks=callbacks, optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.model_accepts_loss_kwargs = False  # our loss is a per-pair mean: scale by gradient accumulation
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+
+    @staticmethod
+    def _check_one_output(model: Any) -> None:
+        """The reward model must emit one score per sequence."""
+        num_labels = getattr(getattr(model, "config", None), "num_labels", 1)
+        if num_labels != 1:
+            raise ValueError(f"the reward model must have one output (config.num_labels=1), got num_labels={num_labels}")
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Keep the reward columns (the model's forward signature does not name them)."""
+        if self._signature_columns is None:
+            self._signature_columns = [*REWARD_COLUMNS, "margin"]
+
+    def pair_rewards(self, model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rewards (B,), (B,) of chosen and rejected from one stacked forward pass of (2B, T)."""
+        input_ids = torch.cat([inputs["input_ids_chosen"], inputs["input_ids_rejected"]], dim=0)  # (2B, T)
+        mask = torch.cat([inputs["attention_mask_chosen"], inputs["attention_mask_rejected"]], dim=0)  # (2B, T)
+        rewards = sequence_rewards(model, input_ids, mask)  # (2B,)
+        rewards_chosen, rewards_rejected = rewards.chunk(2)  # (B,), (B,)
+        return rewards_chosen, rewards_rejected
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``-log sigmoid(r_c - r_r - margin)`` (+ optional centring); outputs are the two reward vectors."""
+        rewards_chosen, rewards_rejected = self.pair_rewards(model, inputs)
+        loss = pairwise_reward_loss(
+            rewards_chosen, rewards_rejected, margin=inputs.get("margin"),
+            center_rewards_coefficient=self.center_rewards_coefficient,
+        )
+        if return_outputs:
+            return loss, {"rewards_chosen": rewards_chosen, "rewards_rejected": rewards_rejected}
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Loss, rewards stacked as (B, 2) [chosen, rejected], and dummy labels (B,) for ``compute_accuracy``."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        logits = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=1).detach()  # (B, 2)
+        labels = torch.zeros(logits.shape[0], device=logits.device)  # (B,)
+        return loss, logits, labels
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        """Trainer arguments plus the reward trainer's own."""
+        extra = {"max_length": self.max_length, "center_rewards_coefficient": self.center_rewards_coefficient}
+        return {**super().card_hyperparameters(), **{k: v for k, v in extra.items() if v is not None}}

@@ -1,0 +1,167 @@
+"""RewardTrainer: columns, text tokenisation, padding-side invariance, loss, metrics, save and tracking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+
+from rlhf_core.models.tiny import build_tokenizer, tiny_reward_model
+from rlhf_core.trainers.collators import RewardDataCollatorWithPadding
+from rlhf_core.trainers.reward import (
+    RewardConfig,
+    RewardTrainer,
+    compute_accuracy,
+    sequence_rewards,
+    tokenize_pair,
+)
+
+PAIRS = {
+    "prompt": ["Review: ", "Review: ", "Review: ", "Review: "],
+    "chosen": ["a lovely film", "great acting", "a good story, warm", "wonderful music"],
+    "rejected": ["a boring film", "awful acting and bad", "terrible", "dull music and slow"],
+}
+
+
+def small_args(tmp_path, **overrides) -> RewardConfig:
+    """Tiny CPU arguments that report nowhere and save nothing."""
+    kwargs = dict(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return RewardConfig(**kwargs)
+
+
+def make_trainer(tokenizer, tmp_path, **kwargs) -> RewardTrainer:
+    """A reward trainer on the text pairs above."""
+    dataset = Dataset.from_dict(PAIRS)
+    kwargs.setdefault("args", small_args(tmp_path))
+    return RewardTrainer(model=tiny_reward_model(tokenizer), train_dataset=dataset, eval_dataset=dataset,
+                         tokenizer=tokenizer, **kwargs)
+
+
+def test_tokenize_pair_row_by_row(tokenizer):
+    row = {"prompt": "Review: ", "chosen": "a lovely film", "rejected": "dull"}
+    out = tokenize_pair(row, tokenizer)
+    eos = tokenizer.eos_token_id
+    assert out["input_ids_chosen"] == tokenizer("Review: a lovely film")["input_ids"] + [eos]
+    assert out["input_ids_rejected"] == tokenizer("Review: dull")["input_ids"] + [eos]
+    assert out["attention_mask_chosen"] == [1] * len(out["input_ids_chosen"])
+    no_prompt = tokenize_pair({"chosen": "dull", "rejected": "bad"}, tokenizer)
+    assert no_prompt["input_ids_chosen"] == tokenizer("dull")["input_ids"] + [eos]
+
+
+def test_missing_columns_value_error_names_them(tokenizer, tmp_path):
+    bad = Dataset.from_dict({"input_ids_chosen": [[1, 2]], "attention_mask_chosen": [[1, 1]]})
+    with pytest.raises(ValueError, match=r"\['input_ids_rejected', 'attention_mask_rejected'\]"):
+        RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path), train_dataset=bad, tokenizer=tokenizer)
+
+
+def test_two_output_model_is_rejected(tokenizer, tmp_path):
+    model = tiny_reward_model(tokenizer)
+    model.config.num_labels = 2
+    with pytest.raises(ValueError, match="num_labels=2"):
+        RewardTrainer(model=model, args=small_args(tmp_path), train_dataset=Dataset.from_dict(PAIRS), tokenizer=tokenizer)
+
+
+def test_collator_pads_pairs_to_common_length_with_margin(tokenizer):
+    collator = RewardDataCollatorWithPadding(tokenizer)
+    features = [
+        {"input_ids_chosen": [5, 6, 7], "attention_mask_chosen": [1, 1, 1], "input_ids_rejected": [8],
+         "attention_mask_rejected": [1], "margin": 0.5},
+        {"input_ids_chosen": [9], "attention_mask_chosen": [1], "input_ids_rejected": [10, 11],
+         "attention_mask_rejected": [1, 1], "margin": 1},
+    ]
+    batch = collator(features)
+    pad = tokenizer.pad_token_id
+    assert batch["input_ids_chosen"].tolist() == [[5, 6, 7], [9, pad, pad]]
+    assert batch["input_ids_rejected"].tolist() == [[8, pad, pad], [10, 11, pad]]
+    assert batch["attention_mask_rejected"].tolist() == [[1, 0, 0], [1, 1, 0]]
+    assert batch["margin"].tolist() == [0.5, 1.0]
+
+
+def test_reward_read_at_last_real_token_whatever_padding_side(tokenizer):
+    model = tiny_reward_model(tokenizer).eval()
+    texts = ["a lovely film", "the plot is boring and the ending is bad"]
+    right = build_tokenizer(padding_side="right")(texts, return_tensors="pt", padding=True)
+    left = build_tokenizer(padding_side="left")(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        r_right = sequence_rewards(model, right["input_ids"], right["attention_mask"])
+        r_left = sequence_rewards(model, left["input_ids"], left["attention_mask"])
+        pooled = model(**right).logits[:, 0]  # transformers' own pooling, right padding
+        alone = torch.stack([sequence_rewards(model, *tokenizer(t, return_tensors="pt").values()) for t in texts])
+    torch.testing.assert_close(r_left, r_right, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r_right, pooled, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r_right, alone[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_compute_loss_is_pairwise_closed_form_with_margin(tokenizer, tmp_path):
+    data = {**PAIRS, "margin": [0.0, 1.0, 2.0, -1.0]}
+    trainer = RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path),
+                            train_dataset=Dataset.from_dict(data), tokenizer=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    loss, out = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+    expected = -F.logsigmoid(out["rewards_chosen"] - out["rewards_rejected"] - batch["margin"]).mean()
+    torch.testing.assert_close(loss, expected)
+
+
+def test_train_changes_weights_and_eval_reports_accuracy(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, center_rewards_coefficient=0.01)
+    before = {k: v.clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    changed = [k for k, v in trainer.model.named_parameters() if not torch.equal(v, before[k])]
+    assert "score.weight" in changed and len(changed) > len(before) // 2
+    metrics = trainer.evaluate()
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+def test_compute_accuracy_is_strict():
+    preds = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [3.0, -1.0]]).numpy()
+    assert compute_accuracy((preds, None)) == {"accuracy": 0.5}
+
+
+def test_max_length_drops_long_pairs(tokenizer, tmp_path):
+    rows = [dict(zip(PAIRS, values)) for values in zip(*PAIRS.values())]
+    longest = sorted(max(len(v) for v in tokenize_pair(r, tokenizer).values()) for r in rows)
+    trainer = make_trainer(tokenizer, tmp_path, max_length=longest[1])  # keeps exactly the two shortest pairs
+    kept = [max(len(r["input_ids_chosen"]), len(r["input_ids_rejected"])) for r in trainer.train_dataset]
+    assert len(kept) == 2 + longest[2:].count(longest[1]) and max(kept) <= longest[1]
+    with pytest.raises(ValueError, match="max_length=1"):
+        make_trainer(tokenizer, tmp_path, max_length=1)
+
+
+def test_peft_reward_model_trains_only_adapters(tokenizer, tmp_path):
+    from peft import LoraConfig, TaskType
+
+    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["c_attn"])
+    trainer = make_trainer(tokenizer, tmp_path, peft_config=config)
+    frozen = {k: v.clone() for k, v in trainer.model.named_parameters() if not v.requires_grad}
+    trainer.train()
+    assert all(torch.equal(v, frozen[k]) for k, v in trainer.model.named_parameters() if k in frozen)
+    trainer.save_model(str(tmp_path / "lora"))
+    assert (tmp_path / "lora" / "adapter_model.safetensors").exists() and (tmp_path / "lora" / "README.md").exists()
+
+
+def test_save_and_mlflow_tracking_without_double_logging(tokenizer, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    args = small_args(tmp_path, max_steps=2, report_to=["mlflow"])
+    trainer = make_trainer(tokenizer, tmp_path, args=args, log_with="mlflow", tracker_project_name="reward-test")
+    assert [type(c).__name__ for c in trainer.callback_handler.callbacks].count("MLflowCallback") == 0
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    run_id = mlflow.active_run().info.run_id
+    trainer.tracker.finish()
+    history = mlflow.MlflowClient().get_metric_history(run_id, "loss")
+    assert [m.step for m in history] == [1, 2]
+    assert (tmp_path / "final" / "model.safetensors").exists()
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "- \"reward\"" in card and "max_length" in card
+
+
+def test_text_data_without_rejected_names_missing_columns(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="missing the columns .*Found: \\['chosen', 'text'\\]"):
+        RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path),
+                      train_dataset=Dataset.from_dict({"text": ["x"], "chosen": ["y"]}), tokenizer=tokenizer)
