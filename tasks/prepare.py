@@ -1,0 +1,140 @@
+"""Stage ``prepare``: reviews -> SFT corpus, held-out text, prompts, gold-labelled preference pairs.
+
+Reads ``params.yaml:prepare`` and the source it names (the synthetic default, local files or a hub dataset)
+plus any new data under ``paths.incoming``; writes ``data/*.jsonl``, ``metrics/prepare.json`` and
+``plots/prepare.csv``. Everything is read and validated before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.data import (
+    DataFormatError,
+    clean_text,
+    generate_reviews,
+    load_hub_texts,
+    make_preference_pairs,
+    make_prompts,
+    read_incoming,
+    read_text_records,
+    split_train_eval,
+    write_jsonl,
+)
+from rlhf_core.rewards import GoldJudge
+from tasks.params import PARAMS_FILE, ParamsError, PrepareParams, load_params, stage_io
+from tasks.tracking import get_logger, stage_run, write_csv, write_json
+
+MIN_REVIEWS = 10
+
+
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Retry transient I/O errors, never bad input (a malformed file or params fail the same way twice)."""
+    try:
+        state.result()
+    except (DataFormatError, ParamsError, FileNotFoundError, ValueError):
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def load_source(p: PrepareParams, root: Path) -> list[str]:
+    """The reviews named by ``prepare.source``."""
+    if p.source == "synthetic":
+        return generate_reviews(p.num_reviews, seed=p.seed)
+    if p.source.startswith("hub:"):
+        return load_hub_texts(p.source[4:], split=p.split, text_field=p.text_field, revision=p.source_revision,
+                              limit=p.num_reviews)
+    path = Path(os.path.expanduser(p.source))
+    path = path if path.is_absolute() else root / path
+    return read_text_records(path, text_field=p.text_field, limit=p.num_reviews)
+
+
+def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[dict], judge) -> dict[str, list[dict]]:
+    """Pure shaping: cleaned reviews -> the five datasets (lists of records)."""
+    texts = [t for t in (clean_text(r, p.max_words) for r in reviews) if len(t.split()) >= 2]
+    if len(texts) < MIN_REVIEWS:
+        raise ValueError(f"prepare: only {len(texts)} usable reviews (need at least {MIN_REVIEWS}); check prepare.source")
+    train, heldout = split_train_eval(texts, p.eval_fraction, seed=p.seed)
+    pairs = make_preference_pairs(train, judge, p.prompt_min_words, p.prompt_max_words,
+                                  pairs_per_review=p.pairs_per_review, min_margin=p.min_margin, seed=p.seed)
+    if incoming_pairs:
+        scores = judge([x["prompt"] + x["chosen"] for x in incoming_pairs] + [x["prompt"] + x["rejected"] for x in incoming_pairs])
+        n = len(incoming_pairs)
+        pairs += [{**x, "chosen_score": scores[i], "rejected_score": scores[n + i]} for i, x in enumerate(incoming_pairs)]
+    return {
+        "sft_train": [{"text": t} for t in train],
+        "heldout": [{"text": t} for t in heldout],
+        "prompts_train": [{"query": q} for q in make_prompts(train, p.prompt_min_words, p.prompt_max_words, seed=p.seed)],
+        "prompts_eval": [{"query": q} for q in make_prompts(heldout, p.prompt_min_words, p.prompt_max_words, seed=p.seed + 1)],
+        "preferences": pairs,
+    }
+
+
+def _write_datasets(data_dir: Path, datasets: dict[str, list[dict]]) -> dict[str, int]:
+    """Write every file to a temp name first, then rename them all: no half-written dataset survives."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp_paths = {}
+    try:
+        for name, records in datasets.items():
+            tmp = data_dir / f".{name}.jsonl.tmp-{os.getpid()}"
+            write_jsonl(records, tmp)
+            tmp_paths[name] = tmp
+    except BaseException:
+        for tmp in tmp_paths.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for name, tmp in tmp_paths.items():
+        os.replace(tmp, data_dir / f"{name}.jsonl")
+    return {name: len(records) for name, records in datasets.items()}
+
+
+@task(name="prepare", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_bad_input,
+      cache_policy=NO_CACHE)
+def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Materialise the datasets of ``params.yaml:prepare``; returns the metrics written to metrics/prepare.json."""
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    p, paths = params.prepare, params.paths
+    io = stage_io(paths)["prepare"]
+    log = get_logger()
+
+    # read and validate everything first
+    reviews = load_source(p, root)
+    incoming = read_incoming(root / paths.incoming, text_field=p.text_field)
+    log.info("prepare: %d reviews from %s, %d new reviews and %d new pairs from %s", len(reviews), p.source,
+             len(incoming.reviews), len(incoming.pairs), paths.incoming)
+    judge = GoldJudge()
+    datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge)
+
+    with stage_run("prepare", root, p, io["deps"], parent_run_id) as run:
+        counts = _write_datasets(root / paths.data, datasets)
+        gold = judge([r["text"] for r in datasets["sft_train"]])
+        metrics = {
+            "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
+            "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],
+            "num_pairs": counts["preferences"], "num_incoming_reviews": len(incoming.reviews),
+            "num_incoming_pairs": len(incoming.pairs),
+            "gold_mean": round(statistics.fmean(gold), 4),
+            "share_positive": round(sum(g > 0.05 for g in gold) / len(gold), 4),
+            "share_negative": round(sum(g < -0.05 for g in gold) / len(gold), 4),
+        }
+        write_json(root / paths.metrics / "prepare.json", metrics)
+        bins = [-1.0 + 0.2 * i for i in range(11)]
+        hist = [{"gold_bin": round(lo + 0.1, 2), "count": sum(lo <= g < hi or (hi == 1.0 and g == 1.0) for g in gold)}
+                for lo, hi in zip(bins[:-1], bins[1:])]
+        write_csv(root / paths.plots / "prepare.csv", hist)
+        run.log_metrics(metrics)
+        for name in ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences"):
+            run.log_dataset(root / paths.data / f"{name}.jsonl", name, context="eval" if "eval" in name or name == "heldout" else "training")
+        run.log_table("preference_samples", [{k: r[k] for k in ("prompt", "chosen", "rejected", "chosen_score", "rejected_score")}
+                                             for r in datasets["preferences"][:20]])
+        run.summary.update(metrics)
+        log.info("prepare: wrote %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
+    return metrics
