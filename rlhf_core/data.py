@@ -226,7 +226,7 @@ def read_incoming(path: str | Path, text_field: str = "text") -> IncomingData:
         return IncomingData(reviews, pairs)
     for file, lineno, record in iter_records(path, text_field):
         if any(k in record for k in PREFERENCE_KEYS):
-            pairs.append({k: _require_text(file, lineno, record, k, strip=k != "prompt") for k in PREFERENCE_KEYS})
+            pairs.append({k: _require_text(file, lineno, record, k, strip=k == "prompt") for k in PREFERENCE_KEYS})
         else:
             reviews.append(_require_text(file, lineno, record, text_field))
     return IncomingData(reviews, pairs)
