@@ -14,7 +14,8 @@ IDS = torch.tensor([[5, 9, 17, 33, 2], [7, 8, 40, 41, 3]])  # (B=2, T=5)
 
 def _policy(tokenizer, arch: str = "gpt2", num_layers: int = 3):
     """A tiny causal policy with a value head."""
-    return AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, arch=arch, num_layers=num_layers))
+    base = tiny_causal_lm(tokenizer, arch=arch, num_layers=num_layers)
+    return AutoModelForCausalLMWithValueHead.from_pretrained(base)
 
 
 def _storages(model) -> set[int]:
@@ -25,7 +26,8 @@ def _storages(model) -> set[int]:
 def _new_bytes(reference, policy) -> int:
     """Bytes of reference parameters whose storage the policy does not already own."""
     owned = _storages(policy)
-    return sum(p.numel() * p.element_size() for p in reference.parameters() if p.untyped_storage().data_ptr() not in owned)
+    fresh = [p for p in reference.parameters() if p.untyped_storage().data_ptr() not in owned]
+    return sum(p.numel() * p.element_size() for p in fresh)
 
 
 def _split(reference, policy):

@@ -252,7 +252,8 @@ def test_saved_file_uses_classic_trl_layout(tokenizer, tmp_path):
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
         assert torch.equal(f.get_tensor("v_head.summary.weight"), model.v_head.summary.weight)
-    assert {"v_head.summary.weight", "v_head.summary.bias", "transformer.wte.weight", "transformer.h.0.attn.c_attn.weight"} <= keys
+    expected = {"v_head.summary.weight", "v_head.summary.bias", "transformer.wte.weight", "transformer.h.0.ln_1.bias"}
+    assert expected <= keys
     assert not any(k.startswith("pretrained_model.") for k in keys)
     assert (tmp_path / "config.json").is_file()
 
@@ -284,7 +285,10 @@ def _classic_checkpoint(tokenizer, path) -> tuple[dict, dict]:
     """A plain transformers checkpoint plus hand-made v_head tensors, as classic TRL wrote them."""
     base = tiny_causal_lm(tokenizer)
     base.save_pretrained(path)
-    v_head = {"v_head.summary.weight": torch.arange(32.0).reshape(1, 32) / 10, "v_head.summary.bias": torch.tensor([0.7])}
+    v_head = {
+        "v_head.summary.weight": torch.arange(32.0).reshape(1, 32) / 10,  # (1, H=32)
+        "v_head.summary.bias": torch.tensor([0.7]),
+    }
     return load_file(path / "model.safetensors"), v_head
 
 
@@ -347,7 +351,9 @@ def test_push_to_hub_uploads_the_value_head(tokenizer, monkeypatch):
 def _lora_config():
     from peft import LoraConfig
 
-    return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True)
+    return LoraConfig(
+        task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True
+    )
 
 
 def _perturb_lora(model) -> None:
@@ -401,3 +407,16 @@ def test_peft_save_load_round_trip(tokenizer, tmp_path):
     _assert_same_state(model, loaded)
     for a, b in zip(_outputs(model), _outputs(loaded)):
         assert torch.equal(a, b)
+
+
+def test_loads_classic_trl_peft_layout(tokenizer, tmp_path):
+    # Classic TRL saved a PEFT policy as adapter files + pytorch_model.bin holding only the v_head keys.
+    tiny_causal_lm(tokenizer).save_pretrained(tmp_path / "base")
+    model = CausalVH.from_pretrained(str(tmp_path / "base"), peft_config=_lora_config())
+    _randomise_v_head(model)
+    model.save_pretrained(tmp_path / "policy")
+    os.remove(tmp_path / "policy" / V_HEAD_FILE)
+    torch.save(model._v_head_tensors(), tmp_path / "policy" / "pytorch_model.bin")
+    loaded = CausalVH.from_pretrained(tmp_path / "policy")
+    assert torch.equal(loaded.v_head.summary.weight, model.v_head.summary.weight)
+    assert torch.equal(loaded.v_head.summary.bias, model.v_head.summary.bias)

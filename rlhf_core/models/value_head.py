@@ -345,7 +345,9 @@ class PreTrainedModelWrapper(nn.Module):
         """The value head as ``{"v_head.summary.weight": ..., "v_head.summary.bias": ...}`` on CPU."""
         return {V_HEAD_PREFIX + k: v.detach().cpu().contiguous() for k, v in self.v_head.state_dict().items()}
 
-    def save_pretrained(self, save_directory: str | os.PathLike, safe_serialization: bool = True, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, safe_serialization: bool = True, **kwargs: Any
+    ) -> None:
         """Write config + safetensors with transformer and value head (PEFT: adapter + ``v_head.safetensors``)."""
         if not safe_serialization:
             logger.warning("safe_serialization=False is ignored: weights are always written as safetensors")
