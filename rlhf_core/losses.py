@@ -163,6 +163,8 @@ def dpo_loss(
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
     pi_logratios = policy_chosen_logps - policy_rejected_logps
     ref_logratios = torch.zeros_like(pi_logratios) if reference_free else reference_chosen_logps - reference_rejected_logps
     logits = pi_logratios - ref_logratios  # (B,)
