@@ -1,0 +1,447 @@
+"""DPOTrainer: Direct Preference Optimisation on prompt/chosen/rejected data, a ``transformers.Trainer`` subclass.
+
+Rows are tokenised once (``tokenize_dpo_row``: prompt and responses tokenised separately, EOS after each
+response, truncated by ``truncation_mode``). Each batch is stacked ``[chosen; rejected]`` (2B, T) for one
+forward pass (``concatenated_forward``) and split with ``chunk(2)``; a response's log-prob is
+``core.sequence_logprobs`` over its tokens, and the loss is ``losses.dpo_loss``. The reference is a frozen
+copy of the policy, the PEFT policy with its adapter disabled, precomputed log-probs, or nothing
+(``reference_free``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from rlhf_core.core import masked_mean, sequence_logprobs, shifted_token_logprobs
+from rlhf_core.losses import DPO_LOSS_TYPES, dpo_loss
+from rlhf_core.models.reference import create_reference_model
+from rlhf_core.trainers._hf_compat import (
+    RlhfTrainerMixin,
+    default_training_args,
+    disable_dropout as disable_dropout_in_model,
+    is_peft_model,
+    load_model,
+    resolve_processing_class,
+    wrap_peft,
+)
+from rlhf_core.trainers.collators import IGNORE_INDEX, DPODataCollatorWithPadding, pad_to_length
+
+logger = logging.getLogger(__name__)
+
+DPO_TEXT_COLUMNS = ("prompt", "chosen", "rejected")
+DPO_TOKEN_COLUMNS = (
+    "prompt_input_ids", "prompt_attention_mask",
+    "chosen_input_ids", "chosen_attention_mask", "chosen_labels",
+    "rejected_input_ids", "rejected_attention_mask", "rejected_labels",
+)
+REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
+TRUNCATION_MODES = ("keep_end", "keep_start")
+DEFAULT_MAX_LENGTH, DEFAULT_MAX_PROMPT_LENGTH = 512, 128
+
+
+# --------------------------------------------------------------------------------------------
+# tokenisation and batching (pure)
+# --------------------------------------------------------------------------------------------
+
+
+def truncate_prompt_and_responses(
+    prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, max_prompt_length: int, truncation_mode: str
+) -> tuple[list[int], list[int], list[int]]:
+    """Fit ``prompt + response`` into ``max_length``: first cut the prompt to ``max_prompt_length``
+    (``keep_end`` keeps its last tokens, ``keep_start`` its first), then cut the responses' ends."""
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}")
+    longer = max(len(chosen), len(rejected))
+    if len(prompt) + longer > max_length:
+        prompt = prompt[:max_prompt_length] if truncation_mode == "keep_start" else prompt[-max_prompt_length:]
+    if len(prompt) + longer > max_length:
+        keep = max_length - len(prompt)
+        chosen, rejected = chosen[:keep], rejected[:keep]
+    return prompt, chosen, rejected
+
+
+def tokenize_dpo_row(
+    feature: Mapping[str, str],
+    tokenizer: Any,
+    max_length: int,
+    max_prompt_length: int,
+    truncation_mode: str = "keep_end",
+    label_pad_token_id: int = IGNORE_INDEX,
+) -> dict[str, list[int]]:
+    """One prompt/chosen/rejected row -> prompt ids, and prompt+response ids, mask and labels per response.
+
+    Labels equal the ids on response tokens and ``label_pad_token_id`` on prompt tokens.
+    """
+    for column in DPO_TEXT_COLUMNS:
+        if not isinstance(feature.get(column), str):
+            raise ValueError(f"DPO rows need a str {column!r} column, got {type(feature.get(column)).__name__}")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    prompt, chosen, rejected = truncate_prompt_and_responses(
+        encode(feature["prompt"]), encode(feature["chosen"]) + eos, encode(feature["rejected"]) + eos,
+        max_length, max_prompt_length, truncation_mode,
+    )
+    row = {"prompt_input_ids": prompt, "prompt_attention_mask": [1] * len(prompt)}
+    for name, response in (("chosen", chosen), ("rejected", rejected)):
+        row[f"{name}_input_ids"] = prompt + response
+        row[f"{name}_attention_mask"] = [1] * (len(prompt) + len(response))
+        row[f"{name}_labels"] = [label_pad_token_id] * len(prompt) + response
+    return row
+
+
+def concatenate_pairs(batch: Mapping[str, Any], padding_value: int, label_pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Stack chosen over rejected, padded on the right to one length: (2B, T) ids, mask and labels."""
+    out = {}
+    for field, value in (("input_ids", padding_value), ("attention_mask", 0), ("labels", label_pad_token_id)):
+        chosen, rejected = batch[f"chosen_{field}"], batch[f"rejected_{field}"]  # (B, Tc), (B, Tr)
+        width = max(chosen.shape[1], rejected.shape[1])
+        rows = [pad_right(t, width, value) for t in (chosen, rejected)]
+        out[f"concatenated_{field}"] = torch.cat(rows, dim=0)  # (2B, T)
+    return out
+
+
+def pad_right(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """Pad (B, T) on the right to (B, width) with ``value``."""
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
+
+
+def response_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, label_pad_token_id: int = IGNORE_INDEX, average: bool = False
+) -> torch.Tensor:
+    """Summed (or mean) log-prob of the labelled tokens: logits (B, T, V), labels (B, T) -> (B,)."""
+    response_mask = labels[:, 1:] != label_pad_token_id  # (B, T-1)
+    safe_ids = labels.masked_fill(labels == label_pad_token_id, 0)  # (B, T): any valid id under the mask
+    token_logps = shifted_token_logprobs(logits, safe_ids)  # (B, T-1)
+    return sequence_logprobs(token_logps, response_mask, average=average)  # (B,)
+
+
+# --------------------------------------------------------------------------------------------
+# trainer
+# --------------------------------------------------------------------------------------------
+
+
+class DPOTrainer(RlhfTrainerMixin, Trainer):
+    """Direct Preference Optimisation with the classic TRL arguments (``tokenizer=`` accepted)."""
+
+    trainer_name = "dpo"
+
+    def __init__(
+        self,
+        model: Any = None,
+        ref_model: Any = None,
+        beta: float = 0.1,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        label_pad_token_id: int = IGNORE_INDEX,
+        padding_value: int | None = None,
+        truncation_mode: str = "keep_end",
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        tokenizer: Any = None,
+        model_init: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        preprocess_logits_for_metrics: Callable | None = None,
+        max_length: int | None = None,
+        max_prompt_length: int | None = None,
+        peft_config: Any = None,
+        disable_dropout: bool = True,
+        generate_during_eval: bool = False,
+        compute_metrics: Callable | None = None,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        reference_free: bool = False,
+        precompute_ref_log_probs: bool = False,
+        model_init_kwargs: Mapping[str, Any] | None = None,
+        ref_model_init_kwargs: Mapping[str, Any] | None = None,
+        processing_class: Any = None,
+        log_with: Any = None,
+        tracker_project_name: str = "trl",
+        tracker_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        args = default_training_args(args, self.trainer_name)
+        tokenizer = resolve_processing_class(tokenizer, processing_class)
+        if tokenizer is None:
+            raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
+        self._check_options(beta, loss_type, label_smoothing, truncation_mode)
+        model = load_model(model, AutoModelForCausalLM, model_init_kwargs)
+        ref_model = load_model(ref_model, AutoModelForCausalLM, ref_model_init_kwargs)
+        if ref_model is not None and ref_model is model:
+            raise ValueError("ref_model is model: pass a separate reference model, or ref_model=None for a frozen copy")
+        model = wrap_peft(model, peft_config)
+        self.use_peft_reference = is_peft_model(model) and ref_model is None
+        if ref_model is None and not self.use_peft_reference and not reference_free:
+            ref_model = create_reference_model(model)
+        if disable_dropout:
+            disable_dropout_in_model(model)
+            disable_dropout_in_model(ref_model)
+        self.ref_model = ref_model
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.reference_free, self.generate_during_eval = reference_free, generate_during_eval
+        self.label_pad_token_id, self.truncation_mode = label_pad_token_id, truncation_mode
+        self.padding_value = padding_value if padding_value is not None else (tokenizer.pad_token_id or 0)
+        self.max_length = max_length or DEFAULT_MAX_LENGTH
+        self.max_prompt_length = max_prompt_length or min(DEFAULT_MAX_PROMPT_LENGTH, self.max_length // 2)
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be < max_length ({self.max_length})")
+        self._row_tokenizer = tokenizer
+        train_dataset = self._tokenize_dataset(train_dataset)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self._tokenize_dataset(v) for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = self._tokenize_dataset(eval_dataset)
+        if data_collator is None:
+            data_collator = DPODataCollatorWithPadding(self.padding_value, label_pad_token_id)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.model_accepts_loss_kwargs = False  # the DPO loss is a per-pair mean
+        self._stored_metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        if self.ref_model is not None:
+            self.ref_model.to(self.args.device)
+        self.precompute_ref_log_probs = precompute_ref_log_probs
+        if precompute_ref_log_probs:
+            self._precompute_all_reference_logps()
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_options(beta: float, loss_type: str, label_smoothing: float, truncation_mode: str) -> None:
+        """Reject unknown loss types, truncation modes and out-of-range beta / label smoothing early."""
+        if loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+        if truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}")
+        if beta <= 0:
+            raise ValueError(f"beta must be > 0, got {beta}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+
+    def tokenize_row(self, feature: Mapping[str, str]) -> dict[str, list[int]]:
+        """Tokenise one prompt/chosen/rejected row with this trainer's lengths and truncation mode."""
+        return tokenize_dpo_row(
+            feature, self._row_tokenizer, self.max_length, self.max_prompt_length, self.truncation_mode,
+            self.label_pad_token_id,
+        )
+
+    def _tokenize_dataset(self, dataset: Any) -> Any:
+        """Tokenise a text dataset (already tokenised or non-HF datasets pass through)."""
+        if dataset is None or not hasattr(dataset, "column_names"):
+            return dataset
+        columns = set(dataset.column_names)
+        if set(DPO_TOKEN_COLUMNS) <= columns:
+            return dataset
+        missing = [c for c in DPO_TEXT_COLUMNS if c not in columns]
+        if missing:
+            raise ValueError(f"DPO dataset is missing the columns {missing}; found {sorted(columns)}")
+        return dataset.map(self.tokenize_row)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Keep the DPO columns (the model's forward signature does not name them)."""
+        if self._signature_columns is None:
+            self._signature_columns = [*DPO_TOKEN_COLUMNS, *REFERENCE_COLUMNS, *DPO_TEXT_COLUMNS]
+
+    # ---- forward passes -------------------------------------------------------------------
+
+    def concatenated_inputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``[chosen; rejected]`` ids, attention mask and labels, each (2B, T)."""
+        return concatenate_pairs(batch, self.padding_value, self.label_pad_token_id)
+
+    def concatenated_forward(
+        self, model: nn.Module, batch: Mapping[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward pass over chosen and rejected: their log-probs (B,) each and logits (B, T, V) each."""
+        inputs = self.concatenated_inputs(batch)
+        logits = model(
+            input_ids=inputs["concatenated_input_ids"], attention_mask=inputs["concatenated_attention_mask"]
+        ).logits  # (2B, T, V)
+        logps = response_logprobs(
+            logits, inputs["concatenated_labels"], self.label_pad_token_id, average=self.loss_type == "ipo"
+        )  # (2B,)
+        chosen_logps, rejected_logps = logps.chunk(2)
+        chosen_logits, rejected_logits = logits.chunk(2)
+        return chosen_logps, rejected_logps, chosen_logits, rejected_logits
+
+    def _reference_context(self) -> contextlib.AbstractContextManager:
+        """Disables the adapter when the reference is the PEFT policy itself."""
+        if self.use_peft_reference:
+            return self.accelerator.unwrap_model(self.model).disable_adapter()
+        return contextlib.nullcontext()
+
+    def compute_reference_log_probs(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference log-probs (B,), (B,) of chosen and rejected, without gradients."""
+        if self.ref_model is None and not self.use_peft_reference:
+            raise ValueError("no reference model: reference_free=True was set without ref_model")
+        with torch.no_grad(), self._reference_context():
+            reference = self.model if self.use_peft_reference else self.ref_model
+            chosen, rejected, _, _ = self.concatenated_forward(reference, batch)
+        return chosen, rejected
+
+    def _precompute_all_reference_logps(self) -> None:
+        """Add ``reference_chosen_logps``/``reference_rejected_logps`` columns to the train and eval datasets."""
+        self.train_dataset = self._with_reference_logps(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._with_reference_logps(v) for k, v in self.eval_dataset.items()}
+        else:
+            self.eval_dataset = self._with_reference_logps(self.eval_dataset)
+
+    def _with_reference_logps(self, dataset: Any) -> Any:
+        """``dataset`` with one reference log-prob per row and response (computed once, in order)."""
+        if dataset is None or set(REFERENCE_COLUMNS) <= set(dataset.column_names):
+            return dataset
+        loader = DataLoader(
+            dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False, collate_fn=self.data_collator
+        )
+        chosen, rejected = [], []
+        for batch in loader:
+            ref_chosen, ref_rejected = self.compute_reference_log_probs(self._prepare_inputs(batch))
+            chosen.append(ref_chosen.float().cpu())
+            rejected.append(ref_rejected.float().cpu())
+        dataset = dataset.add_column(REFERENCE_COLUMNS[0], torch.cat(chosen).tolist())
+        return dataset.add_column(REFERENCE_COLUMNS[1], torch.cat(rejected).tolist())
+
+    # ---- loss and metrics ----------------------------------------------------------------
+
+    def dpo_loss(
+        self,
+        policy_chosen_logps: torch.Tensor,
+        policy_rejected_logps: torch.Tensor,
+        reference_chosen_logps: torch.Tensor,
+        reference_rejected_logps: torch.Tensor,
+        reference_free: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(losses, chosen_rewards, rejected_rewards), each (B,), with this trainer's beta and loss type."""
+        return dpo_loss(
+            policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps,
+            beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing,
+            reference_free=reference_free or self.reference_free,
+        )
+
+    def _reference_logps_for(self, batch: Mapping[str, Any], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Precomputed, zero (reference-free) or freshly computed reference log-probs (B,), (B,)."""
+        if all(key in batch for key in REFERENCE_COLUMNS):
+            return batch[REFERENCE_COLUMNS[0]].to(like), batch[REFERENCE_COLUMNS[1]].to(like)
+        if self.reference_free:
+            return torch.zeros_like(like), torch.zeros_like(like)
+        return self.compute_reference_log_probs(batch)
+
+    def get_batch_loss_metrics(
+        self, model: nn.Module, batch: Mapping[str, Any], train_eval: str = "train"
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Mean DPO loss over the batch and its metrics (prefixed ``eval_`` in evaluation)."""
+        chosen_logps, rejected_logps, chosen_logits, rejected_logits = self.concatenated_forward(model, batch)
+        ref_chosen, ref_rejected = self._reference_logps_for(batch, chosen_logps)
+        losses, chosen_rewards, rejected_rewards = self.dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected)
+        prefix = "eval_" if train_eval == "eval" else ""
+        labels = self.concatenated_inputs(batch)["concatenated_labels"]  # (2B, T)
+        chosen_mask, rejected_mask = (labels[:, 1:] != self.label_pad_token_id).chunk(2)  # (B, T-1) each
+        metrics = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": chosen_logps.detach().mean(),
+            "logps/rejected": rejected_logps.detach().mean(),
+            "logits/chosen": _response_logit_mean(chosen_logits, chosen_mask),
+            "logits/rejected": _response_logit_mean(rejected_logits, rejected_mask),
+        }
+        self._last_rewards = torch.stack([chosen_rewards, rejected_rewards], dim=1)  # (B, 2)
+        return losses.mean(), {prefix + k: float(v.detach().cpu()) for k, v in metrics.items()}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The DPO loss; its metrics are stored and averaged into the next ``log`` call."""
+        loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="train")
+        self.store_metrics(metrics, train_eval="train")
+        return (loss, metrics) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Eval loss, per-pair implicit rewards (B, 2) [chosen, rejected] and dummy labels (B,)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
+        self.store_metrics(metrics, train_eval="eval")
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        rewards = self._last_rewards.detach()  # (B, 2)
+        return loss.detach(), rewards, torch.zeros(rewards.shape[0], device=rewards.device)
+
+    def store_metrics(self, metrics: Mapping[str, float], train_eval: str = "train") -> None:
+        """Keep per-step metrics until the next ``log``."""
+        for key, value in metrics.items():
+            self._stored_metrics[train_eval][key].append(value)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the mean of the stored DPO metrics (train or eval) to ``logs``, then log as usual."""
+        train_eval = "train" if "loss" in logs else "eval"
+        for key, values in self._stored_metrics.pop(train_eval, {}).items():
+            logs[key] = sum(values) / len(values)
+        super().log(logs, start_time)
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+        """Spec form ``get_batch_samples(model, batch)``: generate from policy and reference.
+
+        transformers 5's Trainer uses the same name for ``(epoch_iterator, num_batches, device)``;
+        that form is passed through to it.
+        """
+        if (args and isinstance(args[0], nn.Module)) or "model" in kwargs or "batch" in kwargs:
+            return self.generate_from_model_and_ref(*args, **kwargs)
+        return super().get_batch_samples(*args, **kwargs)
+
+    def generate_from_model_and_ref(self, model: nn.Module, batch: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """Decoded prompt + sample (up to ``max_length`` tokens) from the policy and from the reference."""
+        tokenizer = self.processing_class
+        gen_kwargs = dict(
+            input_ids=batch["prompt_input_ids"], attention_mask=batch["prompt_attention_mask"],
+            max_length=self.max_length, do_sample=True, pad_token_id=tokenizer.pad_token_id,
+        )
+        policy = self.accelerator.unwrap_model(model)
+        with torch.no_grad():
+            policy_out = policy.generate(**gen_kwargs)  # (B, T')
+            if self.use_peft_reference:
+                with self._reference_context():
+                    reference_out = policy.generate(**gen_kwargs)
+            elif self.ref_model is not None:
+                reference_out = self.ref_model.generate(**gen_kwargs)
+            else:
+                raise ValueError("no reference model to sample from (reference_free=True without ref_model)")
+        decode = lambda out: tokenizer.batch_decode(out, skip_special_tokens=True)  # noqa: E731
+        return decode(policy_out), decode(reference_out)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
+        """Usual evaluation; with ``generate_during_eval`` also a table of policy/reference samples for one batch."""
+        if self.generate_during_eval:
+            batch = self._prepare_inputs(next(iter(self.get_eval_dataloader(eval_dataset))))
+            policy, reference = self.generate_from_model_and_ref(self.model, batch)
+            rows = [[p, pol, ref] for p, pol, ref in zip(batch.get("prompt", [""] * len(policy)), policy, reference)]
+            self.tracker.log_table("game_log", ["Prompt", "Policy", "Ref Model"], rows, step=self.state.global_step)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        """Trainer arguments plus DPO's own."""
+        extra = {
+            "beta": self.beta, "loss_type": self.loss_type, "label_smoothing": self.label_smoothing,
+            "reference_free": self.reference_free, "max_length": self.max_length,
+            "max_prompt_length": self.max_prompt_length, "truncation_mode": self.truncation_mode,
+        }
+        return {**super().card_hyperparameters(), **extra}
+
+
+def _response_logit_mean(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Mean logit over the scored response positions: logits (B, T, V), mask (B, T-1) -> scalar."""
+    per_position = logits[:, :-1, :].detach().float().mean(-1)  # (B, T-1)
+    return masked_mean(per_position, response_mask)
