@@ -255,3 +255,7 @@ def respond_to_batch(
         next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
         input_ids = torch.cat([input_ids, next_token], dim=-1)
     return input_ids[:, -txt_len:]
+
+
+# The classic ``trl.core`` surface also carries the KL controllers and running moments.
+from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments  # noqa: E402,F401

@@ -1,0 +1,55 @@
+"""rlhf_core: the classic TRL API (PPO, SFT, reward modelling, DPO, DDPO), re-implemented.
+
+A script written against classic TRL runs after changing ``from trl import ...`` to
+``from rlhf_core import ...``. Heavy submodules are imported on first use, so ``import rlhf_core``
+stays fast and works without the optional orchestration or diffusion packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "set_seed": "rlhf_core.core",
+    "LengthSampler": "rlhf_core.core",
+    "respond_to_batch": "rlhf_core.core",
+    "PPOConfig": "rlhf_core.trainers.ppo_config",
+    "PPOTrainer": "rlhf_core.trainers.ppo_trainer",
+    "AdaptiveKLController": "rlhf_core.kl_control",
+    "FixedKLController": "rlhf_core.kl_control",
+    "RunningMoments": "rlhf_core.kl_control",
+    "PreTrainedModelWrapper": "rlhf_core.models.value_head",
+    "AutoModelForCausalLMWithValueHead": "rlhf_core.models.value_head",
+    "AutoModelForSeq2SeqLMWithValueHead": "rlhf_core.models.value_head",
+    "create_reference_model": "rlhf_core.models.reference",
+    "SFTTrainer": "rlhf_core.trainers.sft",
+    "ConstantLengthDataset": "rlhf_core.trainers.collators",
+    "DataCollatorForCompletionOnlyLM": "rlhf_core.trainers.collators",
+    "RewardTrainer": "rlhf_core.trainers.reward",
+    "RewardDataCollatorWithPadding": "rlhf_core.trainers.collators",
+    "compute_accuracy": "rlhf_core.trainers.reward",
+    "DPOTrainer": "rlhf_core.trainers.dpo",
+    "DPODataCollatorWithPadding": "rlhf_core.trainers.collators",
+    "DDPOConfig": "rlhf_core.trainers.ddpo_config",
+    "DDPOTrainer": "rlhf_core.trainers.ddpo_trainer",
+    "DDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
+    "DefaultDDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rlhf_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,568 @@
+"""``PPOTrainer``: the classic TRL PPO loop (Ziegler et al. 2019), built on ``accelerate``.
+
+``step`` reads like the algorithm: validate -> score processing -> forward passes -> rewards
+(per-token KL + score on the last real token) -> GAE -> minibatch epochs -> stats -> KL update.
+The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it.
+
+As in classic TRL, every forward pass of ``step`` runs with dropout disabled (``model.eval()``), so
+the first mini-batch's probability ratio is exactly 1 and rollout and learning see the same model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from rlhf_core.core import (
+    WANDB_PADDING,
+    convert_to_scalar,
+    logprobs_from_logits,
+    masked_mean,
+    set_seed,
+    stack_dicts,
+    stats_to_np,
+)
+from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_losses
+from rlhf_core.models.reference import create_reference_model
+from rlhf_core.models.value_head import PreTrainedModelWrapper
+from rlhf_core.tracking import make_tracker
+from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
+from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from rlhf_core.trainers.ppo_config import PPOConfig
+
+
+def _list_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Default collator: a dict of lists (queries have different lengths)."""
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+class PPOTrainer:
+    """Optimise a value-head language model with PPO from (query, response, score) triples."""
+
+    def __init__(
+        self,
+        config: PPOConfig | None = None,
+        model: PreTrainedModelWrapper | None = None,
+        ref_model: PreTrainedModelWrapper | None = None,
+        tokenizer=None,
+        dataset=None,
+        optimizer: torch.optim.Optimizer | None = None,
+        data_collator: Callable | None = None,
+        num_shared_layers: int | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        training_data_collator: Callable | None = None,
+    ):
+        config = PPOConfig() if config is None else config
+        self._check_init_arguments(config, model, ref_model, tokenizer)
+        self.config = config
+        set_seed(config.seed)
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=config.gradient_accumulation_steps, **config.accelerator_kwargs
+        )
+        self.tokenizer = tokenizer
+        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        self.is_peft_model = bool(getattr(model, "is_peft_model", False))
+        self.ref_model = self._resolve_reference(model, ref_model, num_shared_layers)
+        self.model = model
+        self.data_collator = data_collator
+        self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, data_collator)
+        if optimizer is None:
+            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+        self.kl_ctl = (
+            AdaptiveKLController(config.init_kl_coef, config.target, config.horizon)
+            if config.adap_kl_ctrl
+            else FixedKLController(config.init_kl_coef)
+        )
+        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
+        if self.dataloader is not None:
+            self.dataloader = self.accelerator.prepare(self.dataloader)
+        if self.ref_model is not None:
+            self.ref_model = self.ref_model.to(self.accelerator.device)
+        self.running = RunningMoments(self.accelerator)
+        self.tracker = make_tracker(config.log_with, config.tracker_project_name, **config.tracker_kwargs) \
+            if self.accelerator.is_main_process else make_tracker(None)
+        if self.accelerator.is_main_process:
+            self.tracker.log_params(config.to_dict())
+        self.current_step = 0
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @staticmethod
+    def _check_init_arguments(config, model, ref_model, tokenizer) -> None:
+        if not isinstance(config, PPOConfig):
+            raise ValueError(f"config must be a PPOConfig, got {type(config).__name__}")
+        if not isinstance(model, PreTrainedModelWrapper):
+            raise ValueError(
+                "model must be a value-head model (AutoModelForCausalLMWithValueHead or "
+                f"AutoModelForSeq2SeqLMWithValueHead), got {type(model).__name__}"
+            )
+        if ref_model is not None and not isinstance(ref_model, PreTrainedModelWrapper):
+            raise ValueError(f"ref_model must be a value-head model or None, got {type(ref_model).__name__}")
+        if ref_model is not None and ref_model is model:
+            raise ValueError("ref_model must not be the same object as model; pass None to build a frozen copy")
+        if tokenizer is None or not hasattr(tokenizer, "pad"):
+            raise ValueError("tokenizer must be a transformers tokenizer (PreTrainedTokenizerBase)")
+        if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer needs a pad_token or an eos_token to pad batches")
+
+    def _resolve_reference(self, model, ref_model, num_shared_layers):
+        if ref_model is not None:
+            if num_shared_layers is not None:
+                warnings.warn("num_shared_layers is ignored because a ref_model was passed", stacklevel=3)
+            return ref_model.eval()
+        if self.is_peft_model:
+            return None  # reference = the same model with its adapter disabled
+        return create_reference_model(model, num_shared_layers=num_shared_layers)
+
+    def prepare_dataloader(self, dataset, data_collator: Callable | None = None) -> DataLoader:
+        """A shuffled dataloader of ``batch_size`` rows (last partial batch dropped)."""
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset) and self.config.remove_unused_columns:
+            dataset = self._remove_unused_columns(dataset)
+        return DataLoader(
+            dataset, batch_size=self.config.batch_size, collate_fn=data_collator or _list_collator,
+            shuffle=True, drop_last=True,
+        )
+
+    def _remove_unused_columns(self, dataset):
+        """Keep the columns the model's forward takes, plus ``label``, ``query`` and ``response``."""
+        signature = list(inspect.signature(self.accelerator.unwrap_model(self.model).forward).parameters)
+        keep = set(signature) | {"input_ids", "attention_mask", "label", "query", "response"}
+        unused = [name for name in dataset.column_names if name not in keep]
+        return dataset.remove_columns(unused) if unused else dataset
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        query_tensor: torch.Tensor | list[torch.Tensor],
+        length_sampler: Callable[[], int] | None = None,
+        batch_size: int = 4,
+        return_prompt: bool = True,
+        generate_ref_response: bool = False,
+        **generation_kwargs,
+    ):
+        """Generate responses for one query (1-d tensor) or a list of queries.
+
+        A list is generated in left-padded batches of ``batch_size``; each response is cut after its
+        first EOS (kept) and never contains padding. A 1-d tensor returns the raw (1, L) output.
+        """
+        generation_kwargs = self._generation_defaults(generation_kwargs)
+        ref_model = self.accelerator.unwrap_model(self.model) if self.is_peft_model else self.ref_model
+        if isinstance(query_tensor, (list, tuple)):
+            response = self._generate_batched(self.model, query_tensor, length_sampler, batch_size, return_prompt, generation_kwargs)
+            if not generate_ref_response:
+                return response
+            with self._reference_context():
+                ref = self._generate_batched(ref_model, query_tensor, length_sampler, batch_size, return_prompt, generation_kwargs)
+            return response, ref
+        if query_tensor.dim() != 1:
+            raise ValueError(
+                f"query_tensor must be a 1-d tensor (seq_len,) or a list of them, got shape {tuple(query_tensor.shape)}"
+            )
+        if length_sampler is not None:
+            generation_kwargs["max_new_tokens"] = length_sampler()
+        response = self._generate_single(self.model, query_tensor, return_prompt, generation_kwargs)
+        if not generate_ref_response:
+            return response
+        with self._reference_context():
+            return response, self._generate_single(ref_model, query_tensor, return_prompt, generation_kwargs)
+
+    def _generation_defaults(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(kwargs)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        kwargs.setdefault("pad_token_id", pad_id)
+        # A pad token distinct from EOS is not text: never sample it, so no pad id can leak into a response.
+        if self.tokenizer.pad_token_id is not None and self.tokenizer.pad_token_id != self.tokenizer.eos_token_id:
+            kwargs.setdefault("suppress_tokens", [self.tokenizer.pad_token_id])
+        if kwargs.get("top_k") == 0.0:
+            kwargs["top_k"] = 0  # the spec's examples pass 0.0; transformers wants an int
+        return kwargs
+
+    def _generate_single(self, model, query, return_prompt, kwargs):
+        device = self.accelerator.device
+        output = self.accelerator.unwrap_model(model).generate(
+            input_ids=query.unsqueeze(0).to(device), attention_mask=torch.ones_like(query).unsqueeze(0).to(device), **kwargs
+        )
+        if not return_prompt and not self.is_encoder_decoder:
+            output = output[:, query.shape[0]:]
+        return output
+
+    def _generate_batched(self, model, queries, length_sampler, batch_size, return_prompt, kwargs):
+        outputs: list[torch.Tensor] = []
+        unwrapped = self.accelerator.unwrap_model(model)
+        batch_size = max(1, min(len(queries), batch_size))
+        for start in range(0, len(queries), batch_size):
+            if length_sampler is not None:
+                kwargs["max_new_tokens"] = length_sampler()
+            chunk = [q.to(self.accelerator.device) for q in queries[start:start + batch_size]]
+            batch = self._pad_queries(chunk)
+            generated = unwrapped.generate(**batch, **kwargs)
+            for row, mask in zip(generated, batch["attention_mask"]):
+                outputs.append(self._clean_generation(row, mask, return_prompt))
+        return outputs
+
+    def _pad_queries(self, queries: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Left-pad queries for decoder-only generation (right for encoder-decoder)."""
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        left = not self.is_encoder_decoder
+        width = max(len(q) for q in queries)
+        ids = torch.full((len(queries), width), pad_id, dtype=torch.long, device=queries[0].device)
+        mask = torch.zeros_like(ids)
+        for i, q in enumerate(queries):
+            cols = slice(width - len(q), width) if left else slice(0, len(q))
+            ids[i, cols], mask[i, cols] = q, 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def _clean_generation(self, row: torch.Tensor, mask: torch.Tensor, return_prompt: bool) -> torch.Tensor:
+        """Drop left padding (and the prompt if asked); cut the response after its first EOS."""
+        if self.is_encoder_decoder:
+            prompt, response = row[:0], row
+        else:
+            prompt_len = int(mask.sum())
+            prompt = row[len(mask) - prompt_len: len(mask)]
+            response = row[len(mask):]
+        eos = self.tokenizer.eos_token_id
+        skip = 1 if self.is_encoder_decoder else 0  # the decoder-start token may equal EOS/pad
+        hits = (response[skip:] == eos).nonzero()
+        if eos is not None and len(hits):
+            response = response[: skip + int(hits[0]) + 1]
+        pad = self.tokenizer.pad_token_id
+        if pad is not None and pad != eos:
+            response = torch.cat([response[:skip], response[skip:][response[skip:] != pad]])
+        return torch.cat([prompt, response]) if return_prompt else response
+
+    def _reference_context(self):
+        """Inside: the reference model's weights are active (adapter disabled for PEFT)."""
+        if self.is_peft_model:
+            return self.accelerator.unwrap_model(self.model).disable_adapter()
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the PPO step
+
+    def step(
+        self,
+        queries: list[torch.LongTensor],
+        responses: list[torch.LongTensor],
+        scores: list[torch.FloatTensor],
+        response_masks: list[torch.LongTensor] | None = None,
+    ) -> dict[str, Any]:
+        """Run one PPO optimisation step on a batch of queries, responses and scalar scores."""
+        t_start = time.time()
+        timing: dict[str, float] = {}
+        queries, responses, scores, response_masks = self._step_safety_checker(
+            self.config.batch_size, queries, responses, scores, response_masks
+        )
+        scores = self._process_scores(scores)
+        batch = self.prepare_model_inputs(queries, responses, response_masks)
+
+        t = time.time()
+        old = self._rollout_forward(batch)
+        timing["time/ppo/forward_pass"] = time.time() - t
+
+        t = time.time()
+        rewards, non_score, kls = self.compute_rewards(scores, old["logprobs"], old["ref_logprobs"], batch.response_mask,
+                                                       old.get("full_logprobs"), old.get("ref_full_logprobs"))
+        timing["time/ppo/compute_rewards"] = time.time() - t
+        t = time.time()
+        values, advantages, returns = self.compute_advantages(old["values"], rewards, batch.response_mask)
+        timing["time/ppo/compute_advantages"] = time.time() - t
+        experience = Experience(old["logprobs"], old["ref_logprobs"], values, rewards, non_score, kls, advantages, returns)
+
+        t = time.time()
+        train_stats = self._optimise(batch, experience)
+        timing["time/ppo/optimize_step"] = time.time() - t
+
+        t = time.time()
+        stats = self.record_step_stats(
+            kl_coef=self.kl_ctl.value, scores=scores, logprobs=experience.logprobs, ref_logprobs=experience.ref_logprobs,
+            non_score_reward=non_score, train_stats=train_stats, masks=batch.response_mask, queries=queries,
+            responses=responses, kls=kls,
+        )
+        stats = stats_to_np(self.gather_stats(stats))
+        timing["time/ppo/calc_stats"] = time.time() - t
+        stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
+        timing["time/ppo/total"] = time.time() - t_start
+        stats.update(timing)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.current_step += 1
+        return convert_to_scalar(stats)
+
+    def _step_safety_checker(self, batch_size, queries, responses, scores, response_masks=None):
+        """Check the step inputs and move them to the device; raise ``ValueError`` on bad input."""
+        for name, value in (("queries", queries), ("responses", responses), ("scores", scores)):
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list of tensors, got {type(value).__name__}")
+            if len(value) != batch_size:
+                raise ValueError(f"Batch size ({batch_size}) does not match number of examples - but got {len(value)} for: {name}")
+        if response_masks is not None and len(response_masks) != batch_size:
+            raise ValueError(f"response_masks has {len(response_masks)} entries, expected batch_size={batch_size}")
+        device = self.accelerator.device
+        queries = [self._check_token_tensor(q, "queries", i) for i, q in enumerate(queries)]
+        responses = [self._check_token_tensor(r, "responses", i) for i, r in enumerate(responses)]
+        scores = torch.stack([self._check_score(s, i) for i, s in enumerate(scores)]).to(device)
+        if response_masks is not None:
+            response_masks = [self._check_response_mask(m, r, i) for i, (m, r) in enumerate(zip(response_masks, responses))]
+        return queries, responses, scores, response_masks
+
+    def _check_token_tensor(self, tensor, name: str, i: int) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}[{i}] must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 1:
+            raise ValueError(f"{name}[{i}] must be 1-d (seq_len,), got shape {tuple(tensor.shape)}")
+        if tensor.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"{name}[{i}] must hold integer token ids, got dtype {tensor.dtype}")
+        min_len = 2 if (name == "responses" and self.is_encoder_decoder) else 1
+        if len(tensor) < min_len:
+            raise ValueError(f"{name}[{i}] is empty: every query and response needs at least one token")
+        vocab = self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
+        if int(tensor.min()) < 0 or int(tensor.max()) >= vocab:
+            raise ValueError(f"{name}[{i}] holds token ids outside [0, {vocab})")
+        return tensor.long().to(self.accelerator.device)
+
+    @staticmethod
+    def _check_score(score, i: int) -> torch.Tensor:
+        score = torch.as_tensor(score) if not isinstance(score, torch.Tensor) else score
+        if score.dim() > 1 or score.numel() != 1:
+            raise ValueError(f"scores[{i}] must be a scalar (0-d or one-element 1-d tensor), got shape {tuple(score.shape)}")
+        if not torch.is_floating_point(score) and score.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"scores[{i}] must be numeric, got dtype {score.dtype}")
+        score = score.reshape(()).float()
+        if not torch.isfinite(score):
+            raise ValueError(f"scores[{i}] is not finite ({float(score)}): fix the reward function before stepping")
+        return score
+
+    def _check_response_mask(self, mask, response, i: int) -> torch.Tensor:
+        if not isinstance(mask, torch.Tensor) or mask.shape != response.shape:
+            raise ValueError(f"response_masks[{i}] must be a tensor shaped like responses[{i}] {tuple(response.shape)}")
+        return mask.to(self.accelerator.device)
+
+    def _process_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Optional running-moment scaling/normalisation, then optional clipping."""
+        if self.config.use_score_scaling:
+            self.running.update(scores)
+            scale = self.running.std + torch.finfo(scores.dtype).eps
+            scores = (scores - self.running.mean) / scale if self.config.use_score_norm else scores / scale
+        if self.config.score_clip is not None:
+            scores = scores.clamp(-self.config.score_clip, self.config.score_clip)
+        return scores
+
+    def prepare_model_inputs(self, queries, responses, response_masks=None) -> ModelBatch:
+        """Pad the pairs into model inputs (honouring the tokenizer's padding side)."""
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        build = build_seq2seq_batch if self.is_encoder_decoder else build_causal_batch
+        return build(queries, responses, pad_id, self.tokenizer.padding_side == "left", response_masks)
+
+    @torch.no_grad()
+    def _rollout_forward(self, batch: ModelBatch) -> dict[str, torch.Tensor]:
+        """Old log-probs and values from the policy, reference log-probs from the reference."""
+        full = self.config.kl_penalty == "full"
+        logprobs, values, logits = self.batched_forward_pass(self.model, batch, return_logits=full)
+        with self._reference_context():
+            ref_model = self.model if self.is_peft_model else self.ref_model
+            ref_logprobs, _, ref_logits = self.batched_forward_pass(ref_model, batch, return_logits=full)
+        out = {"logprobs": logprobs, "values": values, "ref_logprobs": ref_logprobs}
+        if full:
+            out["full_logprobs"] = logprobs_from_logits(logits, None, gather=False)
+            out["ref_full_logprobs"] = logprobs_from_logits(ref_logits, None, gather=False)
+        return out
+
+    def batched_forward_pass(self, model, batch: ModelBatch, return_logits: bool = False):
+        """Log-probs (B, A), values (B, A) and optionally logits (B, A, V) in ``mini_batch_size`` chunks."""
+        chunk = self.config.mini_batch_size
+        model.eval()  # classic TRL semantics: no dropout in PPO forward passes
+        parts = [self._forward_rows(model, batch.rows(torch.arange(i, min(i + chunk, len(batch)))), return_logits)
+                 for i in range(0, len(batch), chunk)]
+        logprobs = torch.cat([p[0] for p in parts])
+        values = torch.cat([p[1] for p in parts])
+        logits = torch.cat([p[2] for p in parts]) if return_logits else None
+        return logprobs, values, logits
+
+    @staticmethod
+    def _forward_rows(model, batch: ModelBatch, return_logits: bool):
+        lm_logits, _, values = model(**batch.model_inputs)  # (b, T, V), (b, T)
+        tokens = batch.model_inputs[batch.token_ids_key]
+        index = batch.response_index  # (b, A)
+        logits = torch.gather(lm_logits[:, :-1], 1, index[..., None].expand(-1, -1, lm_logits.shape[-1]))  # (b, A, V)
+        next_tokens = torch.gather(tokens[:, 1:], 1, index)  # (b, A)
+        logprobs = logprobs_from_logits(logits, next_tokens)  # (b, A)
+        values = torch.gather(values[:, :-1].float(), 1, index) * batch.response_mask  # (b, A)
+        return logprobs, values, (logits if return_logits else None)
+
+    def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_logprobs=None, ref_full_logprobs=None):
+        """Per-token rewards, the KL part alone, and the per-token KL: all (B, A)."""
+        if self.config.kl_penalty == "full":
+            kls = kl_penalty(full_logprobs, ref_full_logprobs, "full")
+        else:
+            kls = kl_penalty(logprobs, ref_logprobs, self.config.kl_penalty)
+        rewards, non_score = per_token_rewards(scores, kls, masks, self.kl_ctl.value)
+        return rewards, non_score, kls
+
+    def compute_advantages(self, values, rewards, mask):
+        """GAE advantages (whitened), returns and masked values: all (B, A)."""
+        return gae_advantages(values, rewards, mask, self.config.gamma, self.config.lam, self.config.whiten_rewards)
+
+    def _optimise(self, batch: ModelBatch, experience: Experience) -> dict[str, torch.Tensor]:
+        """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats."""
+        all_stats: list[dict[str, torch.Tensor]] = []
+        cfg = self.config
+        for _ in range(cfg.ppo_epochs):
+            order = torch.from_numpy(np.random.permutation(cfg.batch_size))
+            for start in range(0, cfg.batch_size, cfg.mini_batch_size):
+                rows = order[start:start + cfg.mini_batch_size]
+                with self.accelerator.accumulate(self.model):
+                    train_stats = self.train_minibatch(batch.rows(rows), experience.rows(rows))
+                all_stats.append(train_stats)
+            if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
+                break
+        stacked = stack_dicts(all_stats)
+        for key in ("policy/advantages", "policy/ratio"):  # keep every value, do not average
+            stacked[key] = torch.nan_to_num(torch.flatten(stacked[key]).unsqueeze(0), WANDB_PADDING)
+        return stacked
+
+    def train_minibatch(self, batch: ModelBatch, old: Experience) -> dict[str, torch.Tensor]:
+        """One forward/backward pass on a mini-batch; steps the optimizer at accumulation boundaries."""
+        logprobs, vpreds, logits = self.batched_forward_pass(self.model, batch, return_logits=True)
+        loss_p, loss_v, stats = self.loss(old.logprobs, old.values, logits, vpreds, logprobs,
+                                          batch.response_mask, old.advantages, old.returns)
+        self.accelerator.backward(loss_p + loss_v)
+        if self.config.max_grad_norm is not None and self.accelerator.sync_gradients:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()  # the accelerator only really steps/zeroes at accumulation boundaries
+        return stats
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
+        """Clipped policy loss and ``vf_coef`` x clipped value loss; zeroed past ``ratio_threshold``."""
+        pg_loss, vf_loss, stats = ppo_losses(
+            old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
+            self.config.cliprange, self.config.cliprange_value,
+        )
+        ratio_mean = stats.pop("policy/ratio_mean")
+        if ratio_mean > self.config.ratio_threshold:
+            warnings.warn(
+                f"The average ratio of the batch ({float(ratio_mean):.2f}) exceeds ratio_threshold "
+                f"({self.config.ratio_threshold:.2f}); skipping this mini-batch (loss set to 0).", stacklevel=2,
+            )
+            pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
+        loss_v = self.config.vf_coef * vf_loss
+        stats.update({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": (pg_loss + loss_v).detach()})
+        return pg_loss, loss_v, stats
+
+    def _early_stop(self, policykl: torch.Tensor) -> bool:
+        """True when the policy KL of the last mini-batch exceeds 1.5 x ``target_kl`` (on any process)."""
+        exceeded = torch.tensor(float(policykl > 1.5 * self.config.target_kl), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            exceeded = self.accelerator.reduce(exceeded, "max")
+        if exceeded > 0:
+            self.optimizer.zero_grad()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ stats and logging
+
+    def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
+        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays)."""
+        mask = data["masks"]
+        kl_list = (data["kls"] * mask).sum(-1)  # (B,)
+        mean_kl = kl_list.mean()
+        if mean_kl < -1.0:
+            warnings.warn(
+                f"KL divergence is starting to become negative: {float(mean_kl):.2f} - this might be a precursor "
+                "for failed training. Sometimes this happens because the generation kwargs are not correctly set "
+                "(sampling, top_k/top_p, min_length, eos handling). Make sure the responses are sampled from the policy.",
+                stacklevel=3,
+            )
+        query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
+        response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
+        stats = {
+            "objective/kl": mean_kl,
+            "objective/kl_dist": kl_list,
+            "objective/logprobs": data["logprobs"],
+            "objective/ref_logprobs": data["ref_logprobs"],
+            "objective/kl_coef": kl_coef,
+            "objective/entropy": (-data["logprobs"] * mask).sum(-1).mean(),
+            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask),
+            "ppo/mean_scores": data["scores"].mean(),
+            "ppo/std_scores": data["scores"].std() if len(data["scores"]) > 1 else torch.zeros(()),
+            "tokens/queries_len_mean": query_lens.mean(),
+            "tokens/queries_len_std": query_lens.std() if len(query_lens) > 1 else torch.zeros(()),
+            "tokens/queries_dist": query_lens,
+            "tokens/responses_len_mean": response_lens.mean(),
+            "tokens/responses_len_std": response_lens.std() if len(response_lens) > 1 else torch.zeros(()),
+            "tokens/responses_dist": response_lens,
+        }
+        for key, value in data["train_stats"].items():
+            stats[f"ppo/{key}"] = torch.mean(value.float(), dim=0)
+        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        return {key: (value.detach() if isinstance(value, torch.Tensor) else value) for key, value in stats.items()}
+
+    def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """Average tensor stats over all processes (identity in a single process)."""
+        if self.accelerator.num_processes == 1:
+            return stats
+        gathered = {}
+        for key, value in stats.items():
+            if isinstance(value, torch.Tensor):
+                value = self.accelerator.reduce(value.to(self.accelerator.device).float(), "mean")
+            gathered[key] = value
+        return gathered
+
+    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")) -> None:
+        """Log scalar stats, reward mean/std and a table of the batch's texts with their rewards."""
+        rewards = torch.stack([torch.as_tensor(r).reshape(()).float() for r in rewards]) \
+            if not isinstance(rewards, torch.Tensor) else rewards.float()
+        rewards = self.accelerator.gather(rewards.to(self.accelerator.device)).flatten().cpu()
+        missing = [c for c in columns_to_log if c not in batch]
+        if missing:
+            raise ValueError(f"Columns to log {list(columns_to_log)} are not present in the batch (missing {missing}); "
+                             f"batch has {list(batch)}")
+        if not self.accelerator.is_main_process:
+            return
+        logs = dict(stats)
+        logs["env/reward_mean"] = float(rewards.mean())
+        logs["env/reward_std"] = float(rewards.std()) if len(rewards) > 1 else 0.0
+        logs["env/reward_dist"] = rewards.numpy()
+        self.tracker.log(logs, step=self.current_step)
+        rows = [[*(batch[c][i] for c in columns_to_log), float(rewards[i])] for i in range(len(batch[columns_to_log[0]]))]
+        self.tracker.log_table("game_log", [*columns_to_log, "reward"], rows, step=self.current_step)
+
+    # ------------------------------------------------------------------ saving
+
+    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
+        """Write a model card (README.md) describing the PPO run into ``path``."""
+        from rlhf_core.model_card import write_model_card
+
+        write_model_card(
+            path, model_name=model_name or "TRL Model", trainer_name="PPO",
+            base_model=self.config.model_name, hyperparameters=self.config.to_dict(),
+            notes="Trained with rlhf_core.PPOTrainer (classic TRL PPO: per-token KL penalty, GAE, clipped losses).",
+        )
+
+    def save_pretrained(self, save_directory: str) -> None:
+        """Save the policy (safetensors, value head included), the tokenizer and a model card."""
+        if not self.accelerator.is_main_process:
+            return
+        self.accelerator.unwrap_model(self.model).save_pretrained(save_directory)
+        self.tokenizer.save_pretrained(save_directory)
+        self.create_model_card(save_directory)
+
+    def _save_pretrained(self, save_directory: str) -> None:
+        """Alias kept for classic-TRL compatibility."""
+        self.save_pretrained(save_directory)
