@@ -10,15 +10,20 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 CARD_FILENAME = "README.md"
+# Plain words YAML would read as booleans or null.
+YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}
 
 
 def _yaml_scalar(value: Any) -> str:
-    """A YAML-safe scalar: JSON quoting is valid YAML for strings, numbers and booleans."""
+    """A YAML-safe scalar: plain for simple names, JSON-quoted (valid YAML) otherwise."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", value) and value.lower() not in YAML_WORDS:
+        return value
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, numbers.Number):

@@ -255,7 +255,7 @@ def test_save_model_card_and_tracker(tokenizer, tmp_path):
     trainer.save_model(str(tmp_path / "final"))
     assert (tmp_path / "final" / "model.safetensors").exists()
     card = (tmp_path / "final" / "README.md").read_text()
-    assert "- \"dpo\"" in card and "| beta | 0.1 |" in card and "rewards/accuracies" in card
+    assert "- dpo\n" in card and "| beta | 0.1 |" in card and "rewards/accuracies" in card
     logged = {k for _, metrics in trainer.tracker.metrics for k in metrics}
     assert {"rewards/accuracies", "eval_rewards/accuracies", "loss"} <= logged
     assert trainer.tracker.params["beta"] == 0.1

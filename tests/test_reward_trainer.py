@@ -158,7 +158,7 @@ def test_save_and_mlflow_tracking_without_double_logging(tokenizer, tmp_path, mo
     assert [m.step for m in history] == [1, 2]
     assert (tmp_path / "final" / "model.safetensors").exists()
     card = (tmp_path / "final" / "README.md").read_text()
-    assert "- \"reward\"" in card and "max_length" in card
+    assert "- reward\n" in card and "max_length" in card
 
 
 def test_text_data_without_rejected_names_missing_columns(tokenizer, tmp_path):

@@ -150,7 +150,59 @@ def test_sft_save_writes_safetensors_and_card(tokenizer, tmp_path):
     trainer.save_model(str(out))
     assert (out / "model.safetensors").exists()
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: rlhf_core\ntags:\n- rlhf_core\n- \"sft\"")
+    assert card.startswith("---\nlibrary_name: rlhf_core\ntags:\n- rlhf_core\n- sft\n")
     assert "max_seq_length" in card
     logged = [m for _, m in trainer.tracker.metrics]
     assert any("loss" in m for m in logged) and trainer.tracker.params["max_seq_length"] == 16
+
+
+def test_write_model_card_front_matter_parses(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    from rlhf_core.model_card import write_model_card
+
+    path = write_model_card(
+        tmp_path / "ckpt", model_name="policy", trainer_name="PPO", base_model="org/tiny: v1",
+        hyperparameters={"learning_rate": 1e-5, "note": "a|b"}, metrics={"reward": 0.5}, notes="Trained offline.",
+    )
+    text = path.read_text()
+    assert path == tmp_path / "ckpt" / "README.md"
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front == {"library_name": "rlhf_core", "tags": ["rlhf_core", "ppo"], "base_model": "org/tiny: v1"}
+    assert "| learning_rate | 1e-05 |" in text and "| note | a\\|b |" in text and "## Notes\n\nTrained offline." in text
+
+
+def test_sft_model_from_path_formatting_func_and_peft(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    path = tmp_path / "base"
+    tiny_causal_lm(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    dataset = Dataset.from_dict({"q": ["the film", "the plot"], "a": ["great", "boring"]})
+    trainer = SFTTrainer(
+        model=str(path), args=small_args(tmp_path, max_steps=2, per_device_train_batch_size=2), train_dataset=dataset,
+        formatting_func=lambda ex: f"Q: {ex['q']} A: {ex['a']}", max_seq_length=16,
+        peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], task_type="CAUSAL_LM", fan_in_fan_out=True),
+    )
+    first = trainer.train_dataset[0]["input_ids"]
+    assert first == trainer.processing_class("Q: the film A: great")["input_ids"] + [tokenizer.eos_token_id]
+    lora_before = {k: v.clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
+    trainer.train()
+    assert any(not torch.equal(v, lora_before[k]) for k, v in trainer.model.named_parameters() if k in lora_before)
+    trainer.save_model(str(tmp_path / "adapter"))
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists() and f'base_model: "{path}"' in card
+
+
+def test_sft_trainer_with_completion_only_collator(tokenizer, tmp_path):
+    texts = ["Question: the film\nAnswer: great", "Question: the plot\nAnswer: boring"]
+    collator = DataCollatorForCompletionOnlyLM("Answer:", tokenizer=tokenizer)
+    trainer = SFTTrainer(
+        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=1, per_device_train_batch_size=2),
+        train_dataset=Dataset.from_dict({"text": texts}), tokenizer=tokenizer, dataset_text_field="text",
+        data_collator=collator, max_seq_length=32,
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    answer_len = len(tokenizer(" great", add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    scored = (batch["labels"] != IGNORE_INDEX).sum(1).tolist()
+    assert answer_len in scored and all(n <= 3 for n in scored)
+    trainer.train()

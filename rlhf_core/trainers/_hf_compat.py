@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,8 @@ class RlhfTrainerMixin:
 
     def card_hyperparameters(self) -> dict[str, Any]:
         """Hyper-parameters for the model card and the tracker's params."""
-        return {name: getattr(self.args, name) for name in ARGS_FOR_CARD if hasattr(self.args, name)}
+        values = {name: getattr(self.args, name) for name in ARGS_FOR_CARD if hasattr(self.args, name)}
+        return {name: value.value if isinstance(value, Enum) else value for name, value in values.items()}
 
     def card_metrics(self) -> dict[str, float]:
         """The most recent value of every scalar metric logged so far."""

@@ -385,7 +385,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the mean of the stored DPO metrics (train or eval) to ``logs``, then log as usual."""
-        train_eval = "train" if "loss" in logs else "eval"
+        train_eval = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         for key, values in self._stored_metrics.pop(train_eval, {}).items():
             logs[key] = sum(values) / len(values)
         super().log(logs, start_time)
