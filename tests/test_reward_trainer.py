@@ -149,13 +149,16 @@ def test_save_and_mlflow_tracking_without_double_logging(tokenizer, tmp_path, mo
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     args = small_args(tmp_path, max_steps=2, report_to=["mlflow"])
     trainer = make_trainer(tokenizer, tmp_path, args=args, log_with="mlflow", tracker_project_name="reward-test")
-    assert [type(c).__name__ for c in trainer.callback_handler.callbacks].count("MLflowCallback") == 0
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert "MLflowCallback" not in names and names.count("TrackerCallback") == 1
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     run_id = mlflow.active_run().info.run_id
     trainer.tracker.finish()
     history = mlflow.MlflowClient().get_metric_history(run_id, "loss")
-    assert [m.step for m in history] == [1, 2]
+    assert [m.step for m in history] == [1, 2]  # once per step: transformers' MLflowCallback was removed
+    params = mlflow.get_run(run_id).data.params
+    assert params["max_length"] == "512" and params["learning_rate"] == "0.01"
     assert (tmp_path / "final" / "model.safetensors").exists()
     card = (tmp_path / "final" / "README.md").read_text()
     assert "- reward\n" in card and "max_length" in card
