@@ -82,16 +82,19 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, texts: Sequence[str]) -> list[float]:
+        from rlhf_core.trainers.reward import sequence_rewards
+
         scores: list[float] = []
+        eos = self.tokenizer.eos_token or ""  # the reward trainer scores texts ending in EOS
         padding_side = self.tokenizer.padding_side
         self.tokenizer.padding_side = "right"
         try:
             for start in range(0, len(texts), self.batch_size):
-                chunk = list(texts[start:start + self.batch_size])
+                chunk = [t + eos for t in texts[start:start + self.batch_size]]
                 enc = self.tokenizer(chunk, return_tensors="pt", padding=True, truncation=True,
                                      max_length=self.max_length).to(self.device)
-                logits = self.model(**enc).logits  # (B, 1)
-                scores.extend(logits[:, 0].float().tolist())
+                rewards = sequence_rewards(self.model, enc["input_ids"], enc["attention_mask"])  # (B,)
+                scores.extend(rewards.float().tolist())
         finally:
             self.tokenizer.padding_side = padding_side
         return scores

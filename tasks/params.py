@@ -99,8 +99,8 @@ class SFTParams:
     """Passes over the corpus."""
     per_device_train_batch_size: int = 32
     """Batch size."""
-    warmup_ratio: float = 0.05
-    """Linear warm-up share of the steps."""
+    warmup_steps: float = 0.05
+    """Linear warm-up: a share of the steps when < 1, else a step count (TrainingArguments.warmup_steps)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     seed: int = 0
@@ -128,7 +128,7 @@ class RewardModelParams:
 @dataclass(frozen=True)
 class PPOParams:
     """PPO against the reward with a KL penalty to the SFT reference. Names match ``PPOConfig`` fields
-    except the stage-only ones at the end (``total_steps`` .. ``sample_every``)."""
+    except the stage-only ones at the end (``total_steps``, ``max_new_tokens``, ``reward``)."""
 
     learning_rate: float = 5e-4
     """Adam learning rate (PPOConfig.learning_rate)."""
@@ -176,8 +176,6 @@ class PPOParams:
     """Stage-only: tokens sampled per response."""
     reward: str = "reward_model"
     """Stage-only: ``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
-    sample_every: int = 5
-    """Stage-only: log a (query, response, reward) table every N steps."""
 
 
 @dataclass(frozen=True)

@@ -253,6 +253,7 @@ class StageRun:
     run_id: str
     experiment_id: str
     summary: dict[str, Any] = field(default_factory=dict)
+    input_hashes: dict[str, str] = field(default_factory=dict)
 
     @property
     def link(self) -> str:
@@ -284,11 +285,21 @@ class StageRun:
         ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
         mlflow.log_input(ds, context=context)
 
-    def log_model_card(self, model_dir: str | Path, card: str) -> None:
+    def write_model_card(self, model_dir: str | Path, trainer_name: str, base_model: str | None,
+                         hyperparameters: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
+        """Write README.md (rlhf_core's model card, with pipeline provenance as notes) and log it to MLflow."""
         import mlflow
 
-        write_atomic(Path(model_dir) / "README.md", card)
-        mlflow.log_text(card, "model_card.md")
+        from rlhf_core.model_card import write_model_card
+
+        notes = "\n".join(
+            [f"Stage `{self.stage}` of the rlhf pipeline; git commit `{git_commit(self.root)}`; MLflow run `{self.run_id}`.",
+             "", "Inputs (DVC hashes):", ""] + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
+            + ["", "The offline default trains on a synthetic corpus of generated reviews, not real data."])
+        path = write_model_card(model_dir, model_name=f"rlhf-{self.stage}", trainer_name=trainer_name,
+                                base_model=base_model, hyperparameters=dict(hyperparameters), metrics=dict(metrics),
+                                notes=notes)
+        mlflow.log_text(Path(path).read_text(), "model_card.md")
 
 
 @contextlib.contextmanager
@@ -302,14 +313,15 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
     tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id()}
-    tags.update({f"dvc.input.{k}": v for k, v in input_hashes(root, deps).items()})
+    hashes = input_hashes(root, deps)
+    tags.update({f"dvc.input.{k}": v for k, v in hashes.items()})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     # A stale active run (e.g. from an earlier failure in this process) must not capture our logs.
     while mlflow.active_run() is not None:
         mlflow.end_run("KILLED")
     run = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags)
-    handle = StageRun(stage, root, run.info.run_id, exp_id)
+    handle = StageRun(stage, root, run.info.run_id, exp_id, input_hashes=hashes)
     started = time.time()
     try:
         mlflow.log_params({f"{stage}.{k}": str(v)[:6000] for k, v in as_dict(params_section).items()})
@@ -338,42 +350,24 @@ def create_stage_artifact(handle: StageRun) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# transformers Trainer -> MLflow step metrics
+# training helpers shared by the stage tasks
 # --------------------------------------------------------------------------------------------
 
 
-def mlflow_trainer_callback(prefix: str = "train/"):
-    """A TrainerCallback that logs the Trainer's ``logs`` (loss, learning_rate, ...) to the active run."""
-    from transformers import TrainerCallback
+def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, **extra):
+    """``TrainingArguments`` for a stage: its section's Trainer fields, no checkpoints, no reporters
+    (metrics reach MLflow through rlhf_core's tracker, ``log_with="mlflow"``). Hardware comes from the
+    environment / accelerate config, never from params.yaml."""
+    from transformers import TrainingArguments
 
-    class _MlflowStepCallback(TrainerCallback):
-        def __init__(self) -> None:
-            self.history: list[dict[str, float]] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            import mlflow
-
-            from rlhf_core.tracking import _mlflow_key, scalar_metrics
-
-            scalars = scalar_metrics(logs or {})
-            if scalars and mlflow.active_run() is not None:
-                mlflow.log_metrics({_mlflow_key(prefix + k): v for k, v in scalars.items()}, step=state.global_step)
-            if scalars:
-                self.history.append({"step": state.global_step, **scalars})
-
-    return _MlflowStepCallback()
+    names = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "warmup_steps", "weight_decay", "seed")
+    kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
+    return TrainingArguments(
+        output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,
+        disable_tqdm=not on_terminal(), dataloader_num_workers=0, **kwargs, **extra)
 
 
-def model_card(title: str, stage: str, base: str, params: Mapping[str, Any], metrics: Mapping[str, Any],
-               data: Mapping[str, str], notes: str = "") -> str:
-    """A short model card (markdown) saved beside the weights and logged to MLflow."""
-    lines = [f"# {title}", "", f"- stage: `{stage}`", f"- initialised from: `{base}`", "", "## Training data", ""]
-    lines += [f"- `{k}` (DVC hash `{v}`)" for k, v in data.items()]
-    lines += ["", "## Parameters", "", "| key | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in params.items()]
-    lines += ["", "## Metrics", "", "| key | value |", "|---|---|"]
-    lines += [f"| {k} | {round(v, 4) if isinstance(v, float) else v} |" for k, v in metrics.items()]
-    if notes:
-        lines += ["", "## Notes", "", notes]
-    lines += ["", "Produced by the rlhf_pipeline (rlhf_core). The offline default trains on a synthetic corpus.", ""]
-    return "\n".join(lines)
+def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list[dict]:
+    """Rows ``{step, <key>...}`` from a Trainer's ``state.log_history`` (for plots/<stage>.csv)."""
+    keys = tuple(keys)
+    return [{"step": e["step"], **{k: e[k] for k in keys if k in e}} for e in log_history if "step" in e and keys[0] in e]

@@ -1,0 +1,71 @@
+"""Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs.
+
+The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``,
+``metrics/dpo.json`` and ``plots/dpo.csv``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.data import read_jsonl
+from tasks.params import PARAMS_FILE, as_dict, load_params, stage_io
+from tasks.tracking import atomic_dir, get_logger, loss_curve, stage_run, training_arguments, write_csv, write_json
+
+
+@task(name="dpo", cache_policy=NO_CACHE)  # training: no retries
+def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Train ``models/dpo`` from ``data/preferences.jsonl``; returns the metrics written to metrics/dpo.json."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core import DPOTrainer, set_seed
+
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    p, paths = params.dpo, params.paths
+    io = stage_io(paths)["dpo"]
+    pairs_path, sft_dir = io["deps"]
+    log = get_logger()
+    pairs = read_jsonl(root / pairs_path)
+    if not pairs:
+        raise ValueError(f"{pairs_path}: no preference pairs")
+
+    with stage_run("dpo", root, p, io["deps"], parent_run_id) as run:
+        set_seed(p.seed)
+        tokenizer = AutoTokenizer.from_pretrained(root / sft_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(root / sft_dir)
+        dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})
+        run.log_dataset(root / pairs_path, "preferences")
+        log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
+        with atomic_dir(root / io["outs"][0]) as out:
+            trainer = DPOTrainer(model, ref_model=None, beta=p.beta, args=training_arguments(out / "_trainer", p),
+                                 train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
+                                 max_prompt_length=p.max_prompt_length, log_with="mlflow")
+            result = trainer.train()
+            keys = ("loss", "rewards/accuracies", "rewards/margins")
+            curve = loss_curve(trainer.state.log_history, keys)
+            last = curve[-1] if curve else {}
+            metrics = {"train_loss": round(float(result.training_loss), 4),
+                       "final_loss": round(float(last.get("loss", result.training_loss)), 4),
+                       "final_reward_accuracy": round(float(last.get("rewards/accuracies", float("nan"))), 4),
+                       "final_reward_margin": round(float(last.get("rewards/margins", float("nan"))), 4),
+                       "num_pairs": len(pairs), "steps": trainer.state.global_step}
+            trainer.save_model(str(out))
+            tokenizer.save_pretrained(str(out))
+            shutil.rmtree(out / "_trainer", ignore_errors=True)
+            run.write_model_card(out, "DPOTrainer", f"{sft_dir} (SFT policy; also the reference)", as_dict(p), metrics)
+        write_json(root / paths.metrics / "dpo.json", metrics)
+        write_csv(root / paths.plots / "dpo.csv", [{"step": r["step"], "loss": r.get("loss"),
+                                                    "reward_accuracy": r.get("rewards/accuracies"),
+                                                    "reward_margin": r.get("rewards/margins")} for r in curve],
+                  ["step", "loss", "reward_accuracy", "reward_margin"])
+        run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
+        run.summary.update(metrics)
+    return metrics

@@ -1,0 +1,94 @@
+"""Stage ``evaluate``: compare the SFT, PPO and DPO policies on held-out prompts.
+
+Per policy: mean gold-judge sentiment (VADER compound, -1..1), mean learned-reward score, KL to the SFT
+reference, perplexity on held-out text, win rate against SFT under the gold judge. Writes
+``metrics/evaluate.json`` (one object per policy: gold_reward, rm_reward, kl, perplexity, win_rate; what
+``dvc metrics show/diff`` read), ``plots/evaluate.csv``, and logs before/after sample tables and a chart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.data import read_jsonl
+from tasks.params import METRIC_KEYS, PARAMS_FILE, POLICIES, load_params, stage_io
+from tasks.tracking import get_logger, stage_run, write_csv, write_json
+
+
+def _chart(results: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    for ax, key in zip(axes, ("gold_reward", "kl", "win_rate")):
+        ax.bar(list(results), [results[p][key] for p in results], color=["#888", "#2a7", "#27a"])
+        ax.set_title(key)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Evaluate every policy; returns the content of metrics/evaluate.json."""
+    import tempfile
+
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.evaluation import evaluate_policy
+    from rlhf_core.rewards import GoldJudge, RewardModelScorer
+
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    p, paths = params.evaluate, params.paths
+    io = stage_io(paths)["evaluate"]
+    prompts_path, heldout_path, sft_dir, rm_dir, ppo_dir, dpo_dir = io["deps"]
+    log = get_logger()
+    prompts = [r["query"] for r in read_jsonl(root / prompts_path)][: p.num_prompts]
+    heldout = [r["text"] for r in read_jsonl(root / heldout_path)]
+    if not prompts or not heldout:
+        raise ValueError(f"{prompts_path} / {heldout_path}: need held-out prompts and texts")
+
+    with stage_run("evaluate", root, p, io["deps"], parent_run_id) as run:
+        tokenizer = AutoTokenizer.from_pretrained(root / sft_dir, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        reference = AutoModelForCausalLM.from_pretrained(root / sft_dir)
+        policies = {"sft": reference, "ppo": AutoModelForCausalLM.from_pretrained(root / ppo_dir),
+                    "dpo": AutoModelForCausalLM.from_pretrained(root / dpo_dir)}
+        gold, learned = GoldJudge(), RewardModelScorer(str(root / rm_dir), batch_size=p.batch_size)
+        run.log_dataset(root / prompts_path, "prompts_eval", context="eval")
+        run.log_dataset(root / heldout_path, "heldout", context="eval")
+        results, samples, gold_scores = {}, {}, {}
+        for name in POLICIES:
+            metrics, samples[name], gold_scores[name] = evaluate_policy(
+                policies[name], reference, tokenizer, prompts, heldout, gold, learned,
+                baseline_gold=gold_scores.get("sft"), max_new_tokens=p.max_new_tokens, batch_size=p.batch_size,
+                seed=p.seed)
+            results[name] = {k: round(float(metrics[k]), 4) for k in METRIC_KEYS}
+            log.info("evaluate %s: %s", name, ", ".join(f"{k}={v}" for k, v in results[name].items()))
+            run.log_metrics({f"{name}/{k}": v for k, v in results[name].items()})
+        write_json(root / paths.metrics / "evaluate.json", results)
+        write_csv(root / paths.plots / "evaluate.csv", [{"policy": n, **results[n]} for n in POLICIES],
+                  ["policy", *METRIC_KEYS])
+        # before/after: the same prompt, the SFT response, then each optimised policy's
+        rows = [{"prompt": prompts[i],
+                 **{f"{n}_response": samples[n].responses[i] for n in POLICIES},
+                 **{f"{n}_gold": round(gold_scores[n][i], 3) for n in POLICIES}} for i in range(min(p.num_samples, len(prompts)))]
+        run.log_table("before_after", rows)
+        for n in POLICIES:
+            run.log_table(f"samples_{n}", [{"query": q, "response": r, "gold": round(g, 3)} for q, r, g in
+                                           zip(samples[n].prompts, samples[n].responses, gold_scores[n])][: 4 * p.num_samples])
+        with tempfile.TemporaryDirectory() as tmp:
+            _chart(results, Path(tmp) / "evaluate.png")
+            mlflow.log_artifact(str(Path(tmp) / "evaluate.png"), artifact_path="plots")
+        for n in ("ppo", "dpo"):
+            run.summary[f"{n}_gold_gain"] = round(results[n]["gold_reward"] - results["sft"]["gold_reward"], 4)
+        run.summary.update({f"{n}.{k}": v for n in POLICIES for k, v in results[n].items()})
+    return results

@@ -1,0 +1,102 @@
+"""Stage ``ppo``: optimise the SFT policy against the reward, with a KL penalty to the SFT reference.
+
+The classic TRL loop on rlhf_core's ``PPOTrainer``: sample prompts, ``generate``, score query + response
+with the reward (the learned reward model by default), ``step``, ``log_stats`` (step metrics under the
+spec's names and a query/response/reward table per step in MLflow). Writes ``models/ppo`` (value-head
+checkpoint; loads as a plain causal LM), ``metrics/ppo.json`` and ``plots/ppo.csv``.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.data import read_jsonl
+from tasks.params import PARAMS_FILE, PPOParams, as_dict, load_params, stage_io
+from tasks.tracking import atomic_dir, get_logger, progress, stage_run, write_csv, write_json
+
+STAGE_ONLY = ("total_steps", "max_new_tokens", "reward")
+
+
+def ppo_config(p: PPOParams, model_name: str, query_dataset: str):
+    """``PPOConfig`` from the ppo section: every key but the stage-only ones is a PPOConfig field."""
+    from rlhf_core import PPOConfig
+
+    fields = {k: v for k, v in as_dict(p).items() if k not in STAGE_ONLY}
+    return PPOConfig(model_name=model_name, query_dataset=query_dataset, reward_model=p.reward, log_with="mlflow",
+                     tracker_project_name="rlhf-pipeline", steps=p.total_steps * p.batch_size, **fields)
+
+
+def generation_kwargs(tokenizer, max_new_tokens: int) -> dict:
+    """Pure sampling, as in the classic examples (no top-k/top-p), stopping at EOS."""
+    return {"do_sample": True, "top_k": 0, "top_p": 1.0, "max_new_tokens": max_new_tokens,
+            "eos_token_id": tokenizer.eos_token_id}
+
+
+@task(name="ppo", cache_policy=NO_CACHE)  # training: no retries
+def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Train ``models/ppo``; returns the metrics written to metrics/ppo.json."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlhf_core import AutoModelForCausalLMWithValueHead, PPOTrainer, set_seed
+    from rlhf_core.rewards import make_reward
+
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    p, paths = params.ppo, params.paths
+    io = stage_io(paths)["ppo"]
+    prompts_path, sft_dir, rm_dir = io["deps"]
+    log = get_logger()
+    prompts = [r["query"] for r in read_jsonl(root / prompts_path)]
+    if len(prompts) < p.batch_size:
+        raise ValueError(f"{prompts_path}: {len(prompts)} prompts, fewer than ppo.batch_size={p.batch_size}")
+
+    with stage_run("ppo", root, p, io["deps"], parent_run_id) as run:
+        set_seed(p.seed)
+        config = ppo_config(p, str(root / sft_dir), str(root / prompts_path))
+        tokenizer = AutoTokenizer.from_pretrained(root / sft_dir, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(str(root / sft_dir))
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+        reward_fn = make_reward(p.reward, reward_model_path=str(root / rm_dir))
+        run.log_dataset(root / prompts_path, "prompts_train")
+        gen = generation_kwargs(tokenizer, p.max_new_tokens)
+        rng = random.Random(p.seed)
+        order: list[str] = []
+        curve = []
+        log.info("ppo: %d steps of %d rollouts, reward=%s", p.total_steps, p.batch_size, p.reward)
+        for step in progress(range(p.total_steps), desc="ppo", unit="step"):
+            if len(order) < p.batch_size:
+                order += rng.sample(prompts, len(prompts))
+            batch_prompts, order = order[: p.batch_size], order[p.batch_size:]
+            queries = [tokenizer(q, return_tensors="pt").input_ids[0] for q in batch_prompts]
+            responses = trainer.generate(queries, return_prompt=False, batch_size=p.batch_size, **gen)
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            scores = reward_fn([q + r for q, r in zip(batch_prompts, texts)])
+            rewards = [torch.tensor(s, dtype=torch.float32) for s in scores]
+            stats = trainer.step(queries, responses, rewards)
+            trainer.log_stats(stats, {"query": batch_prompts, "response": texts}, rewards)
+            row = {"step": step, "reward_mean": statistics.fmean(scores), "kl": float(stats["objective/kl"]),
+                   "kl_coef": float(stats["objective/kl_coef"])}
+            curve.append(row)
+            if step % 5 == 0 or step == p.total_steps - 1:
+                log.info("ppo step %d: reward %.3f, kl %.3f, kl_coef %.3f", step, row["reward_mean"], row["kl"], row["kl_coef"])
+        with atomic_dir(root / io["outs"][0]) as out:
+            trainer.save_pretrained(str(out))
+            last = curve[-max(1, len(curve) // 5):]  # the last fifth of training
+            metrics = {"reward_mean_first": round(curve[0]["reward_mean"], 4),
+                       "reward_mean_last": round(statistics.fmean(r["reward_mean"] for r in last), 4),
+                       "kl_last": round(statistics.fmean(r["kl"] for r in last), 4),
+                       "kl_coef_last": round(curve[-1]["kl_coef"], 4), "steps": p.total_steps}
+            run.write_model_card(out, "PPOTrainer", f"{sft_dir} (SFT policy; also the KL reference)", as_dict(p), metrics)
+        write_json(root / paths.metrics / "ppo.json", metrics)
+        write_csv(root / paths.plots / "ppo.csv", curve, ["step", "reward_mean", "kl", "kl_coef"])
+        run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
+        run.summary.update(metrics)
+    return metrics

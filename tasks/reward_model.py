@@ -1,0 +1,84 @@
+"""Stage ``reward_model``: a pairwise reward model on the gold-labelled preference pairs.
+
+Initialised from the SFT checkpoint (InstructGPT: the reward model starts from the supervised policy,
+with a fresh one-output score head), or from ``reward_model.init_from`` when that names another model.
+Writes ``models/reward_model``, ``metrics/reward_model.json`` (including held-out pair accuracy and its
+agreement with the gold judge) and ``plots/reward_model.csv``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.data import read_jsonl
+from tasks.params import PARAMS_FILE, as_dict, load_params, stage_io
+from tasks.tracking import atomic_dir, get_logger, loss_curve, stage_run, training_arguments, write_csv, write_json
+
+HOLDOUT_SHARE = 0.1
+
+
+@task(name="reward_model", cache_policy=NO_CACHE)  # training: no retries
+def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Train ``models/reward_model`` on ``data/preferences.jsonl``; returns metrics/reward_model.json."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_core import RewardTrainer, set_seed
+    from rlhf_core.rewards import RewardModelScorer
+
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    p, paths = params.reward_model, params.paths
+    io = stage_io(paths)["reward_model"]
+    pairs_path, sft_dir = io["deps"]
+    log = get_logger()
+    pairs = read_jsonl(root / pairs_path)
+    if len(pairs) < 2:
+        raise ValueError(f"{pairs_path}: need at least 2 preference pairs, found {len(pairs)}")
+    base = str(root / sft_dir) if p.init_from == "sft" else p.init_from
+    random.Random(p.seed).shuffle(pairs)
+    n_hold = max(1, int(len(pairs) * HOLDOUT_SHARE))
+    held, train = pairs[:n_hold], pairs[n_hold:]
+
+    with stage_run("reward_model", root, p, io["deps"], parent_run_id) as run:
+        set_seed(p.seed)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        run.log_dataset(root / pairs_path, "preferences")
+        columns = ("prompt", "chosen", "rejected")
+        dataset = Dataset.from_dict({c: [x[c] for x in train] for c in columns})
+        log.info("reward_model: %d training pairs, %d held out, initialised from %s", len(train), len(held), base)
+        with atomic_dir(root / io["outs"][0]) as out:
+            trainer = RewardTrainer(model=model, args=training_arguments(out / "_trainer", p), train_dataset=dataset,
+                                    tokenizer=tokenizer, max_length=p.max_length, log_with="mlflow")
+            result = trainer.train()
+            curve = loss_curve(trainer.state.log_history)
+            scorer = RewardModelScorer(trainer.model, tokenizer, max_length=p.max_length)
+            chosen = scorer([x["prompt"] + x["chosen"] for x in held])
+            rejected = scorer([x["prompt"] + x["rejected"] for x in held])
+            metrics = {
+                "train_loss": round(float(result.training_loss), 4),
+                "heldout_accuracy": round(sum(c > r for c, r in zip(chosen, rejected)) / len(held), 4),
+                "heldout_margin": round(sum(c - r for c, r in zip(chosen, rejected)) / len(held), 4),
+                "num_train_pairs": len(train), "num_heldout_pairs": len(held), "steps": trainer.state.global_step,
+            }
+            trainer.save_model(str(out))
+            tokenizer.save_pretrained(str(out))
+            import shutil
+
+            shutil.rmtree(out / "_trainer", ignore_errors=True)
+            run.write_model_card(out, "RewardTrainer", base if p.init_from != "sft" else f"{sft_dir} (SFT policy)",
+                                 as_dict(p), metrics)
+        write_json(root / paths.metrics / "reward_model.json", metrics)
+        write_csv(root / paths.plots / "reward_model.csv", curve, ["step", "loss"])
+        run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
+        run.summary.update(metrics)
+        log.info("reward_model: held-out accuracy %.3f", metrics["heldout_accuracy"])
+    return metrics
