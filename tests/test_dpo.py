@@ -74,13 +74,17 @@ def test_tokenize_row_without_truncation(tokenizer):
 
 def test_truncation_keep_end_and_keep_start_row_by_row():
     prompt, chosen, rejected = list(range(10)), [100, 101, 102], [200]
-    # 10 + 3 > 8: prompt cut to 4 tokens, then 4 + 3 <= 8 so responses stay whole
-    assert truncate_prompt_and_responses(prompt, chosen, rejected, 8, 4, "keep_end") == ([6, 7, 8, 9], chosen, rejected)
-    assert truncate_prompt_and_responses(prompt, chosen, rejected, 8, 4, "keep_start") == ([0, 1, 2, 3], chosen, rejected)
+
+    def cut(max_length: int, mode: str) -> tuple:
+        return truncate_prompt_and_responses(prompt, chosen, rejected, max_length, 4, mode)
+
+    # 10 + 3 > 8: prompt cut to max_prompt_length = 4 tokens, then 4 + 3 <= 8 so responses stay whole
+    assert cut(8, "keep_end") == ([6, 7, 8, 9], chosen, rejected)
+    assert cut(8, "keep_start") == ([0, 1, 2, 3], chosen, rejected)
     # 10 + 3 > 6: prompt to 4, 4 + 3 > 6: responses cut to 6 - 4 = 2 tokens (keep their start)
-    assert truncate_prompt_and_responses(prompt, chosen, rejected, 6, 4, "keep_end") == ([6, 7, 8, 9], [100, 101], [200])
+    assert cut(6, "keep_end") == ([6, 7, 8, 9], [100, 101], [200])
     # fits: nothing changes even if the prompt is longer than max_prompt_length
-    assert truncate_prompt_and_responses(prompt, chosen, rejected, 20, 4, "keep_end") == (prompt, chosen, rejected)
+    assert cut(20, "keep_end") == (prompt, chosen, rejected)
     with pytest.raises(ValueError, match="truncation_mode"):
         truncate_prompt_and_responses(prompt, chosen, rejected, 8, 4, "middle")
 
@@ -112,7 +116,10 @@ def test_collator_and_concatenate_pairs():
     assert batch["chosen_labels"].tolist() == [[-100, -100, 3], [-100, 8, -100]]
     assert batch["prompt"] == ["p", "q"]
     cat = concatenate_pairs(batch, padding_value=0, label_pad_token_id=-100)
-    assert cat["concatenated_input_ids"].tolist() == [[1, 2, 3, 0, 0], [7, 8, 0, 0, 0], [1, 2, 4, 5, 6], [7, 9, 0, 0, 0]]
+    # rows: chosen 0, chosen 1, rejected 0, rejected 1
+    assert cat["concatenated_input_ids"].tolist() == [
+        [1, 2, 3, 0, 0], [7, 8, 0, 0, 0], [1, 2, 4, 5, 6], [7, 9, 0, 0, 0]
+    ]
     assert cat["concatenated_attention_mask"].sum(1).tolist() == [3, 2, 5, 2]
     assert cat["concatenated_labels"][0].tolist() == [-100, -100, 3, -100, -100]
 
@@ -140,7 +147,8 @@ def test_concatenated_forward_equals_separate_passes(tokenizer, tmp_path):
     with torch.no_grad():
         for side, got in (("chosen", chosen_logps), ("rejected", rejected_logps)):
             out = trainer.model(input_ids=batch[f"{side}_input_ids"], attention_mask=batch[f"{side}_attention_mask"])
-            torch.testing.assert_close(got.detach(), response_logprobs(out.logits, batch[f"{side}_labels"]), atol=1e-5, rtol=1e-5)
+            expected = response_logprobs(out.logits, batch[f"{side}_labels"])
+            torch.testing.assert_close(got.detach(), expected, atol=1e-5, rtol=1e-5)
 
 
 # ---- training and references -----------------------------------------------------------------
@@ -193,7 +201,8 @@ def test_peft_policy_uses_disabled_adapter_as_reference(tokenizer, tmp_path):
     ref_chosen, _ = trainer.compute_reference_log_probs(batch)
     policy_chosen, _, _, _ = trainer.concatenated_forward(trainer.model, batch)
     with torch.no_grad():
-        expected = response_logprobs(original(input_ids=batch["chosen_input_ids"], attention_mask=batch["chosen_attention_mask"]).logits, batch["chosen_labels"])
+        logits = original(input_ids=batch["chosen_input_ids"], attention_mask=batch["chosen_attention_mask"]).logits
+        expected = response_logprobs(logits, batch["chosen_labels"])
     torch.testing.assert_close(ref_chosen, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(policy_chosen.detach(), expected)  # the adapter did learn something
 

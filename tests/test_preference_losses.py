@@ -40,7 +40,8 @@ def test_sigmoid_closed_form(label_smoothing):
 
 def test_sigmoid_row0_by_hand():
     losses, _, _ = dpo_loss(PC, PR, RC, RR, beta=BETA)
-    assert abs(losses[0].item() - math.log(1 + math.exp(-0.15))) < 1e-12  # e^-0.15 = 0.8607080, ln(1.8607080) = 0.6209570
+    # e^-0.15 = 0.8607080, ln(1.8607080) = 0.6209570
+    assert abs(losses[0].item() - math.log(1 + math.exp(-0.15))) < 1e-12
     assert abs(losses[0].item() - 0.6209570) < 1e-6
 
 

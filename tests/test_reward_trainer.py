@@ -56,14 +56,16 @@ def test_tokenize_pair_row_by_row(tokenizer):
 def test_missing_columns_value_error_names_them(tokenizer, tmp_path):
     bad = Dataset.from_dict({"input_ids_chosen": [[1, 2]], "attention_mask_chosen": [[1, 1]]})
     with pytest.raises(ValueError, match=r"\['input_ids_rejected', 'attention_mask_rejected'\]"):
-        RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path), train_dataset=bad, tokenizer=tokenizer)
+        RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path), train_dataset=bad,
+                      tokenizer=tokenizer)
 
 
 def test_two_output_model_is_rejected(tokenizer, tmp_path):
     model = tiny_reward_model(tokenizer)
     model.config.num_labels = 2
     with pytest.raises(ValueError, match="num_labels=2"):
-        RewardTrainer(model=model, args=small_args(tmp_path), train_dataset=Dataset.from_dict(PAIRS), tokenizer=tokenizer)
+        RewardTrainer(model=model, args=small_args(tmp_path), train_dataset=Dataset.from_dict(PAIRS),
+                      tokenizer=tokenizer)
 
 
 def test_collator_pads_pairs_to_common_length_with_margin(tokenizer):

@@ -116,8 +116,9 @@ def test_sft_trainer_lowers_loss_and_accepts_tokenizer_kwarg(tokenizer, tmp_path
 
 def test_sft_trainer_packing_builds_constant_length_dataset(tokenizer, tmp_path):
     trainer = SFTTrainer(
-        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=2), train_dataset=Dataset.from_dict({"text": TEXTS}),
-        processing_class=tokenizer, dataset_text_field="text", packing=True, max_seq_length=16, infinite=True,
+        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=2),
+        train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer, dataset_text_field="text",
+        packing=True, max_seq_length=16, infinite=True,
     )
     assert isinstance(trainer.train_dataset, ConstantLengthDataset)
     trainer.train()
@@ -128,7 +129,8 @@ def test_sft_trainer_errors(tokenizer, tmp_path):
     model = tiny_causal_lm(tokenizer)
     dataset = Dataset.from_dict({"text": TEXTS})
     with pytest.raises(ValueError, match="dataset_text_field='body'"):
-        SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer, dataset_text_field="body")
+        SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer,
+                   dataset_text_field="body")
     with pytest.raises(ValueError, match="dataset_text_field or formatting_func"):
         SFTTrainer(model=model, args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer)
     collator = DataCollatorForCompletionOnlyLM("Answer:", tokenizer=tokenizer)
@@ -142,8 +144,9 @@ def test_sft_trainer_errors(tokenizer, tmp_path):
 
 def test_sft_save_writes_safetensors_and_card(tokenizer, tmp_path):
     trainer = SFTTrainer(
-        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=1), train_dataset=Dataset.from_dict({"text": TEXTS}),
-        tokenizer=tokenizer, dataset_text_field="text", max_seq_length=16, log_with="memory",
+        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_dict({"text": TEXTS}), tokenizer=tokenizer, dataset_text_field="text",
+        max_seq_length=16, log_with="memory",
     )
     trainer.train()
     out = tmp_path / "final"
@@ -181,7 +184,9 @@ def test_sft_model_from_path_formatting_func_and_peft(tokenizer, tmp_path):
     trainer = SFTTrainer(
         model=str(path), args=small_args(tmp_path, max_steps=2, per_device_train_batch_size=2), train_dataset=dataset,
         formatting_func=lambda ex: f"Q: {ex['q']} A: {ex['a']}", max_seq_length=16,
-        peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], task_type="CAUSAL_LM", fan_in_fan_out=True),
+        peft_config=LoraConfig(
+            r=2, lora_alpha=4, target_modules=["c_attn"], task_type="CAUSAL_LM", fan_in_fan_out=True
+        ),
     )
     first = trainer.train_dataset[0]["input_ids"]
     assert first == trainer.processing_class("Q: the film A: great")["input_ids"] + [tokenizer.eos_token_id]

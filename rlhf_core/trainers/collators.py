@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
 
-def pad_to_length(rows: Sequence[Sequence[int]], value: int, length: int | None = None, side: str = "right") -> torch.Tensor:
+def pad_to_length(
+    rows: Sequence[Sequence[int]], value: int, length: int | None = None, side: str = "right"
+) -> torch.Tensor:
     """Pad ragged integer rows into a (B, T) LongTensor, on the right or the left."""
     if side not in ("right", "left"):
         raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
@@ -269,11 +271,12 @@ class RewardDataCollatorWithPadding:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         side = getattr(self.tokenizer, "padding_side", "right")
         pad_id = self.tokenizer.pad_token_id
+        masks = {name: [list(f[f"attention_mask_{name}"]) for f in features] for name in ("chosen", "rejected")}
         batch = {
             "input_ids_chosen": pad_to_length(chosen, pad_id, width, side),  # (B, T)
-            "attention_mask_chosen": pad_to_length([list(f["attention_mask_chosen"]) for f in features], 0, width, side),
+            "attention_mask_chosen": pad_to_length(masks["chosen"], 0, width, side),
             "input_ids_rejected": pad_to_length(rejected, pad_id, width, side),  # (B, T)
-            "attention_mask_rejected": pad_to_length([list(f["attention_mask_rejected"]) for f in features], 0, width, side),
+            "attention_mask_rejected": pad_to_length(masks["rejected"], 0, width, side),
             "return_loss": True,
         }
         if "margin" in features[0]:

@@ -54,7 +54,12 @@ DEFAULT_MAX_LENGTH, DEFAULT_MAX_PROMPT_LENGTH = 512, 128
 
 
 def truncate_prompt_and_responses(
-    prompt: list[int], chosen: list[int], rejected: list[int], max_length: int, max_prompt_length: int, truncation_mode: str
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    max_length: int,
+    max_prompt_length: int,
+    truncation_mode: str,
 ) -> tuple[list[int], list[int], list[int]]:
     """Fit ``prompt + response`` into ``max_length``: first cut the prompt to ``max_prompt_length``
     (``keep_end`` keeps its last tokens, ``keep_start`` its first), then cut the responses' ends."""

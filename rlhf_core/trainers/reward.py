@@ -106,7 +106,9 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int, num_pr
     if len(dataset) == 0 and before > 0:
         raise ValueError(f"every reward pair is longer than max_length={max_length} tokens; raise max_length")
     if len(dataset) < before:
-        logger.warning("RewardTrainer dropped %d of %d pairs longer than max_length=%d", before - len(dataset), before, max_length)
+        logger.warning(
+            "RewardTrainer dropped %d of %d pairs longer than max_length=%d", before - len(dataset), before, max_length
+        )
     return dataset
 
 
@@ -151,7 +153,9 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         num_proc = getattr(args, "dataset_num_proc", None)
         train_dataset = prepare_reward_dataset(train_dataset, tokenizer, self.max_length, num_proc)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare_reward_dataset(v, tokenizer, self.max_length, num_proc) for k, v in eval_dataset.items()}
+            eval_dataset = {
+                k: prepare_reward_dataset(v, tokenizer, self.max_length, num_proc) for k, v in eval_dataset.items()
+            }
         else:
             eval_dataset = prepare_reward_dataset(eval_dataset, tokenizer, self.max_length, num_proc)
         if data_collator is None:
@@ -172,7 +176,9 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         """The reward model must emit one score per sequence."""
         num_labels = getattr(getattr(model, "config", None), "num_labels", 1)
         if num_labels != 1:
-            raise ValueError(f"the reward model must have one output (config.num_labels=1), got num_labels={num_labels}")
+            raise ValueError(
+                f"the reward model must have one output (config.num_labels=1), got num_labels={num_labels}"
+            )
 
     def _set_signature_columns_if_needed(self) -> None:
         """Keep the reward columns (the model's forward signature does not name them)."""

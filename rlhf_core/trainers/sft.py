@@ -34,7 +34,9 @@ def _is_hf_dataset(dataset: Any) -> bool:
     return hasattr(dataset, "column_names") and hasattr(dataset, "map")
 
 
-def format_batch(batch: Mapping[str, list], dataset_text_field: str | None, formatting_func: Callable | None) -> list[str]:
+def format_batch(
+    batch: Mapping[str, list], dataset_text_field: str | None, formatting_func: Callable | None
+) -> list[str]:
     """The texts of a batched ``map`` call: a column, or ``formatting_func`` (batched or per example)."""
     if formatting_func is None:
         return list(batch[dataset_text_field])
@@ -94,7 +96,9 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         args = default_training_args(args, self.trainer_name)
         tokenizer = load_tokenizer_for(model, resolve_processing_class(tokenizer, processing_class))
         if tokenizer is None:
-            raise ValueError("SFTTrainer needs tokenizer= (or processing_class=), or a model name/path to load one from")
+            raise ValueError(
+                "SFTTrainer needs tokenizer= (or processing_class=), or a model name/path to load one from"
+            )
         model = wrap_peft(load_model(model, AutoModelForCausalLM, model_init_kwargs), peft_config)
         if packing and isinstance(data_collator, DataCollatorForCompletionOnlyLM):
             raise ValueError("packing=True cannot be combined with DataCollatorForCompletionOnlyLM")
@@ -108,7 +112,8 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         )
         train_dataset = self._prepare_dataset(train_dataset, **prepare)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self._prepare_dataset(v, **{**prepare, "infinite": False}) for k, v in eval_dataset.items()}
+            eval_dataset = {k: self._prepare_dataset(v, **{**prepare, "infinite": False})
+                            for k, v in eval_dataset.items()}
         else:
             eval_dataset = self._prepare_dataset(eval_dataset, **{**prepare, "infinite": False})
         if data_collator is None:
@@ -166,10 +171,12 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             )
 
         def tokenize(batch: Mapping[str, list]) -> dict[str, list[list[int]]]:
-            return tokenize_texts(format_batch(batch, dataset_text_field, formatting_func), tokenizer, self.max_seq_length)
+            texts = format_batch(batch, dataset_text_field, formatting_func)
+            return tokenize_texts(texts, tokenizer, self.max_seq_length)
 
         return dataset.map(
-            tokenize, batched=True, batch_size=dataset_batch_size if dataset_batch_size and dataset_batch_size > 0 else None,
+            tokenize, batched=True,
+            batch_size=dataset_batch_size if dataset_batch_size and dataset_batch_size > 0 else None,
             num_proc=dataset_num_proc, remove_columns=dataset.column_names,
         )
 
