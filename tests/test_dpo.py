@@ -179,7 +179,7 @@ def test_trainer_loss_matches_pure_dpo_loss(tokenizer, tmp_path):
     batch = first_batch(trainer)
     for loss_type, label_smoothing in [("hinge", 0.0), ("ipo", 0.0), ("robust", 0.1), ("sigmoid", 0.1)]:
         trainer.loss_type, trainer.label_smoothing = loss_type, label_smoothing
-        loss, _ = trainer.get_batch_loss_metrics(trainer.model, batch)
+        loss, _ = trainer.get_batch_metrics(trainer.model, batch)  # classic name of get_batch_loss_metrics
         pc, pr, _, _ = trainer.concatenated_forward(trainer.model, batch)
         rc, rr = trainer.compute_reference_log_probs(batch)
         losses, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type=loss_type, label_smoothing=label_smoothing)
@@ -244,6 +244,8 @@ def test_get_batch_samples_generates_from_policy_and_reference(tokenizer, tmp_pa
 
 def test_value_errors(tokenizer, tmp_path):
     model = tiny_causal_lm(tokenizer)
+    with pytest.raises(ValueError, match="needs model="):
+        DPOTrainer(model=None, args=small_args(tmp_path), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="ref_model is model"):
         make_trainer(tokenizer, tmp_path, model=model, ref_model=model)
     with pytest.raises(ValueError, match=r"missing the columns \['rejected'\]"):

@@ -178,6 +178,8 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         if tokenizer is None:
             raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
         self._check_options(beta, loss_type, label_smoothing, truncation_mode)
+        if model is None:
+            raise ValueError("DPOTrainer needs model= (a causal LM, a name or a path); model_init alone is not supported")
         model = load_model(model, AutoModelForCausalLM, model_init_kwargs)
         ref_model = load_model(ref_model, AutoModelForCausalLM, ref_model_init_kwargs)
         if ref_model is not None and ref_model is model:
@@ -365,6 +367,9 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         }
         self._last_rewards = torch.stack([chosen_rewards, rejected_rewards], dim=1)  # (B, 2)
         return losses.mean(), {prefix + k: float(v.detach().cpu()) for k, v in metrics.items()}
+
+    # classic TRL 0.7 name of the same method
+    get_batch_metrics = get_batch_loss_metrics
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The DPO loss; its metrics are stored and averaged into the next ``log`` call."""
