@@ -507,3 +507,44 @@ def test_ppo_raises_the_mean_score_of_a_simple_reward(tokenizer):
             means.append(stats["ppo/mean_scores"])
     first, last = np.mean(means[:5]), np.mean(means[-5:])
     assert last > first + 0.2, (first, last)
+
+
+# ---------------------------------------------------------------------------- numerical guards
+
+
+def test_nonfinite_gradients_skip_updates_and_leave_state_unchanged(tokenizer):
+    trainer = make_trainer(tokenizer, max_nonfinite_updates=100)
+    before = weights(trainer.model)
+    trainer.model.v_head.summary.weight.register_hook(lambda grad: grad * float("inf"))
+    queries, responses = batch_of(tokenizer)
+    with pytest.warns(UserWarning, match="non-finite gradient norm"):
+        stats = trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(-1.0)] * 2)
+    assert stats["ppo/skipped_updates"] == 8.0  # 4 epochs x 2 mini-batches
+    after = weights(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not trainer.optimizer.state_dict()["state"]  # Adam never stepped
+
+
+def test_too_many_nonfinite_updates_in_a_row_stop_the_run(tokenizer):
+    trainer = make_trainer(tokenizer, max_nonfinite_updates=3)
+    original = trainer.loss
+    trainer.loss = lambda *a: (lambda p, v, s: (p * float("nan"), v, s))(*original(*a))
+    queries, responses = batch_of(tokenizer)
+    with pytest.warns(UserWarning, match="non-finite loss"), pytest.raises(RuntimeError, match="3 PPO updates in a row"):
+        trainer.step(queries, responses, [torch.tensor(1.0)] * 4)
+
+
+def test_a_finite_update_resets_the_nonfinite_count(tokenizer):
+    trainer = make_trainer(tokenizer, max_nonfinite_updates=2)
+    original, calls = trainer.loss, []
+
+    def every_other_nan(*args):
+        pg, vf, stats = original(*args)
+        calls.append(1)
+        return (pg * float("nan") if len(calls) % 2 else pg), vf, stats
+
+    trainer.loss = every_other_nan
+    queries, responses = batch_of(tokenizer)
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        stats = trainer.step(queries, responses, [torch.tensor(1.0)] * 4)
+    assert stats["ppo/skipped_updates"] == 4.0

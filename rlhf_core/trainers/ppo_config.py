@@ -109,6 +109,8 @@ class PPOConfig:
     """Clip scores to ``[-score_clip, score_clip]`` after scaling."""
     whiten_rewards: bool = False
     """Whiten the per-token rewards (without shifting the mean) before GAE."""
+    max_nonfinite_updates: int = 3
+    """Stop with an error after this many updates in a row skipped for a non-finite loss or gradient."""
     gradient_checkpointing: bool = False
     """Enable gradient checkpointing on the policy."""
     is_encoder_decoder: Optional[bool] = None
@@ -146,7 +148,8 @@ class PPOConfig:
             self.optimize_device_cache = self.optimize_cuda_cache
 
     def _check_positive(self) -> None:
-        for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "steps"):
+        for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "steps",
+                     "max_nonfinite_updates"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PPOConfig.{name} must be a positive integer, got {value!r}")

@@ -96,6 +96,8 @@ class PPOTrainer:
         if self.accelerator.is_main_process:
             self.tracker.log_params(config.to_dict())
         self.current_step = 0
+        self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
+        self._nonfinite_this_step = 0
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -284,6 +286,7 @@ class PPOTrainer:
         experience = Experience(old["logprobs"], old["ref_logprobs"], values, rewards, non_score, kls, advantages, returns)
 
         t = time.time()
+        self._nonfinite_this_step = 0
         train_stats = self._optimise(batch, experience)
         timing["time/ppo/optimize_step"] = time.time() - t
 
@@ -296,6 +299,7 @@ class PPOTrainer:
         stats = stats_to_np(self.gather_stats(stats))
         timing["time/ppo/calc_stats"] = time.time() - t
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        stats["ppo/skipped_updates"] = float(self._nonfinite_this_step)
         self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
         timing["time/ppo/total"] = time.time() - t_start
         stats.update(timing)
@@ -437,16 +441,41 @@ class PPOTrainer:
         return stacked
 
     def train_minibatch(self, batch: ModelBatch, old: Experience) -> dict[str, torch.Tensor]:
-        """One forward/backward pass on a mini-batch; steps the optimizer at accumulation boundaries."""
+        """One forward/backward pass on a mini-batch; steps the optimizer at accumulation boundaries.
+
+        A non-finite loss or gradient norm skips the update (weights and optimizer state untouched)
+        and is counted; ``max_nonfinite_updates`` skips in a row stop the run with an error.
+        """
         logprobs, vpreds, logits = self.batched_forward_pass(self.model, batch, return_logits=True)
         loss_p, loss_v, stats = self.loss(old.logprobs, old.values, logits, vpreds, logprobs,
                                           batch.response_mask, old.advantages, old.returns)
-        self.accelerator.backward(loss_p + loss_v)
-        if self.config.max_grad_norm is not None and self.accelerator.sync_gradients:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        loss = loss_p + loss_v
+        if not torch.isfinite(loss):
+            return self._skip_update(stats, f"non-finite loss ({float(loss)})")
+        self.accelerator.backward(loss)
+        if self.accelerator.sync_gradients:
+            # With no max_grad_norm the bound is infinite: the norm is measured, the gradients kept as they are.
+            max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
+                return self._skip_update(stats, f"non-finite gradient norm ({float(grad_norm)})")
         self.optimizer.step()
         self.optimizer.zero_grad()  # the accelerator only really steps/zeroes at accumulation boundaries
+        self._nonfinite_in_a_row = 0
         return stats
+
+    def _skip_update(self, stats: dict[str, torch.Tensor], reason: str) -> dict[str, torch.Tensor]:
+        """Drop this mini-batch's gradients, count the skip, stop after too many in a row."""
+        self.optimizer.zero_grad()
+        self._nonfinite_in_a_row += 1
+        self._nonfinite_this_step += 1
+        warnings.warn(f"PPO update skipped: {reason}", stacklevel=3)
+        if self._nonfinite_in_a_row >= self.config.max_nonfinite_updates:
+            raise RuntimeError(
+                f"{self._nonfinite_in_a_row} PPO updates in a row were skipped ({reason}); stopping. Check the "
+                "scores, the learning rate and the model's numerics (max_nonfinite_updates sets this limit)."
+            )
+        return {key: torch.nan_to_num(value) for key, value in stats.items()}
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
         """Clipped policy loss and ``vf_coef`` x clipped value loss; zeroed past ``ratio_threshold``."""
