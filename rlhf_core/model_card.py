@@ -45,6 +45,12 @@ def _table(rows: Mapping[str, Any], header: tuple[str, str]) -> list[str]:
     return lines
 
 
+def trainer_tag_for(trainer_name: str) -> str:
+    """The card tag of a trainer: ``"SFTTrainer"`` and ``"sft"`` both give ``"sft"``."""
+    name = trainer_name.strip().lower()
+    return name.removesuffix("trainer") or name
+
+
 def render_model_card(
     model_name: str,
     trainer_name: str,
@@ -54,7 +60,7 @@ def render_model_card(
     notes: str | None = None,
 ) -> str:
     """The card's markdown text (YAML front matter + sections), without touching disk."""
-    trainer_tag = trainer_name.lower()
+    trainer_tag = trainer_tag_for(trainer_name)
     front = ["---", "library_name: rlhf_core", "tags:", "- rlhf_core", f"- {_yaml_scalar(trainer_tag)}"]
     if base_model:
         front.append(f"base_model: {_yaml_scalar(base_model)}")
@@ -62,7 +68,7 @@ def render_model_card(
     body = [
         f"# {model_name}",
         "",
-        f"This model was trained with the `{trainer_name}` trainer of `rlhf_core`"
+        f"This model was trained with `rlhf_core`'s `{trainer_name}`"
         + (f", starting from `{base_model}`." if base_model else "."),
     ]
     if hyperparameters:

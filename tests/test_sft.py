@@ -164,14 +164,14 @@ def test_write_model_card_front_matter_parses(tmp_path):
     from rlhf_core.model_card import write_model_card
 
     path = write_model_card(
-        tmp_path / "ckpt", model_name="policy", trainer_name="PPO", base_model="org/tiny: v1",
+        tmp_path / "ckpt", model_name="policy", trainer_name="PPOTrainer", base_model="org/tiny: v1",
         hyperparameters={"learning_rate": 1e-5, "note": "a|b"}, metrics={"reward": 0.5}, notes="Trained offline.",
     )
     text = path.read_text()
     assert path == tmp_path / "ckpt" / "README.md"
     front = yaml.safe_load(text.split("---\n")[1])
     assert front == {"library_name": "rlhf_core", "tags": ["rlhf_core", "ppo"], "base_model": "org/tiny: v1"}
-    assert "| learning_rate | 1e-05 |" in text and "| note | a\\|b |" in text and "## Notes\n\nTrained offline." in text
+    assert "trained with `rlhf_core`'s `PPOTrainer`" in text and "| learning_rate | 1e-05 |" in text and "| note | a\\|b |" in text and "## Notes\n\nTrained offline." in text
 
 
 def test_sft_model_from_path_formatting_func_and_peft(tokenizer, tmp_path):

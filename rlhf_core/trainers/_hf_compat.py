@@ -177,7 +177,7 @@ class RlhfTrainerMixin:
         write_model_card(
             output_dir,
             model_name=Path(output_dir).name,
-            trainer_name=self.trainer_name,
+            trainer_name=type(self).__name__,
             base_model=base_model_name(model.get_base_model() if is_peft_model(model) else model),
             hyperparameters=self.card_hyperparameters(),
             metrics=self.card_metrics(),
