@@ -32,6 +32,7 @@ _EXPORTS = {
     "RewardTrainer": "rlhf_core.trainers.reward",
     "RewardDataCollatorWithPadding": "rlhf_core.trainers.collators",
     "compute_accuracy": "rlhf_core.trainers.reward",
+    "RewardConfig": "rlhf_core.trainers.reward",
     "DPOTrainer": "rlhf_core.trainers.dpo",
     "DPODataCollatorWithPadding": "rlhf_core.trainers.collators",
     "DDPOConfig": "rlhf_core.trainers.ddpo_config",

@@ -26,11 +26,11 @@ WANDB_PADDING = -1
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor | None, gather: bool = True) -> torch.Tensor:
-    """Log-probabilities of ``labels`` under ``logits`` (B, T, V) -> (B, T), computed in fp32.
+    """Log-probabilities of ``labels`` under ``logits`` (B, T, V) -> (B, T), in fp32 (fp64 stays fp64).
 
     With ``gather=False`` the full log-softmax (B, T, V) is returned and ``labels`` is ignored.
     """
-    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (B, T, V), >= fp32
     if not gather:
         return logp
     return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
@@ -38,7 +38,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor | None, gath
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution given by ``logits`` (..., V) -> (...), in fp32."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     probs = F.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
 

@@ -1,0 +1,52 @@
+"""Trackers: what reaches MLflow and TensorBoard, and what never does (secrets)."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.tracking import MemoryTracker, NullTracker, make_tracker, public_params, scalar_metrics
+
+
+def test_scalar_metrics_keep_finite_scalars_only():
+    stats = {"a": 1.5, "b": np.float32(2.0), "c": torch.tensor(3.0), "d": np.ones(3), "e": float("nan"), "f": "x",
+             "g": np.array([4.0])}
+    assert scalar_metrics(stats) == {"a": 1.5, "b": 2.0, "c": 3.0, "g": 4.0}
+
+
+def test_secret_looking_params_are_dropped():
+    params = {"learning_rate": 1e-3, "hub_token": "abc", "db_password": "x", "api_key": "k", "SECRET_thing": 1}
+    assert public_params(params) == {"learning_rate": 1e-3}
+
+
+def test_make_tracker_choices():
+    assert isinstance(make_tracker(None), NullTracker)
+    memory = MemoryTracker()
+    assert make_tracker(memory) is memory
+    with pytest.raises(ValueError, match="log_with"):
+        make_tracker("wandb-typo")
+
+
+def test_mlflow_tracker_logs_metrics_tables_and_params(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = make_tracker("mlflow", project_name="tracker-test")
+    run_id = mlflow.active_run().info.run_id
+    tracker.log_params({"learning_rate": 0.1, "hub_token": "never"})
+    tracker.log({"objective/kl": 0.5, "ppo/loss/total": torch.tensor(1.25), "dist": np.ones(4)}, step=3)
+    tracker.log_table("game_log", ["query", "response", "reward"], [["q", "r", 1.0]], step=3)
+    tracker.finish()
+    run = mlflow.get_run(run_id)
+    assert run.data.metrics == {"objective/kl": 0.5, "ppo/loss/total": 1.25}
+    assert run.data.params == {"learning_rate": "0.1"}
+    artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "tables")]
+    assert artifacts == ["tables/game_log_step3.json"]
+
+
+def test_tensorboard_tracker_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    tracker = make_tracker("tensorboard", project_name="tb", logging_dir=str(tmp_path))
+    tracker.log({"objective/kl": 0.5}, step=1)
+    tracker.log_table("game_log", ["query", "response"], [["q", "r"]], step=1)
+    tracker.finish()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
