@@ -364,7 +364,7 @@ def training_arguments(output_dir: str | Path, section: Any, logging_steps: int 
     kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
     return TrainingArguments(
         output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,
-        disable_tqdm=not on_terminal(), dataloader_num_workers=0, **kwargs, **extra)
+        disable_tqdm=not on_terminal(), dataloader_num_workers=0, dataloader_pin_memory=False, **kwargs, **extra)
 
 
 def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list[dict]:

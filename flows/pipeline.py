@@ -1,0 +1,101 @@
+"""The whole pipeline as one Prefect flow: ``python -m flows.pipeline``.
+
+For each stage in order, ask DVC whether it is stale; if so run its task and record it in dvc.lock.
+Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
+parameter re-runs ppo and evaluate only. ``dvc repro`` runs the same tasks through ``flows.stage``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.stages import STAGE_TASKS
+from tasks.dvc_ops import record_stage, stage_status
+from tasks.params import PARAMS_FILE, STAGES, load_params
+from tasks.registry import registry_task
+from tasks.tracking import end_pipeline_run, get_logger, mlflow_setup, mlflow_ui_link, start_pipeline_run
+
+WHERE_TO_LOOK = """Where to look:
+  MLflow UI:   make mlflow-ui   (http://127.0.0.1:5000, experiment rlhf-pipeline, model rlhf-policy)
+  DVC:         dvc metrics show   |   dvc plots show --html-template ... (or plots/*.csv)   |   dvc status
+  Prefect UI:  prefect server start --host 127.0.0.1   (http://127.0.0.1:4200; runs, logs, artifacts)"""
+
+
+@flow(name="rlhf-pipeline", log_prints=True)
+def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
+    """Run every stale stage of the pipeline in ``root``, then the registry step."""
+    root = str(Path(root).resolve())
+    load_params(Path(root) / PARAMS_FILE)  # bad params fail here, before any state changes
+    log = get_logger()
+    parent = start_pipeline_run(root, entry="prefect")
+    ran, skipped = [], []
+    try:
+        for name in STAGES:
+            changes = stage_status(root, name)
+            if changes or force:
+                log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))
+                STAGE_TASKS[name](root, parent)
+                record_stage(root, name)
+                ran.append(name)
+            else:
+                log.info("stage %s: up to date, skipped", name)
+                skipped.append(name)
+        decision = registry_task(root, parent) if run_registry else {"registered": False, "reason": "registry disabled"}
+    except BaseException:
+        end_pipeline_run(root, parent, "FAILED", {"ran": ",".join(ran)})
+        raise
+    end_pipeline_run(root, parent, "FINISHED", {"ran": ",".join(ran) or "nothing", "registry": decision.get("reason")})
+    summary = {"ran": ran, "skipped": skipped, "registry": decision, "mlflow_run": parent}
+    create_markdown_artifact(_report(root, summary), key="rlhf-pipeline-summary", description="pipeline summary")
+    print(f"Stages run: {', '.join(ran) or 'none (everything up to date)'}; registry: {decision.get('reason')}")
+    print(WHERE_TO_LOOK)
+    return summary
+
+
+def _describe(changes: dict) -> str:
+    parts = []
+    for entries in changes.values():
+        for entry in entries:
+            if isinstance(entry, dict):
+                for kind, what in entry.items():
+                    parts.append(f"{kind}: {', '.join(what) if isinstance(what, dict) else what}")
+            else:
+                parts.append(str(entry))
+    return "; ".join(parts)[:300] or "changed"
+
+
+def _report(root: str, summary: dict) -> str:
+    exp = mlflow_setup(root)
+    lines = ["## RLHF pipeline", "", f"- stages run: {', '.join(summary['ran']) or 'none'}",
+             f"- skipped (up to date): {', '.join(summary['skipped']) or 'none'}",
+             f"- registry: {summary['registry'].get('reason')}",
+             f"- MLflow parent run: [{summary['mlflow_run']}]({mlflow_ui_link(exp, summary['mlflow_run'])})", ""]
+    evaluation = Path(root) / "metrics" / "evaluate.json"
+    if evaluation.exists():
+        import json
+
+        results = json.loads(evaluation.read_text())
+        keys = list(next(iter(results.values())))
+        lines += ["| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        lines += [f"| {p} | " + " | ".join(str(v[k]) for k in keys) + " |" for p, v in results.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=".", help="project directory (default: current)")
+    parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
+    parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
+    args = parser.parse_args(argv)
+    pipeline(args.root, force=args.force, run_registry=not args.no_register)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

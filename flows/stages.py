@@ -1,0 +1,17 @@
+"""The stage name -> Prefect task table shared by the flows."""
+
+from tasks.dpo import dpo_task
+from tasks.evaluate import evaluate_task
+from tasks.ppo import ppo_task
+from tasks.prepare import prepare_task
+from tasks.reward_model import reward_model_task
+from tasks.sft import sft_task
+
+STAGE_TASKS = {
+    "prepare": prepare_task,
+    "sft": sft_task,
+    "reward_model": reward_model_task,
+    "ppo": ppo_task,
+    "dpo": dpo_task,
+    "evaluate": evaluate_task,
+}

@@ -1,0 +1,140 @@
+"""Stage tasks through ``.fn()`` on temporary directories (no Prefect orchestration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _pipeline_project import make_project, write_params
+
+from rlhf_core.data import DataFormatError
+from tasks.tracking import atomic_dir, input_hashes
+
+RT_POLARITY = Path(__file__).resolve().parents[2] / "shared" / "data" / "rt-polarity"
+DATA_FILES = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    return make_project(tmp_path / "proj", git_dvc=False)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_prepare_synthetic(project):
+    from tasks.prepare import prepare_task
+
+    metrics = prepare_task.fn(str(project))
+    data = project / "data"
+    for name in DATA_FILES:
+        assert (data / f"{name}.jsonl").is_file()
+    train, held = _lines(data / "sft_train.jsonl"), _lines(data / "heldout.jsonl")
+    assert len(train) + len(held) == 240 and metrics["num_train"] == len(train)
+    assert not {r["text"] for r in train} & {r["text"] for r in held}
+    pairs = _lines(data / "preferences.jsonl")
+    assert pairs and all(p["chosen_score"] - p["rejected_score"] >= 0.3 for p in pairs)
+    prompts = _lines(data / "prompts_eval.jsonl")
+    assert all(2 <= len(p["query"].split()) <= 4 for p in prompts)
+    assert -1 < metrics["gold_mean"] < 1 and 0 < metrics["share_positive"] < 1
+    assert json.loads((project / "metrics" / "prepare.json").read_text()) == metrics
+    assert (project / "plots" / "prepare.csv").read_text().startswith("gold_bin,count")
+    assert not list(data.glob(".*tmp*"))  # no temp files left behind
+
+
+def test_prepare_merges_incoming_pairs(project):
+    from tasks.prepare import prepare_task
+
+    new = {"prompt": "The new film", "chosen": " was a delight.", "rejected": " was a bore."}
+    (project / "incoming" / "batch1.jsonl").write_text(json.dumps(new) + "\n")
+    metrics = prepare_task.fn(str(project))
+    assert metrics["num_incoming_pairs"] == 1
+    pairs = _lines(project / "data" / "preferences.jsonl")
+    assert {k: pairs[-1][k] for k in new} == new
+
+
+def test_malformed_input_stops_prepare_and_writes_nothing(project):
+    from tasks.prepare import prepare_task
+
+    prepare_task.fn(str(project))
+    before = {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES}
+    metrics_before = (project / "metrics" / "prepare.json").read_bytes()
+    bad = project / "incoming" / "broken.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": \n')
+    with pytest.raises(DataFormatError) as err:
+        prepare_task.fn(str(project))
+    assert str(err.value).startswith(f"{bad}:2: invalid JSON")
+    assert {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES} == before
+    assert (project / "metrics" / "prepare.json").read_bytes() == metrics_before
+
+
+def test_malformed_source_file_names_file_and_line(project, tmp_path):
+    from tasks.prepare import prepare_task
+
+    source = tmp_path / "reviews.csv"
+    source.write_text("text,label\ngood film,1\nbad, film,0\n")
+    write_params(project, {"prepare.source": str(source)})
+    with pytest.raises(DataFormatError, match=r"reviews.csv:3: expected 2 fields, got 3"):
+        prepare_task.fn(str(project))
+    assert not (project / "data").exists()
+
+
+@pytest.mark.skipif(not RT_POLARITY.is_dir(), reason="../shared/data/rt-polarity not present")
+def test_prepare_reads_rt_polarity(project):
+    from tasks.prepare import prepare_task
+
+    write_params(project, {"prepare.source": str(RT_POLARITY), "prepare.num_reviews": 400})
+    metrics = prepare_task.fn(str(project))
+    assert metrics["num_train"] + metrics["num_heldout"] == 400
+    assert metrics["num_pairs"] > 0
+
+
+def test_sft_then_failing_stage_leaves_outputs_untouched(project):
+    from tasks.dpo import dpo_task
+    from tasks.prepare import prepare_task
+    from tasks.sft import sft_task
+
+    prepare_task.fn(str(project))
+    metrics = sft_task.fn(str(project))
+    sft_dir = project / "models" / "sft"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in sft_dir.iterdir()}
+    assert "_trainer" not in {p.name for p in sft_dir.iterdir()}
+    assert metrics["steps"] > 0 and metrics["final_loss"] > 0
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(sft_dir).config.n_embd == 32
+    # a stage that fails (here: no preference pairs) writes nothing and leaves earlier outputs alone
+    snapshot = {p.name: p.read_bytes() for p in sft_dir.iterdir()}
+    (project / "data" / "preferences.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no preference pairs"):
+        dpo_task.fn(str(project))
+    assert not (project / "models" / "dpo").exists()
+    assert {p.name: p.read_bytes() for p in sft_dir.iterdir()} == snapshot
+
+
+def test_atomic_dir_keeps_the_old_output_on_error(tmp_path):
+    target = tmp_path / "models" / "ppo"
+    target.mkdir(parents=True)
+    (target / "weights").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target) as tmp:
+            (tmp / "weights").write_text("half")
+            raise RuntimeError("training diverged")
+    assert (target / "weights").read_text() == "old"
+    assert [p.name for p in target.parent.iterdir()] == ["ppo"]
+    with atomic_dir(target) as tmp:
+        (tmp / "weights").write_text("new")
+    assert (target / "weights").read_text() == "new"
+    assert [p.name for p in target.parent.iterdir()] == ["ppo"]
+
+
+def test_input_hashes_match_dvc_file_hashes(tmp_path):
+    import hashlib
+
+    (tmp_path / "a.txt").write_text("hello")
+    hashes = input_hashes(tmp_path, ["a.txt", "missing"])
+    assert hashes == {"a.txt": hashlib.md5(b"hello").hexdigest(), "missing": "missing"}
