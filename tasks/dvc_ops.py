@@ -7,6 +7,9 @@ outputs) after, so ``python -m flows.pipeline`` and ``dvc repro`` share one reco
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefect import task
@@ -15,10 +18,19 @@ from prefect.cache_policies import NO_CACHE
 from tasks.tracking import get_logger
 
 
-def _repo(root: str | Path):
+@contextlib.contextmanager
+def _repo(root: str | Path) -> Iterator:
+    """Open the DVC repo at ``root`` with the working directory inside it (DVC resolves stage paths
+    against the current directory; from outside the repo its outputs look foreign)."""
     from dvc.repo import Repo
 
-    return Repo(str(root))
+    previous = os.getcwd()
+    os.chdir(root)
+    try:
+        with Repo(str(root)) as repo:
+            yield repo
+    finally:
+        os.chdir(previous)
 
 
 @task(name="dvc-status", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)

@@ -281,8 +281,12 @@ class StageRun:
         import pandas as pd
 
         path = Path(path)
+        import warnings
+
         df = pd.read_json(path, lines=True) if path.stat().st_size else pd.DataFrame()
-        ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
+        with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local files
+            warnings.simplefilter("ignore", UserWarning)
+            ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
         mlflow.log_input(ds, context=context)
 
     def write_model_card(self, model_dir: str | Path, trainer_name: str, base_model: str | None,

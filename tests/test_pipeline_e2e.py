@@ -29,9 +29,9 @@ def project(tmp_path_factory):
 
 
 def _dvc_status(root) -> dict:
-    from dvc.repo import Repo
+    from tasks.dvc_ops import _repo
 
-    with Repo(str(root)) as repo:
+    with _repo(root) as repo:
         return repo.status()
 
 
