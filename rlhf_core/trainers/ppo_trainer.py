@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import time
 import warnings
@@ -35,6 +36,7 @@ from rlhf_core.core import (
 from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_losses
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
+from rlhf_core import checkpointing as ckpt
 from rlhf_core.tracking import make_tracker
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
@@ -87,7 +89,7 @@ class PPOTrainer:
             model.gradient_checkpointing_enable()
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
         if self.dataloader is not None:
-            self.dataloader = self.accelerator.prepare(self.dataloader)
+            self.dataloader = self._track_data_position(self.accelerator.prepare(self.dataloader))
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
         self.running = RunningMoments(self.accelerator)
@@ -129,14 +131,19 @@ class PPOTrainer:
         return create_reference_model(model, num_shared_layers=num_shared_layers)
 
     def prepare_dataloader(self, dataset, data_collator: Callable | None = None) -> DataLoader:
-        """A shuffled dataloader of ``batch_size`` rows (last partial batch dropped)."""
+        """A shuffled dataloader of ``batch_size`` rows (last partial batch dropped).
+
+        The shuffle is a ``ResumableRandomSampler`` (epoch-seeded by ``config.seed``): its position is part
+        of ``save_state``, so a resumed run sees the same batches as a straight one.
+        """
         import datasets
 
         if isinstance(dataset, datasets.Dataset) and self.config.remove_unused_columns:
             dataset = self._remove_unused_columns(dataset)
         return DataLoader(
             dataset, batch_size=self.config.batch_size, collate_fn=data_collator or _list_collator,
-            shuffle=True, drop_last=True,
+            sampler=ckpt.ResumableRandomSampler(len(dataset), seed=self.config.seed), drop_last=True,
+            generator=torch.Generator().manual_seed(self.config.seed),  # iterators never draw from the global RNG
         )
 
     def _remove_unused_columns(self, dataset):
@@ -595,3 +602,72 @@ class PPOTrainer:
     def _save_pretrained(self, save_directory: str) -> None:
         """Alias kept for classic-TRL compatibility."""
         self.save_pretrained(save_directory)
+
+    # ------------------------------------------------------------------ exact resume (rlhf_core.checkpointing)
+
+    def _track_data_position(self, loader):
+        """Wrap the prepared dataloader so its position (epoch, samples delivered) can be checkpointed."""
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        if isinstance(sampler, ckpt.ResumableRandomSampler):
+            return ckpt.PositionTrackingLoader(loader, sampler, self.config.batch_size * self.accelerator.num_processes)
+        return loader
+
+    def save_state(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        """Write everything a run needs to continue exactly, atomically, into the directory ``path``.
+
+        Policy + value head (``model.safetensors``), optimizer and scheduler (``torch.save``, read back with
+        ``weights_only=True``), RNG states, KL-controller value, running score moments, step counter,
+        dataloader position and ``extra`` (JSON-able state of the caller's loop) in ``trainer_state.json``.
+        """
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            state = {
+                "format": ckpt.CHECKPOINT_FORMAT, "kind": "ppo", "step": self.current_step,
+                "kl_ctl": {"class": type(self.kl_ctl).__name__, **self.kl_ctl.state_dict()},
+                "running": self.running.state_dict(), "nonfinite_in_a_row": self._nonfinite_in_a_row,
+                "accelerator_step": int(getattr(self.accelerator, "step", 0)),
+                "data": self.dataloader.state_dict() if isinstance(self.dataloader, ckpt.PositionTrackingLoader) else None,
+                "config": json.loads(json.dumps(self.config.to_dict(), default=str)), "extra": extra or {},
+            }
+            with ckpt.atomic_directory(path) as tmp:
+                ckpt.save_module_weights(self.accelerator.unwrap_model(self.model), tmp / "model.safetensors")
+                ckpt.save_torch(self.optimizer.state_dict(), tmp / "optimizer.pt")
+                if self.lr_scheduler is not None:
+                    ckpt.save_torch(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+                ckpt.save_torch(ckpt.capture_rng_state(), tmp / "rng_state.pt")
+                ckpt.write_json(tmp / ckpt.STATE_FILE, state)
+        self.accelerator.wait_for_everyone()
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        """Restore a ``save_state`` checkpoint into this trainer (built with the same arguments); returns ``extra``."""
+        path = ckpt.checkpoint_dir(path)
+        state = ckpt.read_json(path / ckpt.STATE_FILE)
+        if state.get("kind") != "ppo" or state.get("format") != ckpt.CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a PPOTrainer checkpoint (kind={state.get('kind')!r}, format={state.get('format')!r})")
+        kl_state = dict(state["kl_ctl"])
+        if kl_state.pop("class") != type(self.kl_ctl).__name__:
+            raise ValueError(f"{path}: checkpoint KL controller differs from this trainer's ({type(self.kl_ctl).__name__}); "
+                             "build the trainer with the same adap_kl_ctrl")
+        cosmetic = {"exp_name", "log_with", "tracker_project_name", "tracker_kwargs", "project_kwargs"}
+        changed = sorted(k for k, v in json.loads(json.dumps(self.config.to_dict(), default=str)).items()
+                         if k in state["config"] and k not in cosmetic and state["config"][k] != v)
+        if changed:
+            warnings.warn(f"resuming {path} with a different PPOConfig ({', '.join(changed)}): the run is not exact",
+                          stacklevel=2)
+        if (self.lr_scheduler is None) != (not (path / "scheduler.pt").exists()):
+            raise ValueError(f"{path}: the checkpoint and this trainer disagree on having an lr_scheduler")
+        ckpt.load_module_weights(self.accelerator.unwrap_model(self.model), path / "model.safetensors")
+        self.optimizer.load_state_dict(ckpt.load_torch(path / "optimizer.pt"))
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(ckpt.load_torch(path / "scheduler.pt"))
+        self.kl_ctl.load_state_dict(kl_state)
+        self.running.load_state_dict(state["running"])
+        self.current_step, self._nonfinite_in_a_row = int(state["step"]), int(state["nonfinite_in_a_row"])
+        if hasattr(self.accelerator, "step"):
+            self.accelerator.step = int(state["accelerator_step"])
+        if state["data"] is not None and isinstance(self.dataloader, ckpt.PositionTrackingLoader):
+            self.dataloader.load_state_dict(state["data"])
+        elif state["data"] is not None:
+            warnings.warn(f"{path} holds a dataloader position but this trainer has no dataset", stacklevel=2)
+        ckpt.restore_rng_state(ckpt.load_torch(path / "rng_state.pt"))
+        return state["extra"]

@@ -1,0 +1,416 @@
+"""Checkpoint machinery shared by every trainer: atomic directories, RNG state, data position, graceful stop.
+
+- ``atomic_directory(target)``: write a checkpoint into ``<target>.tmp-<pid>`` beside the target, fsync it,
+  then swap it in with renames. A crash at any point leaves either the previous checkpoint or the new one at
+  ``target`` (or, for the instant between the two renames, the previous one at ``<target>.old-<pid>``, which
+  ``recover_directory`` puts back). Never half a checkpoint.
+- ``capture_rng_state`` / ``restore_rng_state``: python ``random``, numpy's global generator and torch's CPU
+  (and CUDA) generators, as tensors and plain values so ``torch.load(weights_only=True)`` reads them back.
+- ``save_torch`` / ``load_torch``: ``torch.save`` and ``torch.load(weights_only=True)`` (no pickled code).
+- ``ResumableRandomSampler`` + ``PositionTrackingLoader``: an epoch-seeded shuffle whose position (epoch and
+  samples delivered) is part of the checkpoint, so a resumed run sees the same batches as a straight one.
+- ``GracefulStop``: SIGTERM/SIGINT become a flag checked at step boundaries; the stage saves and exits with
+  ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``: "try again"), distinct from success (0) and failure (1).
+- ``resolve_output_path``: output paths from ``params.yaml`` stay inside the project unless allowed.
+
+Only the standard library, numpy and torch are imported here, so ``rlhf_core`` stays importable anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+EXIT_PREEMPTED = 75
+"""Exit status of a stage stopped by SIGTERM/SIGINT after saving its state (``EX_TEMPFAIL``): re-run it to resume."""
+
+CHECKPOINT_FORMAT = 1
+STATE_FILE = "trainer_state.json"
+"""PPO: counters, controller and moments, data position (JSON). HF trainers: transformers' own ``TrainerState``."""
+
+
+# ---------------------------------------------------------------------------------------------- atomic writes
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the directories themselves to disk."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale_siblings(target: Path) -> None:
+    """Remove ``<target>.tmp-<pid>`` left by dead writers (a crash mid-save)."""
+    for stale in target.parent.glob(f"{target.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def recover_directory(target: str | Path) -> Path:
+    """If a crash fell between the two renames of ``atomic_directory``, put the previous checkpoint back."""
+    target = Path(target)
+    if not target.exists():
+        olds = sorted(target.parent.glob(f"{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+        if olds:
+            olds[-1].rename(target)
+    return target
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | Path) -> Iterator[Path]:
+    """Yield ``<target>.tmp-<pid>``; when the block succeeds, fsync it and swap it in place of ``target``.
+
+    On an exception the temporary directory is deleted and ``target`` is untouched.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(target)
+    _clean_stale_siblings(target)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = target.with_name(f"{target.name}.old-{os.getpid()}")
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    tmp.rename(target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def save_torch(obj: Any, path: str | Path) -> None:
+    """``torch.save`` of tensors and plain containers only (readable with ``weights_only=True``)."""
+    torch.save(obj, str(path))
+
+
+def load_torch(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load`` with ``weights_only=True``: a checkpoint can never run code."""
+    return torch.load(str(path), map_location=map_location, weights_only=True)
+
+
+def save_module_weights(module: torch.nn.Module, path: str | Path) -> None:
+    """``module.state_dict()`` as safetensors; tied tensors are stored once and their aliases in the metadata."""
+    from safetensors.torch import save_file
+
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_key: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for key, tensor in module.state_dict().items():
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and ident in first_key:
+            aliases[key] = first_key[ident]
+            continue
+        first_key[ident] = key
+        unique[key] = tensor.detach().cpu().contiguous()
+    save_file(unique, str(path), metadata={"aliases": json.dumps(aliases)})
+
+
+def load_module_weights(module: torch.nn.Module, path: str | Path) -> None:
+    """Load ``save_module_weights`` output into ``module`` (strict: every key must match)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        aliases = json.loads((fh.metadata() or {}).get("aliases", "{}"))
+    state = load_file(str(path))
+    for alias, key in aliases.items():
+        state[alias] = state[key]
+    module.load_state_dict(state, strict=True)
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a complete checkpoint directory (after crash recovery), or a clear error."""
+    path = recover_directory(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no checkpoint here (expected a directory written by save_state)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy and torch generator states as tensors and plain values (``weights_only``-safe)."""
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, torch.tensor(mt, dtype=torch.int64), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``."""
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in mt.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------- data position
+
+
+class ResumableRandomSampler(torch.utils.data.Sampler[int]):
+    """A shuffle that can be resumed: epoch ``e`` is ``randperm(n)`` under seed ``seed + e``.
+
+    ``consumed`` counts the indices handed out in the current epoch; iteration continues from there, so
+    loading a saved ``state_dict`` resumes mid-epoch. No ``set_epoch`` on purpose: accelerate would reset
+    the epoch from its own counter, which restarts at 0 in a resumed process.
+    """
+
+    def __init__(self, data_source_or_length: Any, seed: int = 0) -> None:
+        self.num_samples = data_source_or_length if isinstance(data_source_or_length, int) else len(data_source_or_length)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.consumed = 0
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.permutation(self.epoch)
+        while self.consumed < self.num_samples:
+            index = order[self.consumed]
+            self.consumed += 1
+            yield index
+        self.epoch += 1
+        self.consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(f"checkpoint data position is for {state['num_samples']} samples, dataset has {self.num_samples}")
+        self.seed, self.epoch, self.consumed = int(state["seed"]), int(state["epoch"]), int(state["consumed"])
+
+
+class PositionTrackingLoader:
+    """Wraps a (prepared) dataloader over a ``ResumableRandomSampler`` and counts the batches it delivers.
+
+    accelerate's loader reads one batch ahead, so the sampler alone runs ahead of what the user has seen.
+    This wrapper records the position after the last batch actually yielded, and each new iteration
+    rewinds the sampler there. Everything else (``len``, attributes) is the wrapped loader's.
+    """
+
+    def __init__(self, loader: Any, sampler: ResumableRandomSampler, batch_size: int, drop_last: bool = True) -> None:
+        self.loader, self.sampler, self.batch_size, self.drop_last = loader, sampler, batch_size, drop_last
+        self.epoch, self.consumed = sampler.epoch, sampler.consumed
+
+    def __iter__(self) -> Iterator[Any]:
+        remaining = self.sampler.num_samples - self.consumed
+        if self.consumed and (remaining <= 0 or (self.drop_last and remaining < self.batch_size)):
+            self.epoch, self.consumed = self.epoch + 1, 0  # the rest of the epoch would be dropped anyway
+        self.sampler.epoch, self.sampler.consumed = self.epoch, self.consumed
+        for batch in self.loader:
+            self.consumed += self.batch_size
+            yield batch
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def state_dict(self) -> dict[str, int]:
+        return {**self.sampler.state_dict(), "epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self.epoch, self.consumed = self.sampler.epoch, self.sampler.consumed
+
+
+# ---------------------------------------------------------------------------------------------- graceful stop
+
+_STOP = threading.Event()
+_STOP_SIGNAL: list[str] = []
+_HANDLERS_INSTALLED = threading.Event()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    if _STOP.is_set() and signum == signal.SIGINT:
+        raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    _STOP_SIGNAL.append(name)
+    _STOP.set()
+
+
+def install_stop_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
+    """Turn ``signals`` into a stop request (main thread only; call it from the entry point). True if installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return _HANDLERS_INSTALLED.is_set()
+    for sig in signals:
+        signal.signal(sig, _on_signal)
+    _HANDLERS_INSTALLED.set()
+    return True
+
+
+class GracefulStop:
+    """A stop request from SIGTERM/SIGINT, checked by the training loop at step boundaries.
+
+    Pattern (a training stage)::
+
+        with GracefulStop() as stop:
+            for step in range(start, total):
+                ...one training step...
+                if stop.requested:
+                    trainer.save_state(ckpt)      # atomic
+                    raise SystemExit(EXIT_PREEMPTED)
+
+    Signal handlers can only be installed from the main thread; when the loop runs elsewhere (a worker
+    thread of an orchestrator), call ``install_stop_handlers()`` from the process entry point first.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.signals = signals
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        _STOP.clear()
+        _STOP_SIGNAL.clear()
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.getsignal(sig) for sig in self.signals}
+            install_stop_handlers(self.signals)
+        elif not _HANDLERS_INSTALLED.is_set():
+            warnings.warn("GracefulStop outside the main thread and no stop handlers installed: "
+                          "call rlhf_core.checkpointing.install_stop_handlers() from the entry point", stacklevel=2)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._previous:
+            _HANDLERS_INSTALLED.clear()
+
+    @property
+    def requested(self) -> bool:
+        return _STOP.is_set()
+
+    @property
+    def signal_name(self) -> str | None:
+        return _STOP_SIGNAL[0] if _STOP_SIGNAL else None
+
+    def request(self) -> None:
+        """Ask for a stop programmatically (tests, schedulers)."""
+        _STOP_SIGNAL.append("request")
+        _STOP.set()
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM/SIGINT arrived under an active ``GracefulStop``/``install_stop_handlers``."""
+    return _STOP.is_set()
+
+
+# ---------------------------------------------------------------------------------------------- resume helpers
+
+
+def fingerprint(obj: Any) -> str:
+    """A stable hash of a JSON-able object (e.g. a stage's params): resume only a checkpoint of the same run."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resumable_checkpoint(path: str | Path, expected_fingerprint: str | None = None) -> Path | None:
+    """``path`` if it holds a complete checkpoint (with the same fingerprint, when one is given), else None."""
+    path = recover_directory(path)
+    state = path / STATE_FILE
+    if not state.is_file():
+        return None
+    if expected_fingerprint is not None:
+        tag = path / "fingerprint.txt"
+        if not tag.is_file() or tag.read_text().strip() != expected_fingerprint:
+            return None
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- output paths
+
+
+def resolve_output_path(root: str | Path, relative: str | Path, allow_outside: bool = False) -> Path:
+    """``root / relative`` resolved; a ``ValueError`` if it escapes ``root`` (``..``, absolute, symlink).
+
+    ``allow_outside=True`` is the explicit opt-in for writing elsewhere (e.g. a shared scratch disk).
+    """
+    root_path = Path(root).resolve()
+    text = str(relative)
+    if not text or "\x00" in text:
+        raise ValueError(f"output path {relative!r} is empty or contains a NUL byte")
+    candidate = (root_path / Path(relative).expanduser()).resolve()
+    if allow_outside:
+        return candidate
+    if candidate != root_path and root_path not in candidate.parents:
+        raise ValueError(
+            f"output path {str(relative)!r} resolves to {candidate}, outside the project directory {root_path}; "
+            "use a path inside the project, or allow it explicitly (allow_outside=True)"
+        )
+    return candidate
+
+
+__all__ = [
+    "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "PositionTrackingLoader", "ResumableRandomSampler",
+    "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
+    "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state", "resumable_checkpoint",
+    "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",
+]
