@@ -334,18 +334,19 @@ def test_pipeline_saves_and_loads_from_a_local_directory(tmp_path):
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_ddpo_learns_to_compress_on_the_tiny_pipeline(tmp_path):
     """Fixed seed: 6 epochs of DDPO raise the mean compressibility, on fresh samples and on fixed noise.
 
-    Measured with this configuration for seeds 0, 1, 2: fixed-noise reward +0.029, +0.039, +0.045 KB;
-    per-epoch means rose from -0.82 to -0.78 (per-image std about 0.005 KB).
+    Measured with this configuration for seeds 0, 1, 2: fixed-noise reward +0.25, +0.16, +0.22 KB; the
+    per-epoch mean rose from -1.42 to -1.16, -1.27, -1.20 (per-image std about 0.012 KB).
     """
     from rlhf_core.trainers.ddpo_trainer import DDPOTrainer
 
     random.seed(0)
-    pipeline = _pipeline(use_lora=False, image_size=16)
-    config = _config(tmp_path, num_epochs=6, sample_num_steps=5, sample_batch_size=32, sample_num_batches_per_epoch=1,
-                     sample_guidance_scale=1.0, train_batch_size=8, train_learning_rate=3e-3, train_clip_range=5e-2,
+    pipeline = _pipeline(use_lora=False, image_size=32)
+    config = _config(tmp_path, num_epochs=6, sample_num_steps=5, sample_batch_size=16, sample_num_batches_per_epoch=1,
+                     sample_guidance_scale=1.0, train_batch_size=4, train_learning_rate=3e-3, train_clip_range=5e-2,
                      save_freq=100)
     trainer = DDPOTrainer(config, jpeg_compressibility, lambda: (random.choice(PROMPTS), {}), pipeline)
 
@@ -359,5 +360,5 @@ def test_ddpo_learns_to_compress_on_the_tiny_pipeline(tmp_path):
     after = fixed_noise_reward()
     curve = [m["reward_mean"] for _, m in trainer.tracker.metrics if "reward_mean" in m]
     # the same noise before and after: with learning rate 0, `after == before` exactly
-    assert after - before > 0.015, (before, after, curve)
-    assert sum(curve[-2:]) / 2 > curve[0] + 0.015, curve
+    assert after - before > 0.05, (before, after, curve)
+    assert sum(curve[-2:]) / 2 > curve[0] + 0.05, curve
