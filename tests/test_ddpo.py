@@ -168,6 +168,19 @@ def test_jpeg_rewards():
     assert image_grid(images, columns=2).size == (64, 32)
 
 
+def test_reward_output_may_be_a_tensor_or_a_pair_with_metadata():
+    from rlhf_core.trainers.ddpo_trainer import _split_reward_output
+
+    rewards, meta = _split_reward_output((torch.tensor([1.0, 2.0]), {"k": 1}), 2)
+    assert torch.equal(rewards, torch.tensor([1.0, 2.0])) and meta == {"k": 1}
+    rewards, meta = _split_reward_output((0.5, 0.7), 2)  # two plain rewards, not (rewards, metadata)
+    assert torch.equal(rewards, torch.tensor([0.5, 0.7])) and meta == {}
+    with pytest.raises(ValueError, match="3 images"):
+        _split_reward_output(torch.ones(2), 3)
+    with pytest.raises(ValueError, match="non-finite"):
+        _split_reward_output(torch.tensor([1.0, float("nan")]), 2)
+
+
 # --------------------------------------------------------------------------------------------
 # config
 # --------------------------------------------------------------------------------------------

@@ -395,17 +395,27 @@ class DDPOTrainer:
 
 
 def _split_reward_output(result: Any, batch_size: int) -> tuple[torch.Tensor, Any]:
-    """Accept ``rewards`` or ``(rewards, metadata)`` from a reward function; rewards become float32 (B,)."""
+    """Accept ``rewards`` or ``(rewards, metadata)`` from a reward function; rewards become float32 (B,).
+
+    A pair counts as ``(rewards, metadata)`` only when its first item is not a scalar, so a batch of two
+    plain-float rewards ``(0.5, 0.7)`` is read as two rewards.
+    """
     metadata: Any = {}
-    if isinstance(result, tuple) and len(result) == 2:
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (torch.Tensor, np.ndarray, list, tuple)):
         result, metadata = result
-    rewards = torch.as_tensor(np.asarray(result.cpu() if torch.is_tensor(result) else result), dtype=torch.float32)
-    rewards = rewards.reshape(-1)
+    rewards = torch.as_tensor(_to_numpy(result), dtype=torch.float32).reshape(-1)
     if rewards.shape[0] != batch_size:
         raise ValueError(f"reward_function returned {rewards.shape[0]} rewards for {batch_size} images")
     if not torch.isfinite(rewards).all():
         raise ValueError("reward_function returned a non-finite reward")
     return rewards, metadata
+
+
+def _to_numpy(values: Any) -> np.ndarray:
+    """Tensor, array or sequence of numbers -> numpy array (tensors detached and moved to the CPU)."""
+    if torch.is_tensor(values):
+        return values.detach().float().cpu().numpy()
+    return np.asarray(values, dtype=np.float64)
 
 
 def resolve_checkpoint(path: str) -> str:
