@@ -98,3 +98,20 @@ def test_pipeline_end_to_end(harness, project, monkeypatch):
     third = pipeline(str(project))
     assert third["ran"] == ["ppo", "evaluate"]
     assert _dvc_status(project) == {}
+
+    # 4. a failing stage (malformed new data): stops in prepare, nothing recorded, registry untouched
+    lock_before = (project / "dvc.lock").read_text()
+    data_before = (project / "data" / "preferences.jsonl").read_bytes()
+    versions_before = len(client.search_model_versions("name='rlhf-policy'"))
+    bad = project / "incoming" / "bad.jsonl"
+    bad.write_text('{"prompt": "This film", "chosen": " was fine.", "rejected": " was bad."}\n{"prompt": oops}\n')
+    from rlhf_core.data import DataFormatError
+
+    with pytest.raises(DataFormatError, match=r"bad.jsonl:2: invalid JSON"):
+        pipeline(str(project))
+    assert (project / "dvc.lock").read_text() == lock_before
+    assert (project / "data" / "preferences.jsonl").read_bytes() == data_before
+    assert len(client.search_model_versions("name='rlhf-policy'")) == versions_before
+    failed = client.search_runs([exp.experiment_id], "tags.`rlhf.kind` = 'pipeline'", order_by=["start_time DESC"])[0]
+    assert failed.info.status == "FAILED"
+    bad.unlink()
