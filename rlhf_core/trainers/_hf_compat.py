@@ -4,13 +4,19 @@
 - loading a model given as a name or path, and wrapping it with PEFT;
 - forwarding every ``Trainer.log`` call to an rlhf_core tracker (``log_with``), without double logging;
 - a model card (``README.md``) beside every safetensors checkpoint.
+- reliability: checkpoints written atomically (``rlhf_core.checkpointing``) with transformers' own contents
+  but no pickled ``training_args.bin`` (JSON instead); ``save_state``/``load_state`` for exact resume; a
+  guard that skips optimizer steps with non-finite gradients; a callback that saves and stops on SIGTERM.
 
 Trainers never import MLflow here: the tracker object from ``rlhf_core.tracking`` does.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import warnings
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -19,6 +25,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from rlhf_core import checkpointing as ckpt
 from rlhf_core.model_card import write_model_card
 from rlhf_core.tracking import Tracker, make_tracker
 
@@ -126,6 +133,66 @@ class TrackerCallback(TrainerCallback):
             self.tracker.log(dict(logs), step=state.global_step)
 
 
+class NonFiniteGuardCallback(TrainerCallback):
+    """Skip an optimizer step whose gradients hold NaN/inf: weights and optimizer state stay unchanged.
+
+    Runs just before ``optimizer.step`` (after clipping): the gradients are dropped (set to ``None``, which
+    the optimizer skips), the skip is counted (logged as ``skipped_updates``), and ``max_in_a_row`` skips
+    in a row stop the run with a ``RuntimeError``. The learning-rate schedule still advances one step.
+    """
+
+    def __init__(self, max_in_a_row: int = 10) -> None:
+        if max_in_a_row < 1:
+            raise ValueError(f"max_nonfinite_updates must be >= 1, got {max_in_a_row}")
+        self.max_in_a_row = max_in_a_row
+        self.skipped = 0
+        self.in_a_row = 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
+        if not grads:
+            return
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        if bool(finite):
+            self.in_a_row = 0
+            return
+        for param in model.parameters():
+            param.grad = None
+        self.skipped += 1
+        self.in_a_row += 1
+        warnings.warn(f"optimizer step {state.global_step + 1} skipped: non-finite gradients", stacklevel=2)
+        if self.in_a_row >= self.max_in_a_row:
+            raise RuntimeError(
+                f"{self.in_a_row} optimizer steps in a row had non-finite gradients; stopping. Check the data, the "
+                "learning rate and the model's numerics (trainer.nonfinite_guard.max_in_a_row sets this limit)."
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.skipped, self.in_a_row = int(state["skipped"]), int(state["in_a_row"])
+
+
+class GracefulStopCallback(TrainerCallback):
+    """On SIGTERM/SIGINT (a ``GracefulStop`` request), save a checkpoint at the next step boundary and stop.
+
+    The checkpoint is the regular one in ``output_dir/checkpoint-<step>`` (atomic); ``stopped`` tells the
+    caller to exit with ``rlhf_core.checkpointing.EXIT_PREEMPTED``. Resume with ``train(resume_from_checkpoint=True)``.
+    """
+
+    def __init__(self, stop: ckpt.GracefulStop | None = None) -> None:
+        self.stop = stop
+        self.stopped = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.stop.requested if self.stop is not None else ckpt.stop_requested()
+        if requested:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped = True
+
+
 class RlhfTrainerMixin:
     """Shared behaviour of rlhf_core's Trainer subclasses: tracker wiring and model cards on save.
 
@@ -133,6 +200,8 @@ class RlhfTrainerMixin:
     """
 
     trainer_name = "trainer"
+    max_nonfinite_updates = 10
+    """Optimizer steps in a row with non-finite gradients before the run stops (``NonFiniteGuardCallback``)."""
 
     def _setup_tracking(
         self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None
@@ -142,6 +211,8 @@ class RlhfTrainerMixin:
         If transformers' own integration for the same backend is also on (``report_to=["mlflow"]``),
         it is removed so every metric is logged once.
         """
+        self.nonfinite_guard = NonFiniteGuardCallback(self.max_nonfinite_updates)
+        self.add_callback(self.nonfinite_guard)
         self.tracker = make_tracker(log_with, project_name=project_name, **dict(tracker_kwargs or {}))
         if log_with is None:
             return
@@ -182,9 +253,81 @@ class RlhfTrainerMixin:
             hyperparameters=self.card_hyperparameters(),
             metrics=self.card_metrics(),
         )
+        # transformers pickles the arguments (training_args.bin); keep them as JSON instead: no pickle on disk.
+        Path(output_dir, "training_args.bin").unlink(missing_ok=True)
+        Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
+
+    # ---- reliability: skipped-update count, atomic checkpoints, exact resume -----------------------
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add ``skipped_updates`` (non-finite steps skipped so far) to training logs."""
+        guard = getattr(self, "nonfinite_guard", None)
+        if guard is not None and "loss" in logs:
+            logs["skipped_updates"] = float(guard.skipped)
+        super().log(logs, *args, **kwargs)
+
+    def save_state(self, path: str | Path) -> None:
+        """Write a resumable checkpoint (transformers' own contents) atomically into the directory ``path``.
+
+        Weights (safetensors), model card, tokenizer, ``optimizer.pt``/``scheduler.pt``/``rng_state.pth``
+        (read back with ``weights_only=True``), ``trainer_state.json``, ``training_args.json`` and the
+        non-finite guard's counters. Single process only (a distributed run uses transformers' saving).
+        """
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        if not self.args.should_save:
+            return
+        with ckpt.atomic_directory(path) as tmp:
+            self.save_model(str(tmp), _internal_call=True)
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(str(tmp))
+                self._save_scaler(str(tmp))
+                self._save_rng_state(str(tmp))
+            self.state.save_to_json(str(tmp / TRAINER_STATE_NAME))
+            guard = getattr(self, "nonfinite_guard", None)
+            ckpt.write_json(tmp / "rlhf_state.json", {"nonfinite_guard": guard.state_dict() if guard else None})
+
+    def load_state(self, path: str | Path) -> None:
+        """Resume from a ``save_state`` checkpoint on the next ``train()`` (built with the same arguments)."""
+        path = ckpt.checkpoint_dir(path)
+        if not (path / "trainer_state.json").is_file():
+            raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json)")
+        self._resume_checkpoint = str(path)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, resuming from ``load_state``'s checkpoint when no other is given."""
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = getattr(self, "_resume_checkpoint", None)
+        if isinstance(resume_from_checkpoint, (str, Path)):
+            resume_from_checkpoint = str(ckpt.checkpoint_dir(resume_from_checkpoint))
+            extra = Path(resume_from_checkpoint, "rlhf_state.json")
+            guard = getattr(self, "nonfinite_guard", None)
+            if extra.is_file() and guard is not None and ckpt.read_json(extra).get("nonfinite_guard"):
+                guard.load_state_dict(ckpt.read_json(extra)["nonfinite_guard"])
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """transformers' periodic checkpoint, written atomically through ``save_state`` (single process)."""
+        if self.args.world_size > 1:
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_utils import rotate_checkpoints
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        best_step = getattr(self.state, "best_global_step", None)
+        if best_step:
+            best_dir = Path(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+            if best_dir.exists() or best_step == self.state.global_step:
+                self.state.best_model_checkpoint = str(best_dir)
+        self.save_state(Path(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
 
 
 __all__ = [
-    "RlhfTrainerMixin", "TrackerCallback", "base_model_name", "default_training_args",
+    "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name", "default_training_args",
     "disable_dropout", "is_peft_model", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
 ]
