@@ -23,7 +23,7 @@ from tasks.tracking import end_pipeline_run, get_logger, mlflow_setup, mlflow_ui
 
 WHERE_TO_LOOK = """Where to look:
   MLflow UI:   make mlflow-ui   (http://127.0.0.1:5000, experiment rlhf-pipeline, model rlhf-policy)
-  DVC:         dvc metrics show   |   dvc plots show --html-template ... (or plots/*.csv)   |   dvc status
+  DVC:         dvc metrics show   |   dvc metrics diff   |   dvc status   |   plots/*.csv (charts: MLflow evaluate run)
   Prefect UI:  prefect server start --host 127.0.0.1   (http://127.0.0.1:4200; runs, logs, artifacts)"""
 
 
