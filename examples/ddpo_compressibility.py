@@ -2,6 +2,7 @@
 
     python examples/ddpo_compressibility.py                      # tiny pipeline, 20-40 s on a CPU
     python examples/ddpo_compressibility.py --reward incompressibility --epochs 10
+    python examples/ddpo_compressibility.py --lora --learning-rate 3e-2  # LoRA (rank 8, attention + convs)
     python examples/ddpo_compressibility.py --model runwayml/stable-diffusion-v1-5 --lora \\
         --image-steps 50 --epochs 100                            # online, a real SD model on a GPU
 
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 
 from rlhf_core.models.diffusion import (  # noqa: E402
     ANIMAL_PROMPTS,
+    LORA_CONV_TARGET_MODULES,
     DefaultDDPOStableDiffusionPipeline,
     tiny_stable_diffusion_pipeline,
 )
@@ -45,9 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_pipeline(model: str, lora: bool, seed: int) -> DefaultDDPOStableDiffusionPipeline:
-    """The tiny offline pipeline (full fine-tuning) or a real one from a directory / hub id."""
+    """The tiny offline pipeline or a real one from a directory / hub id (LoRA or the full UNet)."""
     if not model:
-        return DefaultDDPOStableDiffusionPipeline(tiny_stable_diffusion_pipeline(seed=seed), use_lora=lora)
+        # the tiny UNet needs LoRA on its convolutions too (and a learning rate around 3e-2)
+        return DefaultDDPOStableDiffusionPipeline(
+            tiny_stable_diffusion_pipeline(seed=seed), use_lora=lora, lora_rank=8,
+            lora_target_modules=LORA_CONV_TARGET_MODULES,
+        )
     return DefaultDDPOStableDiffusionPipeline(model, use_lora=lora)
 
 

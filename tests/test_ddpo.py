@@ -342,9 +342,22 @@ def test_pipeline_saves_and_loads_from_a_local_directory(tmp_path):
     out = loaded(embeds, embeds, num_inference_steps=2, generator=torch.Generator().manual_seed(0))
     assert out.images.shape == (2, 3, 16, 16) and out.latents.shape[:2] == (2, 3) and out.log_probs.shape == (2, 2)
     assert torch.isfinite(out.log_probs).all()
-    lora = _pipeline()
+    # LoRA weights (attention and convolutions) round-trip through diffusers' load_lora_weights exactly
+    from rlhf_core.models.diffusion import LORA_CONV_TARGET_MODULES
+
+    lora = DefaultDDPOStableDiffusionPipeline(tiny_stable_diffusion_pipeline(image_size=16), lora_rank=2,
+                                              lora_target_modules=LORA_CONV_TARGET_MODULES)
+    with torch.no_grad():
+        for name, weight in lora.unet.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0, 0.05)
     lora.save_pretrained(str(tmp_path / "lora"))
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
+    fresh = tiny_stable_diffusion_pipeline(image_size=16)
+    fresh.load_lora_weights(str(tmp_path / "lora"))
+    x, t, e = torch.randn(2, 4, 8, 8), torch.tensor([500, 500]), torch.randn(2, 8, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.unet(x, t, e).sample, lora.unet(x, t, e).sample)
 
 
 @pytest.mark.slow
