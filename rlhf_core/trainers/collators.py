@@ -8,6 +8,8 @@ along dim 0, so chosen and rejected are padded to one common length here.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,6 +21,60 @@ from torch.utils.data import IterableDataset
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------------------------
+# input checks: malformed features get a ValueError naming the row and column, before any tensor op
+# --------------------------------------------------------------------------------------------
+
+
+def check_features(features: Any, what: str) -> None:
+    """``features`` must be a non-empty sequence of mappings (one per example)."""
+    if isinstance(features, (str, bytes, Mapping)) or not isinstance(features, Sequence):
+        raise ValueError(f"{what} collator expects a list of feature dicts, got {type(features).__name__}")
+    if len(features) == 0:
+        raise ValueError(f"{what} collator got an empty batch (no features)")
+    for i, feature in enumerate(features):
+        if not isinstance(feature, Mapping):
+            raise ValueError(f"{what} feature {i} must be a dict of columns, got {type(feature).__name__}")
+
+
+def check_token_row(value: Any, where: str, allowed_negative: tuple[int, ...] = (), allow_empty: bool = True) -> list[int]:
+    """A list of non-negative integer token ids (``allowed_negative`` e.g. the label pad id)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ValueError(f"{where} must be a 1-d sequence of token ids, got shape {tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ValueError(f"{where} must be a list of token ids, got {type(value).__name__}")
+    row = list(value)
+    for token in row:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ValueError(f"{where} must hold integer token ids, got {token!r} ({type(token).__name__})")
+        if token < 0 and token not in allowed_negative:
+            raise ValueError(f"{where} holds a negative token id ({token})")
+    if not row and not allow_empty:
+        raise ValueError(f"{where} is empty: every sequence needs at least one token")
+    return [int(t) for t in row]
+
+
+def check_mask_row(value: Any, where: str, length: int) -> list[int]:
+    """An attention mask of 0/1 values as long as its ids."""
+    row = check_token_row(value, where)
+    if len(row) != length:
+        raise ValueError(f"{where} has {len(row)} entries but its input_ids have {length}")
+    if any(v not in (0, 1) for v in row):
+        raise ValueError(f"{where} must hold only 0 and 1")
+    return row
+
+
+def check_finite_number(value: Any, where: str) -> float:
+    """A finite real number (no NaN, inf, strings or None)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def pad_to_length(
@@ -181,6 +237,12 @@ class DataCollatorForCompletionOnlyLM:
 
     def _pad(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
         """Right-pad ``input_ids`` (B, T) and build the attention mask."""
+        if isinstance(examples, (str, bytes)) or not isinstance(examples, Sequence) or not examples:
+            raise ValueError("completion-only collator got an empty batch (no examples)")
+        for i, e in enumerate(examples):
+            if isinstance(e, Mapping) and "input_ids" not in e:
+                raise ValueError(f"example {i} has no 'input_ids' column (columns: {sorted(map(str, e))})")
+            check_token_row(e["input_ids"] if isinstance(e, Mapping) else e, f"example {i} input_ids", allow_empty=False)
         rows = [list(e["input_ids"] if isinstance(e, Mapping) else e) for e in examples]
         width = max(len(r) for r in rows)
         if self.pad_to_multiple_of:
@@ -259,9 +321,7 @@ class RewardDataCollatorWithPadding:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        missing = [k for k in self.REQUIRED if k not in features[0]]
-        if missing:
-            raise ValueError(f"reward features are missing the columns {missing}; expected {list(self.REQUIRED)}")
+        self._check(features)
         chosen = [list(f["input_ids_chosen"]) for f in features]
         rejected = [list(f["input_ids_rejected"]) for f in features]
         width = max(len(r) for r in chosen + rejected)
@@ -282,6 +342,24 @@ class RewardDataCollatorWithPadding:
         if "margin" in features[0]:
             batch["margin"] = torch.tensor([float(f["margin"]) for f in features], dtype=torch.float)  # (B,)
         return batch
+
+
+    def _check(self, features: Any) -> None:
+        """Every feature has the four columns, integer ids, 0/1 masks of matching length, a finite margin."""
+        check_features(features, "reward")
+        has_margin = "margin" in features[0]
+        for i, feature in enumerate(features):
+            missing = [k for k in self.REQUIRED if k not in feature]
+            if missing:
+                raise ValueError(f"reward feature {i} is missing the columns {missing}; expected {list(self.REQUIRED)}")
+            for name in ("chosen", "rejected"):
+                ids = check_token_row(feature[f"input_ids_{name}"], f"reward feature {i} input_ids_{name}",
+                                      allow_empty=False)
+                check_mask_row(feature[f"attention_mask_{name}"], f"reward feature {i} attention_mask_{name}", len(ids))
+            if has_margin:
+                if "margin" not in feature:
+                    raise ValueError(f"reward feature {i} has no 'margin' column but feature 0 has one")
+                check_finite_number(feature["margin"], f"reward feature {i} margin")
 
 
 class DPODataCollatorWithPadding:
@@ -307,7 +385,27 @@ class DPODataCollatorWithPadding:
             return 0
         return self.pad_token_id
 
+    def _check(self, features: Any) -> None:
+        """Same columns in every feature; integer ids/labels, 0/1 masks matching their ids, finite log-probs."""
+        check_features(features, "DPO")
+        columns = set(features[0])
+        for i, feature in enumerate(features):
+            if set(feature) != columns:
+                raise ValueError(f"DPO feature {i} has columns {sorted(feature)}, feature 0 has {sorted(columns)}")
+            for key, value in feature.items():
+                where = f"DPO feature {i} column {key!r}"
+                if key.endswith(("_input_ids", "_labels")):
+                    check_token_row(value, where, allowed_negative=(self.label_pad_token_id,) if key.endswith("_labels") else ())
+                elif key.endswith("_attention_mask"):
+                    ids_key = key[: -len("_attention_mask")] + "_input_ids"
+                    length = len(check_token_row(feature[ids_key], f"DPO feature {i} column {ids_key!r}")) \
+                        if ids_key in feature else len(check_token_row(value, where))
+                    check_mask_row(value, where, length)
+                elif key.endswith("_logps"):
+                    check_finite_number(value, where)
+
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        self._check(features)
         batch: dict[str, Any] = {}
         for key in features[0]:
             values = [f[key] for f in features]

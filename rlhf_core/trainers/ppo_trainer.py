@@ -276,6 +276,7 @@ class PPOTrainer:
         queries, responses, scores, response_masks = self._step_safety_checker(
             self.config.batch_size, queries, responses, scores, response_masks
         )
+        self._check_sequence_lengths(queries, responses)
         scores = self._process_scores(scores)
         batch = self.prepare_model_inputs(queries, responses, response_masks)
 
@@ -671,3 +672,15 @@ class PPOTrainer:
             warnings.warn(f"{path} holds a dataloader position but this trainer has no dataset", stacklevel=2)
         ckpt.restore_rng_state(ckpt.load_torch(path / "rng_state.pt"))
         return state["extra"]
+
+    def _check_sequence_lengths(self, queries, responses) -> None:
+        """Raise ``ValueError`` when a query + response exceeds the model's position limit."""
+        config = getattr(self.accelerator.unwrap_model(self.model).pretrained_model, "config", None)
+        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        if not isinstance(limit, int) or limit <= 0:
+            return
+        for i, (query, response) in enumerate(zip(queries, responses)):
+            lengths = (len(query), len(response)) if self.is_encoder_decoder else (len(query) + len(response),)
+            if max(lengths) > limit:
+                raise ValueError(f"queries[{i}] + responses[{i}] ({len(query)} + {len(response)} tokens) are longer "
+                                 f"than the model's {limit} positions: truncate the query or lower max_new_tokens")

@@ -1,0 +1,242 @@
+"""Crash safety: a failed or killed save leaves the previous checkpoint loadable; SIGTERM saves and exits 75."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from rlhf_core import checkpointing as ckpt
+from rlhf_core.models.tiny import tiny_causal_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_trainer(tokenizer) -> PPOTrainer:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
+    return PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=1, ppo_epochs=1, learning_rate=1e-3), model, None, tokenizer)
+
+
+def one_step(trainer: PPOTrainer, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    queries = [torch.randint(3, 300, (3,), generator=g) for _ in range(2)]
+    responses = [torch.randint(3, 300, (4,), generator=g) for _ in range(2)]
+    trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(-1.0)])
+
+
+def weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------- atomic directory
+
+
+def test_a_failing_write_leaves_the_previous_directory_untouched(tmp_path):
+    target = tmp_path / "ckpt"
+    with ckpt.atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("first")
+    with pytest.raises(RuntimeError, match="disk full"), ckpt.atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("disk full")
+    assert (target / "a.txt").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
+
+
+def test_a_crash_between_the_two_renames_is_recovered(tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    with ckpt.atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("first")
+    real_rename, calls = Path.rename, []
+
+    def crash_on_second_rename(self, dest):
+        calls.append(self)
+        if len(calls) == 2:  # target -> .old done, .tmp -> target not yet: the process "dies" here
+            raise KeyboardInterrupt
+        return real_rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", crash_on_second_rename)
+    with pytest.raises(KeyboardInterrupt), ckpt.atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("second")
+    monkeypatch.undo()
+    assert not target.exists()  # the worst moment: only <target>.old-<pid> holds the checkpoint
+    assert (ckpt.checkpoint_dir(target) / "a.txt").read_text() == "first"  # recovered on load
+
+
+def test_a_failed_ppo_save_keeps_the_previous_checkpoint_loadable(tokenizer, tmp_path, monkeypatch):
+    trainer = make_trainer(tokenizer)
+    one_step(trainer)
+    trainer.save_state(tmp_path / "ckpt", extra={"version": 1})
+    saved = weights(trainer)
+    one_step(trainer, seed=1)
+
+    def failing_save(obj, path):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_torch", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        trainer.save_state(tmp_path / "ckpt", extra={"version": 2})
+    monkeypatch.undo()
+    fresh = make_trainer(tokenizer)
+    assert fresh.load_state(tmp_path / "ckpt") == {"version": 1}
+    assert fresh.current_step == 1
+    after = weights(fresh)
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+
+
+KILL_MID_SAVE = textwrap.dedent(
+    r'''
+    import os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+    sys.path.insert(0, sys.argv[2])
+    from test_crash_safety import make_trainer, one_step
+    from rlhf_core import checkpointing as ckpt
+    from rlhf_core.models.tiny import build_tokenizer
+
+    out = sys.argv[1]
+    trainer = make_trainer(build_tokenizer())
+    one_step(trainer)
+    trainer.save_state(os.path.join(out, "ckpt"), extra={"version": 1})
+    save_file({k: v.clone().contiguous() for k, v in trainer.model.pretrained_model.state_dict().items()
+               if "lm_head" not in k}, os.path.join(out, "saved.safetensors"))
+    one_step(trainer, seed=1)
+    real = ckpt.save_torch
+
+    def die_half_way(obj, path):
+        real(obj, path)
+        if str(path).endswith("optimizer.pt"):  # weights and optimizer written, the rest not
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt.save_torch = die_half_way
+    trainer.save_state(os.path.join(out, "ckpt"), extra={"version": 2})
+    '''
+)
+
+
+def test_a_process_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tokenizer, tmp_path):
+    script = tmp_path / "kill_mid_save.py"
+    script.write_text(KILL_MID_SAVE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    leftovers = list(tmp_path.glob("ckpt.tmp-*"))
+    assert len(leftovers) == 1 and (leftovers[0] / "optimizer.pt").exists()  # the half-written one
+    fresh = make_trainer(tokenizer)
+    assert fresh.load_state(tmp_path / "ckpt") == {"version": 1}
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "saved.safetensors")
+    current = fresh.model.pretrained_model.state_dict()
+    assert all(torch.equal(saved[k], current[k]) for k in saved)
+    fresh.save_state(tmp_path / "ckpt", extra={"version": 3})  # the next save cleans the dead writer's temp
+    assert not list(tmp_path.glob("ckpt.tmp-*"))
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM
+
+
+def ppo_stage(tokenizer, root: Path, total_steps: int, signal_at: int | None = None) -> tuple[int, list[int]]:
+    """The documented stage pattern: resume if a checkpoint exists, stop cleanly on SIGTERM, exit 75."""
+    trainer = make_trainer(tokenizer)
+    state_dir = root / "state"
+    start = trainer.load_state(state_dir)["next_step"] if ckpt.resumable_checkpoint(state_dir) else 0
+    done = []
+    with ckpt.GracefulStop() as stop:
+        for step in range(start, total_steps):
+            one_step(trainer, seed=step)
+            done.append(step)
+            if step == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # what `kill <pid>` or a scheduler's preemption does
+            if stop.requested:
+                trainer.save_state(state_dir, extra={"next_step": step + 1})
+                return ckpt.EXIT_PREEMPTED, done
+    return 0, done
+
+
+def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes(tokenizer, tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    code, done = ppo_stage(tokenizer, tmp_path, total_steps=4, signal_at=1)
+    assert (code, done) == (ckpt.EXIT_PREEMPTED, [0, 1]) and ckpt.EXIT_PREEMPTED == 75
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored after the block
+    code, done = ppo_stage(tokenizer, tmp_path, total_steps=4)
+    assert (code, done) == (0, [2, 3])  # continued, did not start over
+
+
+def test_sigterm_stops_a_transformers_trainer_with_a_checkpoint(tokenizer, tmp_path):
+    from datasets import Dataset
+    from transformers import TrainerCallback, TrainingArguments
+
+    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+    from rlhf_core.trainers.sft import SFTTrainer
+
+    class SigtermAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def trainer(callbacks):
+        args = TrainingArguments(output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=2,
+                                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+        data = Dataset.from_dict({"text": ["a good film", "a bad film", "so dull", "lovely music"]})
+        return SFTTrainer(model=tiny_causal_lm(tokenizer), args=args, train_dataset=data, tokenizer=tokenizer,
+                          dataset_text_field="text", max_seq_length=16, callbacks=callbacks)
+
+    with ckpt.GracefulStop() as stop:
+        guard = GracefulStopCallback(stop)
+        first = trainer([guard, SigtermAtStep2()])
+        first.train()
+    assert guard.stopped and first.state.global_step == 3
+    checkpoint = tmp_path / "sft" / "checkpoint-3"
+    assert (checkpoint / "trainer_state.json").exists() and not (checkpoint / "training_args.bin").exists()
+    second = trainer([])
+    second.train(resume_from_checkpoint=True)  # transformers finds checkpoint-3 (temp dirs never match)
+    assert second.state.global_step == 4
+
+
+# ---------------------------------------------------------------------------------------------- numerical guard (Trainer-based)
+
+
+def _sft(tokenizer, tmp_path, max_steps=3):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from rlhf_core.trainers.sft import SFTTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path / "sft-guard"), max_steps=max_steps, per_device_train_batch_size=2,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1)
+    data = Dataset.from_dict({"text": ["a good film", "a bad film", "so dull", "lovely music"]})
+    trainer = SFTTrainer(model=tiny_causal_lm(tokenizer), args=args, train_dataset=data, tokenizer=tokenizer,
+                         dataset_text_field="text", max_seq_length=16)
+    param = next(p for p in trainer.model.parameters() if p.requires_grad)
+    param.register_hook(lambda grad: grad * float("inf"))  # every step's gradients become non-finite
+    return trainer
+
+
+def test_trainer_steps_with_nonfinite_gradients_are_skipped_counted_and_change_nothing(tokenizer, tmp_path):
+    trainer = _sft(tokenizer, tmp_path)
+    trainer.nonfinite_guard.max_in_a_row = 100
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.warns(UserWarning, match="non-finite gradients"):
+        trainer.train()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not trainer.optimizer.state_dict()["state"]  # AdamW never stepped
+    logged = [e["skipped_updates"] for e in trainer.state.log_history if "loss" in e]
+    assert logged == [1.0, 2.0, 3.0]
+
+
+def test_too_many_nonfinite_trainer_steps_in_a_row_stop_the_run(tokenizer, tmp_path):
+    trainer = _sft(tokenizer, tmp_path)
+    trainer.nonfinite_guard.max_in_a_row = 2
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="2 optimizer steps in a row"):
+        trainer.train()
