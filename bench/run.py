@@ -1,0 +1,234 @@
+"""``make bench``: run the same workloads through rlhf_core (.venv) and classic TRL (bench/.trl-venv).
+
+    .venv/bin/python bench/run.py [--quick] [--only step,generate,memory,sentiment] [--repeats N] [--threads T]
+
+Every measurement is a fresh process running bench/workloads/<name>.py with ``--lib ours`` or
+``--lib trl``; the two libraries alternate (ours-first on even repeats, trl-first on odd ones) so
+drifting machine load hits both alike. Results are medians; ratio = ours / TRL. Writes
+bench/results.json (machine) and bench/results.md (human); each row holds the exact command.
+The parity test (bench/test_parity.py) runs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+import common  # noqa: E402
+import prepare  # noqa: E402
+
+PYTHONS = {"ours": ROOT / ".venv" / "bin" / "python", "trl": BENCH / ".trl-venv" / "bin" / "python"}
+
+STEP = {"ppo_epochs": 4, "query_len": [8, 16], "response_len": [16, 32], "warmup": 1}
+WORKLOADS = [
+    # (a) PPOTrainer.step, full reference, classic ppo_epochs=4
+    ("step", "tiny", {**STEP, "size": "tiny", "batch_size": 32, "mini_batch_size": 8, "steps": 4}),
+    ("step", "gpt2s", {**STEP, "size": "gpt2s", "batch_size": 8, "mini_batch_size": 4, "steps": 2}),
+    # (b) generate: library default batch size (argument not passed) and a tuned one, same sampling
+    ("generate", "tiny", {"size": "tiny", "num_prompts": 64, "query_len": [4, 12], "max_new_tokens": 32,
+                          "batch_size": None, "repeats": 3}),
+    ("generate", "tiny", {"size": "tiny", "num_prompts": 64, "query_len": [4, 12], "max_new_tokens": 32,
+                          "batch_size": 64, "repeats": 3}),
+    ("generate", "gpt2s", {"size": "gpt2s", "num_prompts": 32, "query_len": [4, 12], "max_new_tokens": 32,
+                           "batch_size": None, "repeats": 1}),
+    ("generate", "gpt2s", {"size": "gpt2s", "num_prompts": 32, "query_len": [4, 12], "max_new_tokens": 32,
+                           "batch_size": 32, "repeats": 1}),
+    # (c) peak RSS of a short PPO run with a full / layer-sharing / LoRA reference
+    *[("memory", size, {"size": size, "reference": ref, "num_shared_layers": n_shared, "batch_size": 8,
+                        "mini_batch_size": 4, "ppo_epochs": 1, "steps": 2, "query_len": [8, 16],
+                        "response_len": [16, 32]})
+      for size, n_shared in (("tiny", 1), ("gpt2s", 6)) for ref in ("full", "shared", "lora")],
+    # (d) real text: rt-polarity SFT policy, PPO towards positive VADER sentiment
+    ("sentiment", "rt-sft", {"steps": 30, "batch_size": 32, "mini_batch_size": 8, "ppo_epochs": 4,
+                             "learning_rate": 5e-5, "init_kl_coef": 0.2, "prompt_tokens": 4, "max_new_tokens": 16,
+                             "gen_batch_size": 32, "eval_prompts": 128, "eval_samples": 2, "seeds": [0, 1]}),
+]
+QUICK = {"step": {"steps": 1}, "generate": {"repeats": 1}, "sentiment": {"steps": 3, "seeds": [0]}}
+
+
+def command(lib: str, workload: str, args: dict) -> list[str]:
+    return [str(PYTHONS[lib].relative_to(ROOT)), f"bench/workloads/{workload}.py", "--lib", lib,
+            "--args", json.dumps(args, separators=(",", ":"))]
+
+
+def run_one(lib: str, workload: str, args: dict) -> dict:
+    cmd = command(lib, workload, args)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONHASHSEED="0")
+    load = os.getloadavg()[0]
+    t = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result.update(wall_seconds=time.time() - t, load_before=load)
+    return result
+
+
+def matmul_peak(threads: int) -> float:
+    """Best observed fp32 matmul FLOP/s (2048^3) with ``threads`` threads: the MFU denominator."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    best = float("inf")
+    for _ in range(8):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048**3 / best
+
+
+def forward_flops_per_token(arch: dict, width: int) -> float:
+    """2 x (block weights + LM head) + attention scores/values over ``width`` keys, per token."""
+    h, layers, vocab = arch["n_embd"], arch["n_layer"], arch["vocab_size"]
+    return 2 * (12 * layers * h * h + h * vocab) + 4 * layers * width * h
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def summarise(workload: str, size: str, args: dict, runs: dict, peak: float) -> dict:
+    """One results row: medians per library, ratio ours/trl, target and whether it is met."""
+    row = {"workload": workload, "size": size, "settings": {k: v for k, v in args.items() if k != "threads"},
+           "threads": args["threads"], "commands": {lib: shlex.join(command(lib, workload, args)) for lib in runs},
+           "runs": runs, "libs": {lib: runs[lib][0].get("lib") for lib in runs}}
+    med = {}
+    if workload == "step":
+        for lib, rs in runs.items():
+            secs = median([s for r in rs for s in r["step_seconds"]])
+            tokens = rs[0]["tokens_per_step"]
+            arch = common.SIZES[size]
+            width = rs[0]["padded_tokens_per_step"] / args["batch_size"]
+            flops = tokens * forward_flops_per_token(arch, width) * (2 + 3 * args["ppo_epochs"])
+            med[lib] = {"seconds_per_step": secs, "tokens_per_second": tokens / secs,
+                        "model_flops_per_step": flops, "achieved_flops": flops / secs, "mfu": flops / secs / peak}
+        row["metric"], row["target_ratio"], row["better"] = "seconds_per_step", 0.5, "lower"
+    elif workload == "generate":
+        for lib, rs in runs.items():
+            secs = [s for r in rs for s in r["seconds"]]
+            toks = [t for r in rs for t in r["generated_tokens"]]
+            med[lib] = {"seconds": median(secs), "tokens_per_second": median([t / s for t, s in zip(toks, secs)])}
+        row["metric"] = "tokens_per_second"
+        row["target_ratio"], row["better"] = (2.0, "higher") if args.get("batch_size") is None else (None, "higher")
+    elif workload == "memory":
+        for lib, rs in runs.items():
+            med[lib] = {"peak_rss_mb": median([r["peak_rss_mb"] for r in rs]),
+                        "rss_after_imports_mb": median([r["rss_after_imports_mb"] for r in rs]),
+                        "rss_after_setup_mb": median([r["rss_after_setup_mb"] for r in rs])}
+            med[lib]["peak_above_imports_mb"] = med[lib]["peak_rss_mb"] - med[lib]["rss_after_imports_mb"]
+        row["metric"], row["target_ratio"], row["better"] = "peak_rss_mb", 1.0, "lower"
+    elif workload == "sentiment":
+        for lib, rs in runs.items():
+            med[lib] = {"gold_gain": median([r["gold_gain"] for r in rs]), "mean_kl": median([r["mean_kl"] for r in rs]),
+                        "final_kl": median([r["final_kl"] for r in rs]),
+                        "gold_before": median([r["gold_before"] for r in rs]),
+                        "gold_after": median([r["gold_after"] for r in rs]),
+                        "kl_per_step": [median(k) for k in zip(*[r["kl_per_step"] for r in rs])],
+                        "seconds": median([r["wall_seconds"] for r in rs])}
+        row["metric"], row["target_ratio"], row["better"] = "gold_gain", 1.0, "higher"
+    row["median"] = med
+    if "ours" in med and "trl" in med:
+        o, t = med["ours"][row["metric"]], med["trl"][row["metric"]]
+        row["ratio"] = o / t if t else float("nan")
+        target = row["target_ratio"]
+        if workload == "sentiment":
+            row["met"] = o >= t and med["ours"]["mean_kl"] <= med["trl"]["mean_kl"] * 1.05
+        elif workload == "memory" and args["reference"] != "full":
+            row["met"] = o <= t and o < med_full_cache.get((size, "ours"), float("inf")) * 0.9
+        elif target is not None:
+            row["met"] = row["ratio"] <= target if row["better"] == "lower" else row["ratio"] >= target
+        else:
+            row["met"] = None
+    if workload == "memory" and args["reference"] == "full" and "ours" in med:
+        med_full_cache[(size, "ours")] = med["ours"]["peak_rss_mb"]
+    return row
+
+
+med_full_cache: dict = {}
+
+
+def run_parity() -> dict:
+    cmd = [str(PYTHONS["ours"].relative_to(ROOT)), "-m", "pytest", "bench/test_parity.py", "-q", "-p", "no:cacheprovider"]
+    t = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    return {"command": shlex.join(cmd), "passed": proc.returncode == 0, "summary": summary,
+            "seconds": time.time() - t, "output": proc.stdout[-3000:]}
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one short repeat of everything (harness check)")
+    parser.add_argument("--only", default="parity,step,generate,memory,sentiment")
+    parser.add_argument("--repeats", type=int, default=2, help="processes per library per workload (alternating)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: robust on a shared machine)")
+    parser.add_argument("--out", default=str(BENCH / "results"))
+    opts = parser.parse_args()
+    only = set(opts.only.split(","))
+    for lib, py in PYTHONS.items():
+        if not py.exists():
+            sys.exit(f"missing {py}: run `bash bench/setup_trl_venv.sh` (make bench does)")
+    t0 = time.time()
+    info = prepare.main()
+    report = {"machine_start": machine(), "prepare": info, "threads": opts.threads, "repeats": opts.repeats,
+              "quick": opts.quick, "matmul_peak_flops": matmul_peak(opts.threads), "rows": []}
+    print(f"matmul peak: {report['matmul_peak_flops'] / 1e9:.1f} GFLOP/s, load {os.getloadavg()}", flush=True)
+    if "parity" in only:
+        report["parity"] = run_parity()
+        print(f"parity: {report['parity']['summary']}", flush=True)
+    for workload, size, args in WORKLOADS:
+        if workload not in only:
+            continue
+        args = {**args, "threads": opts.threads}
+        if opts.quick:
+            args.update(QUICK.get(workload, {}))
+        if workload == "sentiment" and "skipped" in info.get("sft", {}):
+            report["rows"].append({"workload": workload, "size": size, "skipped": info["sft"]["skipped"]})
+            continue
+        repeats = 1 if (opts.quick or workload in ("memory", "sentiment")) else opts.repeats
+        seeds = args.pop("seeds", [None])
+        runs: dict[str, list] = {"ours": [], "trl": []}
+        for rep in range(repeats):
+            for seed in seeds:
+                order = ("ours", "trl") if (rep + (seed or 0)) % 2 == 0 else ("trl", "ours")
+                for lib in order:
+                    run_args = args if seed is None else {**args, "seed": seed}
+                    runs[lib].append(run_one(lib, workload, run_args))
+        row = summarise(workload, size, args if seeds == [None] else {**args, "seeds": seeds}, runs,
+                        report["matmul_peak_flops"])
+        report["rows"].append(row)
+        print(f"{workload:9s} {size:6s} {row['metric']}: ours {row['median']['ours'][row['metric']]:.4g} "
+              f"trl {row['median']['trl'][row['metric']]:.4g} ratio {row.get('ratio', float('nan')):.3f} "
+              f"met={row.get('met')} load={os.getloadavg()[0]:.2f}", flush=True)
+    report["machine_end"] = machine()
+    report["total_seconds"] = time.time() - t0
+    out = Path(opts.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+    import report as report_md
+
+    out.with_suffix(".md").write_text(report_md.render(report))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} in {report['total_seconds']:.0f} s")
+    if "parity" in report and not report["parity"]["passed"]:
+        sys.exit("parity test failed")
+
+
+if __name__ == "__main__":
+    main()
