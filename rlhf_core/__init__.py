@@ -39,6 +39,8 @@ _EXPORTS = {
     "DDPOTrainer": "rlhf_core.trainers.ddpo_trainer",
     "DDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
     "DefaultDDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
+    "DDPOPipelineOutput": "rlhf_core.models.diffusion",
+    "DDPOSchedulerOutput": "rlhf_core.models.diffusion",
 }
 
 __all__ = sorted(_EXPORTS)
