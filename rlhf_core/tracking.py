@@ -3,13 +3,28 @@
 Trainers only call ``log``/``log_table``/``log_params``; which backend receives them is chosen by
 ``log_with`` (``"mlflow"``, ``"tensorboard"`` or ``None``). Backends are imported lazily so
 ``rlhf_core`` imports on a machine without MLflow or TensorBoard.
+
+Tracking outages never stop training: ``make_tracker("mlflow")`` returns a ``SpoolingTracker`` that, when the
+tracking server is unreachable (at start or mid-run), warns once and appends everything still to be logged
+(params, metrics with their steps, tables) to a local JSONL spool. Replay it afterwards with::
+
+    python -m rlhf_core.tracking upload <spool.jsonl> [--tracking-uri URI] [--run-id ID]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import numbers
+import os
 import re
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,8 +46,10 @@ def scalar_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
 
 
 def public_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop parameters whose name looks like a secret (token, password, secret, api key)."""
-    return {key: value for key, value in params.items() if not SECRET_KEY_PATTERN.search(str(key))}
+    """Drop parameters whose name looks like a secret (token, password, secret, api key), at any depth
+    (``tracker_kwargs={"api_key": ...}`` inside a config loses its ``api_key``)."""
+    return {key: public_params(value) if isinstance(value, Mapping) else value
+            for key, value in params.items() if not SECRET_KEY_PATTERN.search(str(key))}
 
 
 class Tracker:
@@ -90,6 +107,7 @@ class MLflowTracker(Tracker):
         if self._owns_run:
             mlflow.set_experiment(project_name)
             mlflow.start_run(run_name=run_name, **kwargs)
+        self.run_id = mlflow.active_run().info.run_id
 
     def log(self, metrics, step=None):
         scalars = {_mlflow_key(k): v for k, v in scalar_metrics(metrics).items()}
@@ -138,6 +156,196 @@ class TensorBoardTracker(Tracker):
         self._writer.close()
 
 
+DEFAULT_SPOOL_DIR = "tracking-spool"
+"""Where a ``SpoolingTracker`` keeps what it could not send, unless ``spool_dir``/``$RLHF_TRACKING_SPOOL_DIR`` says."""
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "size", getattr(value, "numel", lambda: 0)) in (1,):
+        return value.item()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def server_reachable(uri: str | None, timeout: float = 2.0) -> bool:
+    """False when ``uri`` is an http(s) tracking server that refuses or times out a TCP connection."""
+    if not uri:
+        return True
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return True  # local stores (sqlite, file) have no server to lose
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class SpoolingTracker(Tracker):
+    """A tracker that survives outages: calls go to ``backend`` until one fails, then to a JSONL spool.
+
+    ``backend_factory`` builds the real tracker (it may fail itself: the server may be down at start). After
+    the first connection failure the run stays on the spool (no retry storms slowing training), a single
+    warning names the spool file and the upload command, and ``finish`` repeats the reminder.
+    """
+
+    def __init__(self, backend_factory: Any, spool_dir: str | Path | None = None, project_name: str = "trl",
+                 run_name: str | None = None, tracking_uri: str | None = None) -> None:
+        self.name = getattr(backend_factory, "name", "mlflow")
+        self.project_name, self.run_name, self.tracking_uri = project_name, run_name, tracking_uri
+        self.spool_dir = Path(spool_dir or os.environ.get("RLHF_TRACKING_SPOOL_DIR") or DEFAULT_SPOOL_DIR)
+        self.spool_path: Path | None = None
+        self.backend: Tracker | None = None
+        self.run_id: str | None = None
+        if not server_reachable(tracking_uri):
+            self._go_offline(ConnectionError(f"tracking server {tracking_uri} refuses connections"))
+            return
+        try:
+            self.backend = backend_factory(project_name=project_name, run_name=run_name)
+            self.run_id = getattr(self.backend, "run_id", None)
+        except Exception as error:  # noqa: BLE001 - any backend failure must not stop training
+            self._go_offline(error)
+
+    @property
+    def offline(self) -> bool:
+        return self.backend is None
+
+    def _go_offline(self, error: BaseException) -> None:
+        self.backend = None
+        if self.spool_path is not None:
+            return
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.spool_path = self.spool_dir / f"{_safe_name(self.project_name)}-{stamp}-{os.getpid()}.jsonl"
+        self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
+                      "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
+        warnings.warn(
+            f"tracking backend unreachable ({type(error).__name__}: {str(error)[:200]}); training continues and "
+            f"everything is kept in {self.spool_path}. Upload it later with: "
+            f"python -m rlhf_core.tracking upload {self.spool_path}", RuntimeWarning, stacklevel=3,
+        )
+
+    def _append(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        with open(self.spool_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(_json_safe(record)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _call(self, method: str, record: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if self.backend is not None:
+            try:
+                getattr(self.backend, method)(*args, **kwargs)
+                return
+            except Exception as error:  # noqa: BLE001
+                self._go_offline(error)
+        self._append(record)
+
+    def log(self, metrics, step=None):
+        scalars = scalar_metrics(metrics)
+        if scalars or self.backend is not None:
+            self._call("log", {"kind": "metrics", "step": step, "data": scalars}, metrics, step=step)
+
+    def log_table(self, name, columns, rows, step=None):
+        record = {"kind": "table", "name": name, "columns": list(columns), "rows": [list(r) for r in rows], "step": step}
+        self._call("log_table", record, name, columns, rows, step=step)
+
+    def log_params(self, params):
+        clean = public_params(params)
+        self._call("log_params", {"kind": "params", "data": clean}, clean)
+
+    def finish(self):
+        if self.backend is not None:
+            try:
+                self.backend.finish()
+            except Exception as error:  # noqa: BLE001
+                self._go_offline(error)
+        if self.spool_path is not None:
+            self._append({"kind": "finish"})
+            warnings.warn(f"tracking data for this run is in {self.spool_path}: upload it with "
+                          f"python -m rlhf_core.tracking upload {self.spool_path}", RuntimeWarning, stacklevel=2)
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_.-]", "_", name)[:80] or "run"
+
+
+def _mlflow_spooling(project_name: str = "trl", run_name: str | None = None, spool_dir: str | Path | None = None,
+                     **kwargs: Any) -> SpoolingTracker:
+    import mlflow
+
+    factory = lambda project_name, run_name: MLflowTracker(project_name, run_name, **kwargs)  # noqa: E731
+    factory.name = "mlflow"
+    return SpoolingTracker(factory, spool_dir, project_name, run_name, mlflow.get_tracking_uri())
+
+
+def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str | None = None) -> str:
+    """Replay a spool file into MLflow (a new run in its experiment, or ``run_id``); returns the run id.
+
+    The spool is renamed ``*.uploaded`` afterwards so it is never replayed twice.
+    """
+    import mlflow
+
+    spool = Path(spool)
+    records = [json.loads(line) for line in spool.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not records or records[0].get("kind") != "run":
+        raise ValueError(f"{spool}: not a tracking spool (first line must be a 'run' record)")
+    header = records[0]
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient()
+    run_id = run_id or header.get("run_id")
+    if run_id is None:
+        experiment = client.get_experiment_by_name(header["project_name"])
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(header["project_name"])
+        run_id = client.create_run(experiment_id, run_name=header.get("run_name"),
+                                   tags={"rlhf.uploaded_from": str(spool)}).info.run_id
+    from mlflow.entities import Metric, Param
+
+    for record in records[1:]:
+        kind, ms = record["kind"], int(record["time"] * 1000)
+        if kind == "metrics":
+            metrics = [Metric(_mlflow_key(k), v, ms, record["step"] or 0) for k, v in record["data"].items()]
+            if metrics:
+                client.log_batch(run_id, metrics=metrics)
+        elif kind == "params":
+            params = [Param(_mlflow_key(k), str(v)[:6000]) for k, v in record["data"].items()]
+            if params:
+                client.log_batch(run_id, params=params)
+        elif kind == "table":
+            data = {c: [row[i] for row in record["rows"]] for i, c in enumerate(record["columns"])}
+            suffix = f"_step{record['step']}" if record["step"] is not None else ""
+            client.log_table(run_id, data=data, artifact_file=f"tables/{record['name']}{suffix}.json")
+    if any(r["kind"] == "finish" for r in records) and client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id)
+    spool.rename(spool.with_name(spool.name + ".uploaded"))
+    return run_id
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rlhf_core.tracking upload <spool>...``: send spooled tracking data to MLflow."""
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.tracking", description="Upload spooled tracking data.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("upload", help="replay spool files (JSONL) written while MLflow was unreachable")
+    up.add_argument("spools", nargs="+", help="spool files, or directories holding them")
+    up.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    up.add_argument("--run-id", default=None, help="append to this run instead of the one recorded/a new one")
+    args = parser.parse_args(argv)
+    files = [f for s in args.spools for f in (sorted(Path(s).glob("*.jsonl")) if Path(s).is_dir() else [Path(s)])]
+    if not files:
+        print("nothing to upload", file=sys.stderr)
+        return 1
+    for file in files:
+        print(f"{file} -> run {upload_spool(file, args.tracking_uri, args.run_id)}")
+    return 0
+
+
 TRACKERS = {"mlflow": MLflowTracker, "tensorboard": TensorBoardTracker, "memory": MemoryTracker}
 
 
@@ -151,9 +359,15 @@ def make_tracker(log_with: str | Tracker | None, project_name: str = "trl", **tr
         raise ValueError(f"log_with must be one of {sorted(TRACKERS)} or None, got {log_with!r}")
     if log_with == "memory":
         return MemoryTracker()
+    if log_with == "mlflow":
+        return _mlflow_spooling(project_name=project_name, **tracker_kwargs)
     return TRACKERS[log_with](project_name=project_name, **tracker_kwargs)
 
 
 def _mlflow_key(key: str) -> str:
     """MLflow allows alphanumerics, ``_ - . / space`` and ``:`` in names; replace anything else."""
     return re.sub(r"[^0-9A-Za-z_\-. /:]", "_", key)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
