@@ -15,7 +15,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(1)  # tiny models: more threads only add overhead
 
 
 @pytest.fixture(scope="session")
