@@ -37,6 +37,23 @@ import torch
 EXIT_PREEMPTED = 75
 """Exit status of a stage stopped by SIGTERM/SIGINT after saving its state (``EX_TEMPFAIL``): re-run it to resume."""
 
+
+
+class Preempted(Exception):
+    """Raised by a training stage that saved its state on SIGTERM/SIGINT; the entry point exits ``EXIT_PREEMPTED``.
+
+    An exception (not ``SystemExit``) so orchestrators (Prefect) see an ordinary task failure, and the CLI
+    (``python -m flows.stage``) can map it to exit status 75.
+    """
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, checkpoint: str | os.PathLike, step: int | None = None, signal_name: str | None = None) -> None:
+        self.checkpoint, self.step, self.signal_name = str(checkpoint), step, signal_name
+        super().__init__(f"stopped by {signal_name or 'a stop request'} at step {step}; state saved in {checkpoint}; "
+                         "run the stage again to resume")
+
+
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "trainer_state.json"
 """PPO: counters, controller and moments, data position (JSON). HF trainers: transformers' own ``TrainerState``."""
@@ -409,7 +426,7 @@ def resolve_output_path(root: str | Path, relative: str | Path, allow_outside: b
 
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "PositionTrackingLoader", "ResumableRandomSampler",
+    "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader", "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
     "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state", "resumable_checkpoint",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",

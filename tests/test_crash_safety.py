@@ -159,16 +159,26 @@ def ppo_stage(tokenizer, root: Path, total_steps: int, signal_at: int | None = N
                 os.kill(os.getpid(), signal.SIGTERM)  # what `kill <pid>` or a scheduler's preemption does
             if stop.requested:
                 trainer.save_state(state_dir, extra={"next_step": step + 1})
-                return ckpt.EXIT_PREEMPTED, done
-    return 0, done
+                raise ckpt.Preempted(state_dir, step + 1, stop.signal_name)
+    return done
+
+
+def stage_main(tokenizer, root: Path, total_steps: int, signal_at: int | None = None) -> tuple[int, list[int]]:
+    """What the entry point (``python -m flows.stage``) does: Preempted -> exit status 75."""
+    try:
+        return 0, ppo_stage(tokenizer, root, total_steps, signal_at)
+    except ckpt.Preempted as stopped:
+        assert stopped.signal_name == "SIGTERM" and "resume" in str(stopped)
+        return stopped.exit_code, []
 
 
 def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes(tokenizer, tmp_path):
     previous = signal.getsignal(signal.SIGTERM)
-    code, done = ppo_stage(tokenizer, tmp_path, total_steps=4, signal_at=1)
-    assert (code, done) == (ckpt.EXIT_PREEMPTED, [0, 1]) and ckpt.EXIT_PREEMPTED == 75
+    code, _ = stage_main(tokenizer, tmp_path, total_steps=4, signal_at=1)
+    assert code == ckpt.EXIT_PREEMPTED == 75
+    assert ckpt.read_json(tmp_path / "state" / ckpt.STATE_FILE)["step"] == 2  # saved after step index 1
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored after the block
-    code, done = ppo_stage(tokenizer, tmp_path, total_steps=4)
+    code, done = stage_main(tokenizer, tmp_path, total_steps=4)
     assert (code, done) == (0, [2, 3])  # continued, did not start over
 
 
