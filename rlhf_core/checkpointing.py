@@ -344,10 +344,12 @@ class GracefulStop:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = signals
         self._previous: dict[int, Any] = {}
+        self._installed_before = False
 
     def __enter__(self) -> GracefulStop:
-        _STOP.clear()
-        _STOP_SIGNAL.clear()
+        # A request that arrived earlier (handlers installed by the entry point) is kept: the loop stops at
+        # its first step boundary. The request is consumed when the block exits.
+        self._installed_before = _HANDLERS_INSTALLED.is_set()
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.getsignal(sig) for sig in self.signals}
             install_stop_handlers(self.signals)
@@ -359,8 +361,10 @@ class GracefulStop:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._previous:
+        if self._previous and not self._installed_before:
             _HANDLERS_INSTALLED.clear()
+        _STOP.clear()
+        _STOP_SIGNAL.clear()
 
     @property
     def requested(self) -> bool:

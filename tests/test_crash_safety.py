@@ -250,3 +250,18 @@ def test_too_many_nonfinite_trainer_steps_in_a_row_stop_the_run(tokenizer, tmp_p
     trainer.nonfinite_guard.max_in_a_row = 2
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="2 optimizer steps in a row"):
         trainer.train()
+
+
+def test_a_stop_request_before_the_loop_is_honoured_then_consumed():
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert ckpt.install_stop_handlers()  # what the entry point does, before loading models
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt.stop_requested()
+        with ckpt.GracefulStop() as stop:
+            assert stop.requested and stop.signal_name == "SIGTERM"  # the loop stops at its first boundary
+        assert not ckpt.stop_requested()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        ckpt._HANDLERS_INSTALLED.clear()

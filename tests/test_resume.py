@@ -222,3 +222,33 @@ def test_dpo_resume_after_sigkill_is_bit_identical(runs):
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= names
     assert "training_args.bin" not in names and "training_args.json" in names
     assert not list((runs / "dpo-run").glob("*.tmp-*"))  # no half-written leftovers
+
+
+def test_the_data_position_survives_accelerate_prepare_and_resumes_mid_epoch(tokenizer, tmp_path):
+    from datasets import Dataset
+
+    from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+    from rlhf_core.checkpointing import PositionTrackingLoader, ResumableRandomSampler
+    from rlhf_core.models.tiny import tiny_causal_lm
+
+    data = Dataset.from_dict({"query": [f"q{i}" for i in range(7)], "input_ids": [[5 + i] for i in range(7)]})
+
+    def trainer():
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
+        return PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=1, seed=11), model, None, tokenizer, dataset=data)
+
+    first = trainer()
+    loader = first.dataloader
+    assert isinstance(loader, PositionTrackingLoader) and type(loader.loader).__name__ == "DataLoaderShard"
+    assert isinstance(loader.loader.batch_sampler.sampler, ResumableRandomSampler)  # kept by accelerator.prepare
+    assert len(loader) == 3  # 7 rows, batches of 2, last partial batch dropped
+    epochs = [[b["query"] for b in loader] for _ in range(2)]
+    assert epochs[0] != epochs[1]  # a new permutation each epoch (seed + epoch)
+    iterator = iter(loader)
+    seen = [next(iterator)["query"]]  # one batch into epoch 2; accelerate has already read the next one
+    first.save_state(tmp_path / "state")
+    rest = [b["query"] for b in iterator]
+    resumed = trainer()
+    resumed.load_state(tmp_path / "state")
+    assert [b["query"] for b in resumed.dataloader] == rest  # exactly the batches the first run had left
+    assert [b["query"] for b in resumed.dataloader] == [b["query"] for b in first.dataloader]  # and in step after

@@ -213,7 +213,10 @@ class RlhfTrainerMixin:
         """
         self.nonfinite_guard = NonFiniteGuardCallback(self.max_nonfinite_updates)
         self.add_callback(self.nonfinite_guard)
-        self.tracker = make_tracker(log_with, project_name=project_name, **dict(tracker_kwargs or {}))
+        tracker_kwargs = dict(tracker_kwargs or {})
+        if log_with == "mlflow":  # an outage spools beside the run's outputs (see rlhf_core.tracking)
+            tracker_kwargs.setdefault("spool_dir", str(Path(self.args.output_dir) / "tracking-spool"))
+        self.tracker = make_tracker(log_with, project_name=project_name, **tracker_kwargs)
         if log_with is None:
             return
         backend = self.tracker.name
