@@ -232,7 +232,8 @@ class ResumableRandomSampler(torch.utils.data.Sampler[int]):
     """
 
     def __init__(self, data_source_or_length: Any, seed: int = 0) -> None:
-        self.num_samples = data_source_or_length if isinstance(data_source_or_length, int) else len(data_source_or_length)
+        source = data_source_or_length
+        self.num_samples = source if isinstance(source, int) else len(source)
         self.seed = int(seed)
         self.epoch = 0
         self.consumed = 0
@@ -258,7 +259,8 @@ class ResumableRandomSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         if int(state["num_samples"]) != self.num_samples:
-            raise ValueError(f"checkpoint data position is for {state['num_samples']} samples, dataset has {self.num_samples}")
+            raise ValueError(f"checkpoint data position is for {state['num_samples']} samples, "
+                             f"the dataset has {self.num_samples}")
         self.seed, self.epoch, self.consumed = int(state["seed"]), int(state["epoch"]), int(state["consumed"])
 
 
@@ -430,7 +432,8 @@ def resolve_output_path(root: str | Path, relative: str | Path, allow_outside: b
 
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader", "ResumableRandomSampler",
+    "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
+    "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
     "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state", "resumable_checkpoint",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",

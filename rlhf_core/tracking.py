@@ -253,7 +253,8 @@ class SpoolingTracker(Tracker):
             self._call("log", {"kind": "metrics", "step": step, "data": scalars}, metrics, step=step)
 
     def log_table(self, name, columns, rows, step=None):
-        record = {"kind": "table", "name": name, "columns": list(columns), "rows": [list(r) for r in rows], "step": step}
+        record = {"kind": "table", "name": name, "columns": list(columns), "rows": [list(r) for r in rows],
+                  "step": step}
         self._call("log_table", record, name, columns, rows, step=step)
 
     def log_params(self, params):

@@ -331,6 +331,7 @@ class RlhfTrainerMixin:
 
 
 __all__ = [
-    "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name", "default_training_args",
+    "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
+    "default_training_args",
     "disable_dropout", "is_peft_model", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
 ]

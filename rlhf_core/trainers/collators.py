@@ -39,7 +39,9 @@ def check_features(features: Any, what: str) -> None:
             raise ValueError(f"{what} feature {i} must be a dict of columns, got {type(feature).__name__}")
 
 
-def check_token_row(value: Any, where: str, allowed_negative: tuple[int, ...] = (), allow_empty: bool = True) -> list[int]:
+def check_token_row(
+    value: Any, where: str, allowed_negative: tuple[int, ...] = (), allow_empty: bool = True
+) -> list[int]:
     """A list of non-negative integer token ids (``allowed_negative`` e.g. the label pad id)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 1:
@@ -242,7 +244,8 @@ class DataCollatorForCompletionOnlyLM:
         for i, e in enumerate(examples):
             if isinstance(e, Mapping) and "input_ids" not in e:
                 raise ValueError(f"example {i} has no 'input_ids' column (columns: {sorted(map(str, e))})")
-            check_token_row(e["input_ids"] if isinstance(e, Mapping) else e, f"example {i} input_ids", allow_empty=False)
+            ids = e["input_ids"] if isinstance(e, Mapping) else e
+            check_token_row(ids, f"example {i} input_ids", allow_empty=False)
         rows = [list(e["input_ids"] if isinstance(e, Mapping) else e) for e in examples]
         width = max(len(r) for r in rows)
         if self.pad_to_multiple_of:
@@ -395,7 +398,8 @@ class DPODataCollatorWithPadding:
             for key, value in feature.items():
                 where = f"DPO feature {i} column {key!r}"
                 if key.endswith(("_input_ids", "_labels")):
-                    check_token_row(value, where, allowed_negative=(self.label_pad_token_id,) if key.endswith("_labels") else ())
+                    allowed = (self.label_pad_token_id,) if key.endswith("_labels") else ()
+                    check_token_row(value, where, allowed_negative=allowed)
                 elif key.endswith("_attention_mask"):
                     ids_key = key[: -len("_attention_mask")] + "_input_ids"
                     length = len(check_token_row(feature[ids_key], f"DPO feature {i} column {ids_key!r}")) \
