@@ -48,6 +48,19 @@ def _list_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {key: [row[key] for row in rows] for key in rows[0]}
 
 
+def _default_adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """Adam with torch's fused kernel when the parameters allow it (same update, one kernel per step).
+
+    Speed: the default single-tensor Adam runs ~10 small ops per parameter; on a 124 M-parameter
+    GPT-2 on CPU one step took 1.7 s single-tensor vs 0.56 s fused (bench/profile_step.py). The
+    update rule is the same (differences are float rounding, well inside the parity tolerance).
+    """
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, ValueError, TypeError):  # e.g. a device or dtype the fused kernel lacks
+        return torch.optim.Adam(params, lr=lr)
+
+
 class PPOTrainer:
     """Optimise a value-head language model with PPO from (query, response, score) triples."""
 
@@ -79,7 +92,7 @@ class PPOTrainer:
         self.data_collator = data_collator
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, data_collator)
         if optimizer is None:
-            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+            optimizer = _default_adam([p for p in model.parameters() if p.requires_grad], config.learning_rate)
         self.kl_ctl = (
             AdaptiveKLController(config.init_kl_coef, config.target, config.horizon)
             if config.adap_kl_ctrl
