@@ -395,17 +395,30 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def resumable_checkpoint(path: str | Path, expected_fingerprint: str | None = None) -> Path | None:
-    """``path`` if it holds a complete checkpoint (with the same fingerprint, when one is given), else None."""
+def resumable_checkpoint(path: str | Path) -> Path | None:
+    """``path`` if it holds a complete checkpoint (``save_state`` of any trainer), else None."""
     path = recover_directory(path)
-    state = path / STATE_FILE
-    if not state.is_file():
+    return path if (path / STATE_FILE).is_file() else None
+
+
+def latest_checkpoint(directory: str | Path, prefix: str = "checkpoint-") -> Path | None:
+    """The complete ``<prefix><step>`` checkpoint with the highest step in ``directory`` (temporaries ignored)."""
+    directory = Path(directory)
+    if not directory.is_dir():
         return None
-    if expected_fingerprint is not None:
-        tag = path / "fingerprint.txt"
-        if not tag.is_file() or tag.read_text().strip() != expected_fingerprint:
-            return None
-    return path
+    steps = [(int(p.name[len(prefix):]), p) for p in directory.iterdir()
+             if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and (p / STATE_FILE).is_file()]
+    return max(steps)[1] if steps else None
+
+
+def stage_checkpoint_dir(root: str | Path, stage: str, params: Any, base: str = ".checkpoints") -> Path:
+    """Where a pipeline stage keeps its resumable state: ``<root>/.checkpoints/<stage>-<fingerprint(params)>``.
+
+    Outside DVC's outputs (``dvc repro`` deletes a stage's outs before running it) and keyed by the stage's
+    parameters, so a changed parameter starts afresh instead of resuming a different run. Delete the directory
+    when the stage has finished and written its outputs.
+    """
+    return resolve_output_path(root, Path(base) / f"{stage}-{fingerprint(params)}")
 
 
 # ---------------------------------------------------------------------------------------------- output paths
@@ -435,6 +448,7 @@ __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
-    "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state", "resumable_checkpoint",
+    "latest_checkpoint", "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state",
+    "resumable_checkpoint", "stage_checkpoint_dir",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",
 ]

@@ -265,3 +265,17 @@ def test_a_stop_request_before_the_loop_is_honoured_then_consumed():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         ckpt._HANDLERS_INSTALLED.clear()
+
+
+def test_stage_checkpoints_live_outside_dvc_outs_and_are_keyed_by_params(tmp_path):
+    a = ckpt.stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 1e-5, "steps": 10})
+    b = ckpt.stage_checkpoint_dir(tmp_path, "ppo", {"steps": 10, "learning_rate": 1e-5})
+    c = ckpt.stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 2e-5, "steps": 10})
+    assert a == b != c and a.parent == (tmp_path / ".checkpoints").resolve() and a.name.startswith("ppo-")
+    for step in (3, 12):
+        with ckpt.atomic_directory(tmp_path / "run" / f"checkpoint-{step}") as tmp:
+            ckpt.write_json(tmp / ckpt.STATE_FILE, {"step": step})
+    (tmp_path / "run" / "checkpoint-20.tmp-999999").mkdir()  # a dead writer's temporary never counts
+    (tmp_path / "run" / "checkpoint-30").mkdir()  # nor a directory without a state file
+    assert ckpt.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoint-12"
+    assert ckpt.latest_checkpoint(tmp_path / "missing") is None
