@@ -1,0 +1,55 @@
+"""Profile one ``PPOTrainer.step`` (or ``generate``) of either library with torch.profiler and cProfile.
+
+    .venv/bin/python bench/profile_step.py --lib ours --args '{"size": "tiny", "what": "step"}'
+    bench/.trl-venv/bin/python bench/profile_step.py --lib trl --args '{"size": "gpt2s"}'
+
+Prints the top operators by self CPU time and the top Python functions by cumulative time: the
+evidence behind the speed changes and the "what bounds it" notes in results.md.
+"""
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+
+def main():
+    lib, args = common.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    PPOConfig, PPOTrainer, _, _ = common.library(lib)
+    size = args.get("size", "tiny")
+    tokenizer = common.load_tokenizer(common.tokenizer_json_path("default"))
+    policy = common.load_policy(lib, common.ensure_random_checkpoint(size, seed=0))
+    bs, mb = args.get("batch_size", 32 if size == "tiny" else 8), args.get("mini_batch_size", 8 if size == "tiny" else 4)
+    trainer = PPOTrainer(PPOConfig(batch_size=bs, mini_batch_size=mb, ppo_epochs=args.get("ppo_epochs", 4),
+                                   learning_rate=1e-5, seed=0), policy, None, tokenizer)
+    vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])
+    q, r, s = common.synthetic_batch(bs, (8, 16), (16, 32), vocab, seed=1)
+    if args.get("what", "step") == "step":
+        run = lambda: trainer.step(q, r, s)  # noqa: E731
+    else:
+        gen = {"min_length": -1, "top_k": 0.0, "top_p": 1.0, "do_sample": True, "max_new_tokens": 32,
+               "pad_token_id": tokenizer.eos_token_id}
+        call = {} if args.get("batch_size_gen") is None else {"batch_size": args["batch_size_gen"]}
+        run = lambda: trainer.generate(q, return_prompt=False, **call, **gen)  # noqa: E731
+    run()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.get("rows", 25)))
+    pr = cProfile.Profile()
+    pr.enable()
+    run()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(args.get("rows", 25))
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
