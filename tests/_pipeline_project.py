@@ -33,8 +33,8 @@ def write_params(root: Path, overrides: dict | None = None) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
-def run(cmd: list[str], cwd: Path) -> str:
-    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
+def run(cmd: list[str], cwd: Path, env: dict | None = None) -> str:
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}", **(env or {})}
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")

@@ -99,6 +99,19 @@ def test_pipeline_end_to_end(harness, project, monkeypatch):
     assert third["ran"] == ["ppo", "evaluate"]
     assert _dvc_status(project) == {}
 
+    # 3b. the same change through DVC: dvc repro runs the same tasks (python -m flows.stage) for ppo and
+    # evaluate only, and the flow then agrees that nothing is stale
+    from prefect.settings import PREFECT_API_URL
+
+    write_params(project, {"ppo.learning_rate": 3e-4})
+    # the stage flows report to the harness's server instead of each starting a temporary one
+    out = run([str(ROOT / ".venv" / "bin" / "dvc"), "repro"], project, env={"PREFECT_API_URL": PREFECT_API_URL.value()})
+    assert "Running stage 'ppo'" in out and "Running stage 'evaluate'" in out
+    assert "Running stage 'sft'" not in out and "Running stage 'dpo'" not in out
+    assert _dvc_status(project) == {}
+    fourth = pipeline(str(project))
+    assert fourth["ran"] == [] and fourth["registry"]["registered"]  # a new evaluation: registered once
+
     # 4. a failing stage (malformed new data): stops in prepare, nothing recorded, registry untouched
     lock_before = (project / "dvc.lock").read_text()
     data_before = (project / "data" / "preferences.jsonl").read_bytes()
