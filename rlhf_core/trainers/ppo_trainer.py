@@ -54,6 +54,29 @@ def _list_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
 DEFAULT_GENERATION_BATCH_SIZE = 64
 
 
+def _accepts_logits_to_keep(model) -> bool:
+    """True when the causal LM under the value head computes logits only for its last K positions on request.
+
+    transformers 5 causal LMs take ``logits_to_keep``; encoder-decoders, prompt-learning PEFT models
+    (virtual tokens shift positions) and models without the argument keep the full-logits path.
+    """
+    inner = getattr(model, "module", model)  # DDP / accelerate wrapper
+    lm = getattr(inner, "pretrained_model", None)
+    if lm is None or getattr(inner, "is_encoder_decoder", False):
+        return False
+    if getattr(inner, "is_peft_model", False):
+        if getattr(getattr(lm, "active_peft_config", None), "is_prompt_learning", False):
+            return False
+        lm = lm.get_base_model()
+    key = type(lm)
+    if key not in _LOGITS_TO_KEEP:
+        _LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(lm.forward).parameters
+    return _LOGITS_TO_KEEP[key]
+
+
+_LOGITS_TO_KEEP: dict[type, bool] = {}
+
+
 def _default_adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """Adam with torch's fused kernel when the parameters allow it (same update, one kernel per step).
 
@@ -428,10 +451,16 @@ class PPOTrainer:
 
     @staticmethod
     def _forward_rows(model, batch: ModelBatch, return_logits: bool):
-        lm_logits, _, values = model(**batch.model_inputs)  # (b, T, V), (b, T)
         tokens = batch.model_inputs[batch.token_ids_key]
         index = batch.response_index  # (b, A)
-        logits = torch.gather(lm_logits[:, :-1], 1, index[..., None].expand(-1, -1, lm_logits.shape[-1]))  # (b, A, V)
+        kwargs = {}
+        if _accepts_logits_to_keep(model):
+            # Speed: only positions from the first scored one on need the LM head (H x V matmul, forward
+            # and backward); the query prefix never does. Same per-position logits, fewer positions.
+            kwargs["logits_to_keep"] = tokens.shape[1] - int(index.min())
+        lm_logits, _, values = model(**batch.model_inputs, **kwargs)  # (b, K, V) with K <= T, (b, T)
+        offset = tokens.shape[1] - lm_logits.shape[1]  # position of the first kept logit (0 without the option)
+        logits = torch.gather(lm_logits, 1, (index - offset)[..., None].expand(-1, -1, lm_logits.shape[-1]))  # (b, A, V)
         next_tokens = torch.gather(tokens[:, 1:], 1, index)  # (b, A)
         logprobs = logprobs_from_logits(logits, next_tokens)  # (b, A)
         values = torch.gather(values[:, :-1].float(), 1, index) * batch.response_mask  # (b, A)
