@@ -508,7 +508,7 @@ class PPOTrainer:
                                           batch.response_mask, old.advantages, old.returns)
         loss = loss_p + loss_v
         if not torch.isfinite(loss):
-            return self._skip_update(stats, f"non-finite loss ({float(loss)})")
+            return self._skip_update(stats, f"non-finite loss ({float(loss.detach())})")
         self.accelerator.backward(loss)
         if self.accelerator.sync_gradients:
             # With no max_grad_norm the bound is infinite: the norm is measured, the gradients kept as they are.
