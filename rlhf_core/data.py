@@ -108,21 +108,50 @@ def generate_reviews(n: int, seed: int = 0, mix: tuple[float, float, float] = (0
 # --------------------------------------------------------------------------------------------
 
 
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> DataFormatError:
+    """A ``DataFormatError`` naming the file and the line of the first byte that is not UTF-8.
+
+    Text-mode reads decode in buffered chunks, so the reader's own line counter may not have reached the bad
+    byte yet: the line is recomputed from the raw bytes (only on this error path).
+    """
+    line: int | None = None
+    try:
+        raw = path.read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as first:
+            prefix = raw[: first.start].decode("utf-8")
+            line = prefix.count("\n") + prefix.count("\r") - prefix.count("\r\n") + 1
+    except OSError:
+        pass
+    return DataFormatError(path, line, f"not UTF-8 text ({err.reason})")
+
+
 def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(path, lineno, f"invalid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise DataFormatError(path, lineno, f"expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(path, lineno, f"invalid JSON ({err.msg})") from None
+                if not isinstance(record, dict):
+                    raise DataFormatError(path, lineno, f"expected a JSON object, got {type(record).__name__}")
+                yield lineno, record
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
 
 
 def _csv_records(path: Path) -> Iterable[tuple[int, dict]]:
+    try:
+        yield from _csv_rows(path)
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
+
+
+def _csv_rows(path: Path) -> Iterable[tuple[int, dict]]:
     with open(path, encoding="utf-8", newline="") as fh:
         reader = csv.reader(fh)
         try:
@@ -155,13 +184,13 @@ def _parquet_records(path: Path) -> Iterable[tuple[int, dict]]:
 
 
 def _text_records(path: Path, text_field: str) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as fh:
-        try:
+    try:
+        with open(path, encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, start=1):
                 if line.strip():
                     yield lineno, {text_field: line.strip()}
-        except UnicodeDecodeError as err:
-            raise DataFormatError(path, lineno + 1, f"not UTF-8 text ({err.reason})") from None
+    except UnicodeDecodeError as err:  # the decoder may fail before the first line is counted
+        raise _not_utf8(path, err) from None
 
 
 def iter_records(path: str | Path, text_field: str = "text") -> Iterable[tuple[Path, int, dict]]:

@@ -101,6 +101,20 @@ def test_malformed_files_name_file_and_line(tmp_path, name, content, line, messa
     assert err.value.line == line
 
 
+@pytest.mark.parametrize("name, content", [
+    ("bad.jsonl", b'{"text": "ok"}\n{"text": "ok"}\n{"text": "caf\xe9"}\n'),
+    ("bad.csv", b"text,label\nok,1\ncaf\xe9,0\n"),
+    ("bad.txt", b"first review\r\nsecond\n\xff\xfe broken\n"),
+])
+def test_invalid_utf8_names_file_and_line(tmp_path, name, content):
+    # Latin-1 bytes where UTF-8 is expected: always on line 3, even though the decoder reads in buffered chunks
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataFormatError, match="not UTF-8 text") as err:
+        read_text_records(path)
+    assert str(err.value).startswith(f"{path}:3:")
+
+
 def test_unsupported_and_missing_paths(tmp_path):
     (tmp_path / "x.docx").write_text("?")
     with pytest.raises(DataFormatError, match="unsupported file type"):

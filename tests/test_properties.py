@@ -225,11 +225,6 @@ def test_valid_features_still_collate():
 # ---------------------------------------------------------------------------------------------- data readers
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rlhf_core/data.py (pipeline readers, not ours): invalid UTF-8 in .jsonl/.csv escapes as a bare "
-    "UnicodeDecodeError without the file name, and in .txt as UnboundLocalError (lineno unset: the decoder fails "
-    "on the first buffered read). Fix: catch UnicodeDecodeError in _jsonl_records/_csv_records/_text_records and "
-    "raise DataFormatError(path, line, 'not UTF-8 text'). Remove this mark then (strict: an XPASS fails)."))
 @SETTINGS
 @given(data=st.binary(min_size=1, max_size=200), suffix=st.sampled_from([".jsonl", ".csv", ".txt"]))
 def test_readers_turn_any_bytes_into_text_or_a_clear_data_format_error(tmp_path_factory, data, suffix):
