@@ -41,6 +41,8 @@ class PathsParams:
     """One ``<stage>.csv`` per stage (git-tracked, ``cache: false``)."""
     incoming: str = "incoming"
     """New data for retraining: review files and preference files dropped here are merged by prepare."""
+    allow_outside: bool = False
+    """Allow the paths above to resolve outside the project directory (``..``, absolute, symlinks); off by default."""
 
 
 @dataclass(frozen=True)
@@ -334,9 +336,29 @@ def read_raw(path: str | Path) -> dict:
     return raw if raw is not None else {}
 
 
+# The keys of the paths section that name directories the stages write to (or, for incoming, read and track).
+PATH_KEYS = ("data", "models", "metrics", "plots", "incoming")
+
+
+def check_paths(root: str | Path, paths: PathsParams, source: str = PARAMS_FILE) -> dict[str, Path]:
+    """Every ``paths.*`` directory resolved under ``root``; a :class:`ParamsError` naming the key if one escapes
+    the project (``..``, an absolute path, a symlink) while ``paths.allow_outside`` is false."""
+    from rlhf_core.checkpointing import resolve_output_path
+
+    resolved = {}
+    for key in PATH_KEYS:
+        try:
+            resolved[key] = resolve_output_path(root, getattr(paths, key), allow_outside=paths.allow_outside)
+        except ValueError as err:
+            raise ParamsError(f"{source}: paths.{key}: {err} (or set paths.allow_outside: true)") from None
+    return resolved
+
+
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
-    """Read and validate ``params.yaml``."""
-    return parse_params(read_raw(path), str(path))
+    """Read and validate ``params.yaml``; the output paths are checked against the file's directory (the project)."""
+    params = parse_params(read_raw(path), str(path))
+    check_paths(Path(path).resolve().parent, params.paths, str(path))
+    return params
 
 
 def apply_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
@@ -387,5 +409,5 @@ __all__ = [
     "PARAMS_FILE", "STAGES", "POLICIES", "METRIC_KEYS", "ParamsError", "Params", "PathsParams", "PrepareParams",
     "SFTParams", "RewardModelParams", "PPOParams", "DPOParams", "EvaluateParams", "RegistryParams", "SECTIONS",
     "load_params", "parse_params", "build_section", "apply_overrides", "as_dict", "stage_param_keys", "stage_io",
-    "read_raw", "validate",
+    "read_raw", "validate", "PATH_KEYS", "check_paths",
 ]

@@ -130,3 +130,30 @@ def test_cross_field_rule(raw):
 def test_override_of_unknown_key_rejected(raw):
     with pytest.raises(ParamsError, match="no such key"):
         apply_overrides(raw, {"ppo.nope": 1})
+
+
+@pytest.mark.parametrize("key", ["models", "data", "metrics", "plots", "incoming"])
+def test_output_path_escaping_the_project_is_rejected(tmp_path, raw, key):
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "params.yaml").write_text(yaml.safe_dump(apply_overrides(raw, {f"paths.{key}": "../escape"})))
+    with pytest.raises(ValueError, match=rf"paths\.{key}: output path '\.\./escape' .*outside the project"):
+        load_params(project / "params.yaml")
+    # an absolute path elsewhere is the same escape
+    (project / "params.yaml").write_text(yaml.safe_dump(apply_overrides(raw, {f"paths.{key}": str(tmp_path / "x")})))
+    with pytest.raises(ParamsError, match=rf"paths\.{key}"):
+        load_params(project / "params.yaml")
+    # explicitly allowed: accepted
+    allowed = apply_overrides(raw, {f"paths.{key}": "../escape", "paths.allow_outside": True})
+    (project / "params.yaml").write_text(yaml.safe_dump(allowed))
+    assert getattr(load_params(project / "params.yaml").paths, key) == "../escape"
+
+
+def test_symlink_out_of_the_project_is_rejected(tmp_path, raw):
+    project, outside = tmp_path / "proj", tmp_path / "elsewhere"
+    project.mkdir()
+    outside.mkdir()
+    (project / "models").symlink_to(outside)
+    (project / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ParamsError, match=r"paths\.models: .*outside the project"):
+        load_params(project / "params.yaml")
