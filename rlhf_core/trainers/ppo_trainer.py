@@ -369,14 +369,17 @@ class PPOTrainer:
         if response_masks is not None and len(response_masks) != batch_size:
             raise ValueError(f"response_masks has {len(response_masks)} entries, expected batch_size={batch_size}")
         device = self.accelerator.device
-        queries = [self._check_token_tensor(q, "queries", i) for i, q in enumerate(queries)]
-        responses = [self._check_token_tensor(r, "responses", i) for i, r in enumerate(responses)]
+        # Looked up once per step: unwrap_model probes installed packages on every call (~1 ms each,
+        # 7% of a tiny-model step when done per tensor; bench/profile_step.py).
+        vocab = self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
+        queries = [self._check_token_tensor(q, "queries", i, vocab) for i, q in enumerate(queries)]
+        responses = [self._check_token_tensor(r, "responses", i, vocab) for i, r in enumerate(responses)]
         scores = torch.stack([self._check_score(s, i) for i, s in enumerate(scores)]).to(device)
         if response_masks is not None:
             response_masks = [self._check_response_mask(m, r, i) for i, (m, r) in enumerate(zip(response_masks, responses))]
         return queries, responses, scores, response_masks
 
-    def _check_token_tensor(self, tensor, name: str, i: int) -> torch.Tensor:
+    def _check_token_tensor(self, tensor, name: str, i: int, vocab: int | None = None) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name}[{i}] must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dim() != 1:
@@ -386,7 +389,8 @@ class PPOTrainer:
         min_len = 2 if (name == "responses" and self.is_encoder_decoder) else 1
         if len(tensor) < min_len:
             raise ValueError(f"{name}[{i}] is empty: every query and response needs at least one token")
-        vocab = self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
+        if vocab is None:
+            vocab = self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
         if int(tensor.min()) < 0 or int(tensor.max()) >= vocab:
             raise ValueError(f"{name}[{i}] holds token ids outside [0, {vocab})")
         return tensor.long().to(self.accelerator.device)
