@@ -70,3 +70,9 @@ retrain: setup
 # Needs `make prefect-ui` running in another terminal.
 serve-retrain: setup
 	PREFECT_API_URL=http://127.0.0.1:4200/api OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.retrain --serve
+
+# Send what stages kept in tracking-spool/ while the MLflow server was unreachable (to $MLFLOW_TRACKING_URI,
+# else the project's store). Uploaded spools are renamed *.uploaded, so running it twice sends nothing twice.
+.PHONY: tracking-upload
+tracking-upload: setup
+	$(PY) -m rlhf_core.tracking upload tracking-spool --tracking-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}"

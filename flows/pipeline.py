@@ -16,6 +16,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.stages import STAGE_TASKS
+from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
 from tasks.params import PARAMS_FILE, STAGES, load_params
 from tasks.registry import registry_task
@@ -47,6 +48,10 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
                 log.info("stage %s: up to date, skipped", name)
                 skipped.append(name)
         decision = registry_task(root, parent) if run_registry else {"registered": False, "reason": "registry disabled"}
+    except Preempted as stopped:  # earlier stages stay recorded; this one is not; no registry step
+        log.warning("stage %s stopped (%s); run the pipeline again to resume it", name, stopped)
+        end_pipeline_run(root, parent, "KILLED", {"ran": ",".join(ran), "preempted": name})
+        raise
     except BaseException:
         end_pipeline_run(root, parent, "FAILED", {"ran": ",".join(ran)})
         raise
@@ -71,11 +76,13 @@ def _describe(changes: dict) -> str:
 
 
 def _report(root: str, summary: dict) -> str:
-    exp = mlflow_setup(root)
+    parent = summary["mlflow_run"]
+    link = (f"[{parent}]({mlflow_ui_link(mlflow_setup(root), parent)})" if parent
+            else "none (tracking server unreachable: stages spooled to tracking-spool/, `make tracking-upload`)")
     lines = ["## RLHF pipeline", "", f"- stages run: {', '.join(summary['ran']) or 'none'}",
              f"- skipped (up to date): {', '.join(summary['skipped']) or 'none'}",
              f"- registry: {summary['registry'].get('reason')}",
-             f"- MLflow parent run: [{summary['mlflow_run']}]({mlflow_ui_link(exp, summary['mlflow_run'])})", ""]
+             f"- MLflow parent run: {link}", ""]
     evaluation = Path(root) / "metrics" / "evaluate.json"
     if evaluation.exists():
         import json
@@ -88,12 +95,19 @@ def _report(root: str, summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 1 failed, 75 (``EXIT_PREEMPTED``) a stage was stopped by SIGTERM/SIGINT after saving
+    its state: earlier stages are recorded, the registry untouched; run the pipeline again to resume."""
+    install_stop_handlers()
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
     parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
     args = parser.parse_args(argv)
-    pipeline(args.root, force=args.force, run_registry=not args.no_register)
+    try:
+        pipeline(args.root, force=args.force, run_registry=not args.no_register)
+    except Preempted as stopped:
+        print(f"pipeline stopped: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     return 0
 
 

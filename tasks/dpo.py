@@ -6,7 +6,6 @@ The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from prefect import task
@@ -14,7 +13,17 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
 from tasks.params import PARAMS_FILE, as_dict, load_params, stage_io
-from tasks.tracking import atomic_dir, get_logger, loss_curve, stage_run, training_arguments, write_csv, write_json
+from tasks.tracking import (
+    atomic_dir,
+    checkpointing_arguments,
+    get_logger,
+    loss_curve,
+    resumable_training,
+    stage_run,
+    training_arguments,
+    write_csv,
+    write_json,
+)
 
 
 @task(name="dpo", cache_policy=NO_CACHE)  # training: no retries
@@ -44,11 +53,12 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})
         run.log_dataset(root / pairs_path, "preferences")
         log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
-        with atomic_dir(root / io["outs"][0]) as out:
-            trainer = DPOTrainer(model, ref_model=None, beta=p.beta, args=training_arguments(out / "_trainer", p),
+        with resumable_training("dpo", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
+            trainer = DPOTrainer(model, ref_model=None, beta=p.beta,
+                                 args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
-                                 max_prompt_length=p.max_prompt_length, log_with="mlflow")
-            result = trainer.train()
+                                 max_prompt_length=p.max_prompt_length, log_with=run.tracker, callbacks=[ck.callback])
+            result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
             keys = ("loss", "rewards/accuracies", "rewards/margins")
             curve = loss_curve(trainer.state.log_history, keys)
             last = curve[-1] if curve else {}
@@ -59,13 +69,13 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                        "num_pairs": len(pairs), "steps": trainer.state.global_step}
             trainer.save_model(str(out))
             tokenizer.save_pretrained(str(out))
-            shutil.rmtree(out / "_trainer", ignore_errors=True)
             run.write_model_card(out, "DPOTrainer", f"{sft_dir} (SFT policy; also the reference)", as_dict(p), metrics)
         write_json(root / paths.metrics / "dpo.json", metrics)
         write_csv(root / paths.plots / "dpo.csv", [{"step": r["step"], "loss": r.get("loss"),
                                                     "reward_accuracy": r.get("rewards/accuracies"),
                                                     "reward_margin": r.get("rewards/margins")} for r in curve],
                   ["step", "loss", "reward_accuracy", "reward_margin"])
+        ck.done()
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)
     return metrics

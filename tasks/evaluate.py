@@ -38,7 +38,6 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Evaluate every policy; returns the content of metrics/evaluate.json."""
     import tempfile
 
-    import mlflow
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core.evaluation import evaluate_policy
@@ -87,7 +86,7 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                                            zip(samples[n].prompts, samples[n].responses, gold_scores[n])][: 4 * p.num_samples])
         with tempfile.TemporaryDirectory() as tmp:
             _chart(results, Path(tmp) / "evaluate.png")
-            mlflow.log_artifact(str(Path(tmp) / "evaluate.png"), artifact_path="plots")
+            run.log_artifact(Path(tmp) / "evaluate.png", artifact_path="plots")
         for n in ("ppo", "dpo"):
             run.summary[f"{n}_gold_gain"] = round(results[n]["gold_reward"] - results["sft"]["gold_reward"], 4)
         run.summary.update({f"{n}.{k}": v for n in POLICIES for k, v in results[n].items()})

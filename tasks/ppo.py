@@ -9,8 +9,10 @@ checkpoint; loads as a plain causal LM), ``metrics/ppo.json`` and ``plots/ppo.cs
 from __future__ import annotations
 
 import random
+import shutil
 import statistics
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -22,12 +24,14 @@ from tasks.tracking import atomic_dir, get_logger, progress, stage_run, write_cs
 STAGE_ONLY = ("total_steps", "max_new_tokens", "reward")
 
 
-def ppo_config(p: PPOParams, model_name: str, query_dataset: str):
-    """``PPOConfig`` from the ppo section: every key but the stage-only ones is a PPOConfig field."""
+def ppo_config(p: PPOParams, model_name: str, query_dataset: str, log_with: Any = "mlflow"):
+    """``PPOConfig`` from the ppo section: every key but the stage-only ones is a PPOConfig field.
+
+    ``log_with``: the stage run's tracker (spools when the server is unreachable), or a tracker name."""
     from rlhf_core import PPOConfig
 
     fields = {k: v for k, v in as_dict(p).items() if k not in STAGE_ONLY}
-    return PPOConfig(model_name=model_name, query_dataset=query_dataset, reward_model=p.reward, log_with="mlflow",
+    return PPOConfig(model_name=model_name, query_dataset=query_dataset, reward_model=p.reward, log_with=log_with,
                      tracker_project_name="rlhf-pipeline", steps=p.total_steps * p.batch_size, **fields)
 
 
@@ -39,11 +43,18 @@ def generation_kwargs(tokenizer, max_new_tokens: int) -> dict:
 
 @task(name="ppo", cache_policy=NO_CACHE)  # training: no retries
 def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
-    """Train ``models/ppo``; returns the metrics written to metrics/ppo.json."""
+    """Train ``models/ppo``; returns the metrics written to metrics/ppo.json.
+
+    SIGTERM/SIGINT stop the loop at the next step boundary: the trainer state (weights, optimizer, RNGs, KL
+    controller) and the loop's own (next step, prompt order, curve, prompt sampler) are saved in
+    ``.checkpoints/ppo-<hash of params and inputs>`` and ``Preempted`` is raised (exit status 75). Running the
+    stage again resumes there and ends with the same model as an uninterrupted run.
+    """
     import torch
     from transformers import AutoTokenizer
 
     from rlhf_core import AutoModelForCausalLMWithValueHead, PPOTrainer, set_seed
+    from rlhf_core.checkpointing import GracefulStop, Preempted, resumable_checkpoint, stage_checkpoint_dir
     from rlhf_core.rewards import make_reward
 
     root = Path(root).resolve()
@@ -58,7 +69,8 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     with stage_run("ppo", root, p, io["deps"], parent_run_id) as run:
         set_seed(p.seed)
-        config = ppo_config(p, str(root / sft_dir), str(root / prompts_path))
+        state = stage_checkpoint_dir(root, "ppo", {"params": as_dict(p), "inputs": run.input_hashes})
+        config = ppo_config(p, str(root / sft_dir), str(root / prompts_path), log_with=run.tracker)
         tokenizer = AutoTokenizer.from_pretrained(root / sft_dir, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -70,23 +82,39 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         rng = random.Random(p.seed)
         order: list[str] = []
         curve = []
+        start = 0
+        if resumable_checkpoint(state):
+            extra = trainer.load_state(str(state))
+            start, order, curve = int(extra["next_step"]), list(extra["order"]), list(extra["curve"])
+            version, internal, gauss = extra["rng"]
+            rng.setstate((version, tuple(internal), gauss))
+            log.info("ppo: resuming at step %d from %s", start, state)
+            run.summary["resumed_at_step"] = start
         log.info("ppo: %d steps of %d rollouts, reward=%s", p.total_steps, p.batch_size, p.reward)
-        for step in progress(range(p.total_steps), desc="ppo", unit="step"):
-            if len(order) < p.batch_size:
-                order += rng.sample(prompts, len(prompts))
-            batch_prompts, order = order[: p.batch_size], order[p.batch_size:]
-            queries = [tokenizer(q, return_tensors="pt").input_ids[0] for q in batch_prompts]
-            responses = trainer.generate(queries, return_prompt=False, batch_size=p.batch_size, **gen)
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = reward_fn([q + r for q, r in zip(batch_prompts, texts)])
-            rewards = [torch.tensor(s, dtype=torch.float32) for s in scores]
-            stats = trainer.step(queries, responses, rewards)
-            trainer.log_stats(stats, {"query": batch_prompts, "response": texts}, rewards)
-            row = {"step": step, "reward_mean": statistics.fmean(scores), "kl": float(stats["objective/kl"]),
-                   "kl_coef": float(stats["objective/kl_coef"])}
-            curve.append(row)
-            if step % 5 == 0 or step == p.total_steps - 1:
-                log.info("ppo step %d: reward %.3f, kl %.3f, kl_coef %.3f", step, row["reward_mean"], row["kl"], row["kl_coef"])
+        with GracefulStop() as stop:
+            for step in progress(range(start, p.total_steps), desc="ppo", unit="step"):
+                if len(order) < p.batch_size:
+                    order += rng.sample(prompts, len(prompts))
+                batch_prompts, order = order[: p.batch_size], order[p.batch_size:]
+                queries = [tokenizer(q, return_tensors="pt").input_ids[0] for q in batch_prompts]
+                responses = trainer.generate(queries, return_prompt=False, batch_size=p.batch_size, **gen)
+                texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+                scores = reward_fn([q + r for q, r in zip(batch_prompts, texts)])
+                rewards = [torch.tensor(s, dtype=torch.float32) for s in scores]
+                stats = trainer.step(queries, responses, rewards)
+                trainer.log_stats(stats, {"query": batch_prompts, "response": texts}, rewards)
+                row = {"step": step, "reward_mean": statistics.fmean(scores), "kl": float(stats["objective/kl"]),
+                       "kl_coef": float(stats["objective/kl_coef"])}
+                curve.append(row)
+                if step % 5 == 0 or step == p.total_steps - 1:
+                    log.info("ppo step %d: reward %.3f, kl %.3f, kl_coef %.3f", step, row["reward_mean"], row["kl"], row["kl_coef"])
+                if stop.requested and step + 1 < p.total_steps:
+                    version, internal, gauss = rng.getstate()
+                    trainer.save_state(str(state), extra={"next_step": step + 1, "order": order, "curve": curve,
+                                                          "rng": [version, list(internal), gauss]})
+                    log.warning("ppo: %s at step %d; state saved in %s; run the stage again to resume",
+                                stop.signal_name, step + 1, state)
+                    raise Preempted(state, step + 1, stop.signal_name)
         with atomic_dir(root / io["outs"][0]) as out:
             trainer.save_pretrained(str(out))
             last = curve[-max(1, len(curve) // 5):]  # the last fifth of training
@@ -97,6 +125,7 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             run.write_model_card(out, "PPOTrainer", f"{sft_dir} (SFT policy; also the KL reference)", as_dict(p), metrics)
         write_json(root / paths.metrics / "ppo.json", metrics)
         write_csv(root / paths.plots / "ppo.csv", curve, ["step", "reward_mean", "kl", "kl_coef"])
+        shutil.rmtree(state, ignore_errors=True)  # outputs are complete: the resumable state is no longer needed
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)
     return metrics

@@ -79,12 +79,16 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tasks.tracking import mlflow_setup
+    from tasks.tracking import mlflow_setup, tracking_reachable, tracking_uri
 
     root = Path(root).resolve()
     params = load_params(root / PARAMS_FILE)
     rule, paths = params.registry, params.paths
     log = get_logger()
+    if not tracking_reachable(root):  # the registry lives on the server: nothing to spool, run it again later
+        log.warning("registry: tracking server %s unreachable; nothing registered. Run `python -m flows.pipeline` "
+                    "again when it is back (trained stages are not re-run).", tracking_uri(root))
+        return {"registered": False, "reason": "tracking server unreachable"}
     evaluation_path = root / paths.metrics / "evaluate.json"
     if not evaluation_path.exists():
         raise FileNotFoundError(f"{evaluation_path}: run the evaluate stage before the registry step")

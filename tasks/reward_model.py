@@ -16,7 +16,17 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
 from tasks.params import PARAMS_FILE, as_dict, load_params, stage_io
-from tasks.tracking import atomic_dir, get_logger, loss_curve, stage_run, training_arguments, write_csv, write_json
+from tasks.tracking import (
+    atomic_dir,
+    checkpointing_arguments,
+    get_logger,
+    loss_curve,
+    resumable_training,
+    stage_run,
+    training_arguments,
+    write_csv,
+    write_json,
+)
 
 HOLDOUT_SHARE = 0.1
 
@@ -55,10 +65,11 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
         columns = ("prompt", "chosen", "rejected")
         dataset = Dataset.from_dict({c: [x[c] for x in train] for c in columns})
         log.info("reward_model: %d training pairs, %d held out, initialised from %s", len(train), len(held), base)
-        with atomic_dir(root / io["outs"][0]) as out:
-            trainer = RewardTrainer(model=model, args=training_arguments(out / "_trainer", p), train_dataset=dataset,
-                                    tokenizer=tokenizer, max_length=p.max_length, log_with="mlflow")
-            result = trainer.train()
+        with resumable_training("reward_model", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
+            trainer = RewardTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                                    train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
+                                    log_with=run.tracker, callbacks=[ck.callback])
+            result = ck.train(trainer)  # resumes from .checkpoints/reward_model-*; SIGTERM -> Preempted (exit 75)
             curve = loss_curve(trainer.state.log_history)
             scorer = RewardModelScorer(trainer.model, tokenizer, max_length=p.max_length)
             chosen = scorer([x["prompt"] + x["chosen"] for x in held])
@@ -71,13 +82,11 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
             }
             trainer.save_model(str(out))
             tokenizer.save_pretrained(str(out))
-            import shutil
-
-            shutil.rmtree(out / "_trainer", ignore_errors=True)
             run.write_model_card(out, "RewardTrainer", base if p.init_from != "sft" else f"{sft_dir} (SFT policy)",
                                  as_dict(p), metrics)
         write_json(root / paths.metrics / "reward_model.json", metrics)
         write_csv(root / paths.plots / "reward_model.csv", curve, ["step", "loss"])
+        ck.done()
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)
         log.info("reward_model: held-out accuracy %.3f", metrics["heldout_accuracy"])

@@ -16,7 +16,17 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
 from tasks.params import PARAMS_FILE, SFTParams, as_dict, load_params, stage_io
-from tasks.tracking import atomic_dir, get_logger, loss_curve, stage_run, training_arguments, write_csv, write_json
+from tasks.tracking import (
+    atomic_dir,
+    checkpointing_arguments,
+    get_logger,
+    loss_curve,
+    resumable_training,
+    stage_run,
+    training_arguments,
+    write_csv,
+    write_json,
+)
 
 
 def build_policy(p: SFTParams, texts: list[str]):
@@ -58,11 +68,12 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         n_params = sum(t.numel() for t in model.parameters())
         log.info("sft: %d texts, model %s with %.2fM parameters", len(texts), p.model_name or f"tiny-{p.arch}", n_params / 1e6)
         run.log_dataset(root / io["deps"][0], "sft_train")
-        with atomic_dir(root / io["outs"][0]) as out:
+        with resumable_training("sft", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
             trainer = SFTTrainer(
-                model=model, args=training_arguments(out / "_trainer", p), train_dataset=Dataset.from_dict({"text": texts}),
-                dataset_text_field="text", max_seq_length=p.max_seq_length, tokenizer=tokenizer, log_with="mlflow")
-            result = trainer.train()
+                model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
+                max_seq_length=p.max_seq_length, tokenizer=tokenizer, log_with=run.tracker, callbacks=[ck.callback])
+            result = ck.train(trainer)  # resumes from .checkpoints/sft-*; SIGTERM -> Preempted (exit 75)
             curve = loss_curve(trainer.state.log_history)
             final_loss = curve[-1]["loss"] if curve else float(result.training_loss)
             metrics = {"train_loss": round(float(result.training_loss), 4), "final_loss": round(final_loss, 4),
@@ -70,16 +81,10 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                        "num_texts": len(texts), "num_parameters": n_params, "steps": trainer.state.global_step}
             trainer.save_model(str(out))
             tokenizer.save_pretrained(str(out))
-            _remove_scratch(out / "_trainer")
             run.write_model_card(out, "SFTTrainer", p.model_name or f"built from config (tiny {p.arch})", as_dict(p), metrics)
         write_json(root / paths.metrics / "sft.json", metrics)
         write_csv(root / paths.plots / "sft.csv", curve, ["step", "loss"])
+        ck.done()
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)
     return metrics
-
-
-def _remove_scratch(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

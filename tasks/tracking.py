@@ -6,6 +6,10 @@ experiment name; ``RLHF_MLFLOW_UI_URL`` the UI address used in Prefect artifact 
 
 One parent run per pipeline run (``pipeline_run``) and one child run per stage (``stage_run``). Each child
 is tagged with the git commit, the DVC hashes of the stage's inputs and the Prefect flow-run id.
+
+Tracking outages never stop a stage: when the tracking server refuses connections (at start, or later), the
+stage warns once and keeps its params, metrics and tables in ``tracking-spool/<stage>-<time>-<pid>.jsonl`` in
+the project; ``make tracking-upload`` (``python -m rlhf_core.tracking upload tracking-spool``) replays them.
 """
 
 from __future__ import annotations
@@ -201,12 +205,28 @@ def input_hashes(root: str | Path, deps: Iterable[str]) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
+SPOOL_DIR = "tracking-spool"
+"""Where stages keep tracking data while the server is unreachable (in the project; git- and DVC-ignored)."""
+
+
+def tracking_uri(root: str | Path) -> str:
+    """``$MLFLOW_TRACKING_URI``, else the project's SQLite store."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+
+
+def tracking_reachable(root: str | Path) -> bool:
+    """False when the tracking URI is a server that refuses connections (local stores are always reachable)."""
+    from rlhf_core.tracking import server_reachable
+
+    return server_reachable(tracking_uri(root))
+
+
 def mlflow_setup(root: str | Path) -> str:
     """Point MLflow at the project store and return the experiment id (creating it if needed)."""
     import mlflow
 
     root = Path(root).resolve()
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
+    uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
     name = os.environ.get("RLHF_MLFLOW_EXPERIMENT", DEFAULT_EXPERIMENT)
     client = mlflow.MlflowClient()
@@ -226,6 +246,10 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
     """Create the parent MLflow run of one pipeline run; returns its id (the run is not made active)."""
     import mlflow
 
+    if not tracking_reachable(root):
+        get_logger().warning("tracking server %s unreachable: no MLflow parent run; stages spool to %s/",
+                             tracking_uri(root), SPOOL_DIR)
+        return ""
     exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
     tags = {"rlhf.kind": "pipeline", "rlhf.entry": entry, "git.commit": git_commit(root),
@@ -237,6 +261,8 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
 def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED", summary: Mapping[str, Any] | None = None) -> None:
     import mlflow
 
+    if not run_id or not tracking_reachable(root):
+        return
     mlflow_setup(root)
     client = mlflow.MlflowClient()
     for key, value in (summary or {}).items():
@@ -244,9 +270,48 @@ def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED", su
     client.set_terminated(run_id, status=status)
 
 
+def _stage_tracker_class():
+    from rlhf_core.tracking import SpoolingTracker
+
+    class StageSpoolingTracker(SpoolingTracker):
+        """``SpoolingTracker`` whose spool file is named after the stage (several stages share one process)."""
+
+        def _go_offline(self, error: BaseException) -> None:
+            import uuid
+            import warnings
+
+            self.backend = None
+            if self.spool_path is not None:
+                return
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.spool_path = self.spool_dir / f"{self.run_name}-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}.jsonl"
+            self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
+                          "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
+            message = (f"stage {self.run_name}: tracking server {self.tracking_uri} unreachable "
+                       f"({type(error).__name__}); training continues and its params, metrics and tables are kept in "
+                       f"{self.spool_path}. Upload them later with: make tracking-upload "
+                       f"(python -m rlhf_core.tracking upload {self.spool_dir})")
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            get_logger().warning(message)
+
+        def __repr__(self) -> str:  # what a config that holds it logs as ``log_with``
+            return self.name
+
+        def finish(self) -> None:  # the reminder is the stage's (one warning per stage, not two)
+            if self.spool_path is not None:
+                self._append({"kind": "finish"})
+
+    return StageSpoolingTracker
+
+
 @dataclass
 class StageRun:
-    """Handle given to a stage body: the MLflow run plus a summary collected for the Prefect artifact."""
+    """Handle given to a stage body: the MLflow run plus a summary collected for the Prefect artifact.
+
+    ``tracker`` is the rlhf_core tracker the stage's trainers log to (pass it as ``log_with``): the active
+    MLflow run while the server answers, the spool file afterwards.
+    """
 
     stage: str
     root: Path
@@ -254,40 +319,67 @@ class StageRun:
     experiment_id: str
     summary: dict[str, Any] = field(default_factory=dict)
     input_hashes: dict[str, str] = field(default_factory=dict)
+    tracker: Any = None
+
+    @property
+    def offline(self) -> bool:
+        return self.tracker is not None and self.tracker.offline
+
+    @property
+    def spool_path(self) -> Path | None:
+        return getattr(self.tracker, "spool_path", None)
 
     @property
     def link(self) -> str:
-        return mlflow_ui_link(self.experiment_id, self.run_id)
+        return mlflow_ui_link(self.experiment_id, self.run_id) if self.run_id else f"(offline: {self.spool_path})"
+
+    def _direct(self, what: str, call) -> None:
+        """An MLflow call with no spool equivalent (datasets, artifacts): skipped while offline."""
+        if self.offline:
+            return
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - an outage must not stop the stage
+            self.tracker._go_offline(error)
+            get_logger().warning("stage %s: %s not logged (%s)", self.stage, what, error)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params (names that look like secrets are dropped by the tracker)."""
+        self.tracker.log_params({k: str(v)[:6000] for k, v in params.items()})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        import mlflow
-
-        from rlhf_core.tracking import _mlflow_key, scalar_metrics
-
-        clean = {_mlflow_key(k): v for k, v in scalar_metrics(metrics).items()}
-        if clean:
-            mlflow.log_metrics(clean, step=step)
+        self.tracker.log(metrics, step=step)
 
     def log_table(self, name: str, rows: list[Mapping[str, Any]]) -> None:
-        import mlflow
-
         if rows:
             columns = list(rows[0].keys())
-            mlflow.log_table({c: [r[c] for r in rows] for c in columns}, artifact_file=f"tables/{name}.json")
+            self.tracker.log_table(name, columns, [[r[c] for c in columns] for r in rows])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        import mlflow
+
+        self._direct(f"artifact {Path(path).name}", lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path))
 
     def log_dataset(self, path: str | Path, name: str, context: str = "training") -> None:
         """Log a JSONL dataset as an MLflow run input (source = its path, digest = its content)."""
-        import mlflow
-        import pandas as pd
-
         path = Path(path)
-        import warnings
+        if self.offline:  # keep at least which file (and which content) was read
+            self.tracker.log_params({f"input.{name}": f"{path} md5={_md5_file(path)}"})
+            return
 
-        df = pd.read_json(path, lines=True) if path.stat().st_size else pd.DataFrame()
-        with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local files
-            warnings.simplefilter("ignore", UserWarning)
-            ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
-        mlflow.log_input(ds, context=context)
+        def log() -> None:
+            import warnings
+
+            import mlflow
+            import pandas as pd
+
+            df = pd.read_json(path, lines=True) if path.stat().st_size else pd.DataFrame()
+            with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local files
+                warnings.simplefilter("ignore", UserWarning)
+                ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
+            mlflow.log_input(ds, context=context)
+
+        self._direct(f"dataset {name}", log)
 
     def write_model_card(self, model_dir: str | Path, trainer_name: str, base_model: str | None,
                          hyperparameters: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
@@ -297,23 +389,33 @@ class StageRun:
         from rlhf_core.model_card import write_model_card
 
         notes = "\n".join(
-            [f"Stage `{self.stage}` of the rlhf pipeline; git commit `{git_commit(self.root)}`; MLflow run `{self.run_id}`.",
+            [f"Stage `{self.stage}` of the rlhf pipeline; git commit `{git_commit(self.root)}`; "
+             f"MLflow run `{self.run_id or 'none (tracking offline: see ' + str(self.spool_path) + ')'}`.",
              "", "Inputs (DVC hashes):", ""] + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
             + ["", "The offline default trains on a synthetic corpus of generated reviews, not real data."])
         path = write_model_card(model_dir, model_name=f"rlhf-{self.stage}", trainer_name=trainer_name,
                                 base_model=base_model, hyperparameters=dict(hyperparameters), metrics=dict(metrics),
                                 notes=notes)
-        mlflow.log_text(Path(path).read_text(), "model_card.md")
+        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text(), "model_card.md"))
 
 
 @contextlib.contextmanager
 def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[str],
               parent_run_id: str | None = None) -> Iterator[StageRun]:
-    """A child MLflow run for one stage, tagged with provenance; leaves a Prefect artifact when done."""
+    """A child MLflow run for one stage, tagged with provenance; leaves a Prefect artifact when done.
+
+    If the tracking server is unreachable the stage still runs: one warning, and everything the run would have
+    logged goes to a spool file under ``<root>/tracking-spool/`` (``make tracking-upload`` sends it later).
+    A stage stopped by SIGTERM (``Preempted``) ends its run ``KILLED``; any other error ``FAILED``.
+    """
     import mlflow
 
+    from rlhf_core.checkpointing import Preempted
+    from rlhf_core.tracking import MLflowTracker, public_params
+
     root = Path(root).resolve()
-    exp_id = mlflow_setup(root)
+    uri = tracking_uri(root)
+    experiment = os.environ.get("RLHF_MLFLOW_EXPERIMENT", DEFAULT_EXPERIMENT)
     parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
     tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id()}
@@ -321,21 +423,47 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     tags.update({f"dvc.input.{k}": v for k, v in hashes.items()})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    # A stale active run (e.g. from an earlier failure in this process) must not capture our logs.
-    while mlflow.active_run() is not None:
-        mlflow.end_run("KILLED")
-    run = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags)
-    handle = StageRun(stage, root, run.info.run_id, exp_id, input_hashes=hashes)
+    online = tracking_reachable(root)
+    exp_id, run_id = "", ""
+    if online:
+        exp_id = mlflow_setup(root)
+        # A stale active run (e.g. from an earlier failure in this process) must not capture our logs.
+        while mlflow.active_run() is not None:
+            mlflow.end_run("KILLED")
+        run_id = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags).info.run_id
+
+    def attach(project_name: str, run_name: str | None) -> MLflowTracker:
+        return MLflowTracker(project_name, run_name)  # the active stage run: attached, not owned
+
+    tracker = _stage_tracker_class()(attach, spool_dir=root / SPOOL_DIR, project_name=experiment, run_name=stage,
+                                     tracking_uri=uri)
+    handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, tracker=tracker)
+    if handle.offline:  # provenance tags would be lost with the run: keep them as params
+        tracker.log_params({f"tag.{k}": v for k, v in tags.items() if k != "mlflow.parentRunId"})
     started = time.time()
+
+    def end(status: str) -> None:
+        tracker.finish()
+        if run_id and not handle.offline:  # (went offline mid-run: the next stage_run ends the stale run)
+            with contextlib.suppress(Exception):
+                mlflow.end_run(status)
+
     try:
-        mlflow.log_params({f"{stage}.{k}": str(v)[:6000] for k, v in as_dict(params_section).items()})
+        handle.log_params(public_params({f"{stage}.{k}": v for k, v in as_dict(params_section).items()}))
         yield handle
+    except Preempted:
+        end("KILLED")
+        raise
     except BaseException:
-        mlflow.end_run("FAILED")
+        end("FAILED")
         raise
     handle.summary.setdefault("seconds", round(time.time() - started, 1))
-    mlflow.log_metric("stage_seconds", time.time() - started)
-    mlflow.end_run("FINISHED")
+    tracker.log({"stage_seconds": time.time() - started})
+    end("FINISHED")
+    if handle.offline:
+        handle.summary["tracking_spool"] = str(handle.spool_path)
+        get_logger().warning("stage %s finished with tracking offline: upload %s with `make tracking-upload`",
+                             stage, handle.spool_path)
     create_stage_artifact(handle)
 
 
@@ -358,17 +486,69 @@ def create_stage_artifact(handle: StageRun) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, **extra):
-    """``TrainingArguments`` for a stage: its section's Trainer fields, no checkpoints, no reporters
-    (metrics reach MLflow through rlhf_core's tracker, ``log_with="mlflow"``). Hardware comes from the
-    environment / accelerate config, never from params.yaml."""
+SAVE_STEPS = 50
+"""Trainer-based stages write a resumable checkpoint every this many optimizer steps (and on SIGTERM)."""
+
+
+def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, **overrides):
+    """``TrainingArguments`` for a stage: its section's Trainer fields, no reporters (metrics reach MLflow
+    through rlhf_core's tracker, ``log_with=run.tracker``). Hardware comes from the environment / accelerate
+    config, never from params.yaml. No checkpoints unless ``overrides`` ask (see ``checkpointing_arguments``);
+    any keyword overrides the defaults here."""
     from transformers import TrainingArguments
 
     names = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "warmup_steps", "weight_decay", "seed")
     kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
-    return TrainingArguments(
-        output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,
-        disable_tqdm=not on_terminal(), dataloader_num_workers=0, dataloader_pin_memory=False, **kwargs, **extra)
+    kwargs.update(output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,
+                  disable_tqdm=not on_terminal(), dataloader_num_workers=0, dataloader_pin_memory=False)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def checkpointing_arguments(save_steps: int = SAVE_STEPS) -> dict[str, Any]:
+    """``training_arguments`` overrides for a resumable stage: periodic checkpoints, only the latest kept."""
+    return {"save_strategy": "steps", "save_steps": save_steps, "save_total_limit": 1}
+
+
+@contextlib.contextmanager
+def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterator[Any]:
+    """Resume and stop plumbing shared by the Trainer-based stages (sft, reward_model, dpo).
+
+    Yields a ``Resumable``: ``.dir`` (the trainer's ``output_dir``: ``.checkpoints/<stage>-<hash of params and
+    inputs>``), ``.callback`` (add to the trainer's callbacks) and ``.train(trainer)``, which resumes from the
+    latest complete checkpoint and raises ``Preempted`` (exit status 75) when SIGTERM/SIGINT stopped it. The
+    caller deletes the directory (``.done()``) once its outputs are written.
+    """
+    from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint, stage_checkpoint_dir
+    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+
+    directory = stage_checkpoint_dir(run.root, stage, {"params": as_dict(params_section), "inputs": run.input_hashes})
+    log = get_logger()
+
+    class Resumable:
+        dir = directory
+
+        def __init__(self, stop: GracefulStop) -> None:
+            self.callback = GracefulStopCallback(stop)
+
+        def train(self, trainer: Any) -> Any:
+            last = latest_checkpoint(directory)
+            if last is not None:
+                log.info("%s: resuming from %s", stage, last)
+                run.summary["resumed_from"] = last.name
+            result = trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
+            if self.callback.stopped and trainer.state.global_step < trainer.state.max_steps:
+                step = trainer.state.global_step
+                log.warning("%s: stopped at step %d; checkpoint in %s; run the stage again to resume",
+                            stage, step, directory)
+                raise Preempted(directory, step, self.callback.stop.signal_name if self.callback.stop else None)
+            return result
+
+        def done(self) -> None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    with GracefulStop() as stop:
+        yield Resumable(stop)
 
 
 def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list[dict]:

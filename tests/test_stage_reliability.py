@@ -1,0 +1,200 @@
+"""Issue 6 wired into the pipeline stages: stop on SIGTERM and resume exactly, train through a tracking outage,
+keep secrets out of the tracked params. Tasks through ``.fn()`` on a temporary project with tiny parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from _pipeline_project import make_project, mlflow_client, write_params
+from safetensors.torch import load_file
+
+from rlhf_core.checkpointing import EXIT_PREEMPTED, Preempted
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    """A project where prepare, sft and reward_model have run (shared: they are inputs only)."""
+    from tasks.prepare import prepare_task
+    from tasks.reward_model import reward_model_task
+    from tasks.sft import sft_task
+
+    saved = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "RLHF_PARENT_RUN_ID")}
+    root = make_project(tmp_path_factory.mktemp("rel") / "proj", git_dvc=False)
+    prepare_task.fn(str(root))
+    sft_task.fn(str(root))
+    reward_model_task.fn(str(root))
+    yield root
+    os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+@pytest.fixture
+def project(upstream, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    return upstream
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def _assert_same_weights(a: Path, b_weights: dict[str, torch.Tensor]) -> None:
+    a_weights = _weights(a)
+    assert a_weights.keys() == b_weights.keys()
+    for key in a_weights:
+        assert torch.equal(a_weights[key], b_weights[key]), key
+
+
+def _sigterm_on_call(monkeypatch, cls, method: str, when) -> list[int]:
+    """Wrap ``cls.method``: once ``when(call_number, args)`` holds, the process sends itself SIGTERM."""
+    original = getattr(cls, method)
+    calls: list[int] = []
+
+    def wrapped(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append(1)
+        if when(len(calls), args):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(cls, method, wrapped)
+    return calls
+
+
+def _checkpoints(root: Path, stage: str) -> list[Path]:
+    return sorted((root / ".checkpoints").glob(f"{stage}-*")) if (root / ".checkpoints").is_dir() else []
+
+
+def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch):
+    from rlhf_core import PPOTrainer
+    from tasks.ppo import ppo_task
+
+    write_params(project, {"ppo.total_steps": 4})
+    straight = ppo_task.fn(str(project))
+    straight_weights = _weights(project / "models" / "ppo")
+    straight_curve = (project / "plots" / "ppo.csv").read_text()
+    assert not _checkpoints(project, "ppo")  # deleted once the outputs are written
+
+    with monkeypatch.context() as patch:
+        _sigterm_on_call(patch, PPOTrainer, "step", lambda n, args: n == 2)
+        with pytest.raises(Preempted) as stopped:
+            ppo_task.fn(str(project))
+    assert stopped.value.exit_code == EXIT_PREEMPTED == 75
+    assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
+    (state,) = _checkpoints(project, "ppo")
+    assert json.loads((state / "trainer_state.json").read_text())["extra"]["next_step"] == 2
+    _assert_same_weights(project / "models" / "ppo", straight_weights)  # the earlier output is untouched
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+    resumed = ppo_task.fn(str(project))  # the re-run continues at step 2, not from scratch
+    assert resumed == straight
+    _assert_same_weights(project / "models" / "ppo", straight_weights)
+    assert (project / "plots" / "ppo.csv").read_text() == straight_curve
+    assert not _checkpoints(project, "ppo")
+
+
+def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project, monkeypatch):
+    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+    from tasks.sft import sft_task
+
+    straight = sft_task.fn(str(project))
+    straight_weights = _weights(project / "models" / "sft")
+    assert straight["steps"] > 3
+    assert not _checkpoints(project, "sft")
+
+    with monkeypatch.context() as patch:
+        _sigterm_on_call(patch, GracefulStopCallback, "on_step_end", lambda n, args: args[1].global_step == 2)
+        with pytest.raises(Preempted) as stopped:
+            sft_task.fn(str(project))
+    assert stopped.value.exit_code == EXIT_PREEMPTED and stopped.value.step == 3
+    (state,) = _checkpoints(project, "sft")
+    assert (state / "checkpoint-3" / "trainer_state.json").is_file()
+
+    resumed = sft_task.fn(str(project))
+    assert resumed["steps"] == straight["steps"]
+    _assert_same_weights(project / "models" / "sft", straight_weights)
+    assert not _checkpoints(project, "sft")
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again when the block ends: connections are refused
+
+
+def test_stages_complete_against_a_refusing_tracking_server_and_upload_later(project, monkeypatch, tmp_path):
+    import mlflow
+
+    from rlhf_core.tracking import main as tracking_cli
+    from tasks.prepare import prepare_task
+    from tasks.sft import sft_task
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    spool_dir = project / "tracking-spool"
+    before = set(spool_dir.glob("*.jsonl")) if spool_dir.is_dir() else set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = prepare_task.fn(str(project))
+        trained = sft_task.fn(str(project))
+    assert trained["steps"] > 0 and (project / "models" / "sft" / "model.safetensors").is_file()
+    outage = [w for w in caught if issubclass(w.category, RuntimeWarning) and "unreachable" in str(w.message)]
+    assert len(outage) == 2  # one per stage
+    assert "make tracking-upload" in str(outage[0].message)
+
+    spools = sorted(set(spool_dir.glob("*.jsonl")) - before)
+    assert [p.name.split("-")[0] for p in spools] == ["prepare", "sft"]
+    records = {p.name.split("-")[0]: [json.loads(line) for line in p.read_text().splitlines()] for p in spools}
+    sft_metrics = [r for r in records["sft"] if r["kind"] == "metrics"]
+    assert any("train_loss" in r["data"] and r["step"] == trained["steps"] for r in sft_metrics)  # the Trainer's
+    assert any(r["data"].get("final/steps") == trained["steps"] for r in sft_metrics)
+    assert any(r["data"].get("num_train") == prepared["num_train"] for r in records["prepare"] if r["kind"] == "metrics")
+    params = {k: v for r in records["sft"] if r["kind"] == "params" for k, v in r["data"].items()}
+    assert params["sft.hidden_size"] == "32" and params["tag.rlhf.stage"] == "sft"
+    assert records["sft"][-1]["kind"] == "finish"
+
+    store = f"sqlite:///{tmp_path / 'server.db'}"
+    assert tracking_cli(["upload", str(spool_dir), "--tracking-uri", store]) == 0
+    client = mlflow.MlflowClient(tracking_uri=store)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("rlhf-pipeline").experiment_id])}
+    assert {"prepare", "sft"} <= set(runs)
+    sft_run = runs["sft"]
+    assert sft_run.data.metrics["final/steps"] == trained["steps"] and sft_run.info.status == "FINISHED"
+    assert client.get_metric_history(sft_run.info.run_id, "train_loss")[0].step == trained["steps"]
+    assert sft_run.data.params["sft.hidden_size"] == "32"
+    assert runs["prepare"].data.metrics["num_train"] == prepared["num_train"]
+    assert not list(spool_dir.glob("*.jsonl"))  # uploaded spools are renamed, never sent twice
+
+
+@dataclass(frozen=True)
+class _SectionWithSecrets:
+    learning_rate: float = 0.1
+    hub_token: str = "hf_abcdef"
+    db_password: str = "hunter2"
+    api_key: str = "sk-123"
+
+
+def test_secret_looking_params_are_never_logged(project, monkeypatch):
+    from tasks.tracking import stage_run
+
+    with stage_run("guarded", project, _SectionWithSecrets(), []) as run:
+        run_id = run.run_id
+    logged = mlflow_client(project).get_run(run_id).data.params
+    assert logged == {"guarded.learning_rate": "0.1"}
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with stage_run("guarded", project, _SectionWithSecrets(), []) as run:
+            spool = run.spool_path
+    text = spool.read_text()
+    assert "guarded.learning_rate" in text
+    assert not any(s in text for s in ("hf_abcdef", "hunter2", "sk-123", "hub_token", "password", "api_key"))
+    spool.unlink()
