@@ -24,3 +24,11 @@ def tokenizer():
     from rlhf_core.models.tiny import build_tokenizer
 
     return build_tokenizer()
+
+try:  # property tests: the same examples on every run (no flaky CI), no per-example deadline on a busy machine
+    from hypothesis import settings
+
+    settings.register_profile("repo", derandomize=True, deadline=None, print_blob=True)
+    settings.load_profile("repo")
+except ImportError:  # hypothesis is a dev dependency; its tests skip without it
+    pass

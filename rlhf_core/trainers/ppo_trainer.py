@@ -397,6 +397,8 @@ class PPOTrainer:
 
     @staticmethod
     def _check_score(score, i: int) -> torch.Tensor:
+        if not isinstance(score, (torch.Tensor, int, float, np.number)) or isinstance(score, bool):
+            raise ValueError(f"scores[{i}] must be a number or a scalar tensor, got {type(score).__name__}")
         score = torch.as_tensor(score) if not isinstance(score, torch.Tensor) else score
         if score.dim() > 1 or score.numel() != 1:
             raise ValueError(f"scores[{i}] must be a scalar (0-d or one-element 1-d tensor), got shape {tuple(score.shape)}")
