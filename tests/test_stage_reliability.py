@@ -198,3 +198,85 @@ def test_secret_looking_params_are_never_logged(project, monkeypatch):
     assert "guarded.learning_rate" in text
     assert not any(s in text for s in ("hf_abcdef", "hunter2", "sk-123", "hub_token", "password", "api_key"))
     spool.unlink()
+
+
+@pytest.mark.slow
+def test_pipeline_cli_sigterm_exits_75_records_nothing_and_resumes(tmp_path, monkeypatch):
+    """The flow's CLI: SIGTERM in ppo -> exit 75, earlier stages recorded, ppo not, no registry; re-run resumes."""
+    import yaml
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import main
+    from rlhf_core import PPOTrainer
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    root = make_project(tmp_path / "proj", overrides={"ppo.total_steps": 3})
+    with prefect_test_harness(server_startup_timeout=120):
+        with monkeypatch.context() as patch:
+            calls = _sigterm_on_call(patch, PPOTrainer, "step", lambda n, args: n == 1)
+            assert main(["--root", str(root)]) == EXIT_PREEMPTED
+        assert len(calls) == 1  # stopped at the first step boundary after the signal
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        assert set(lock) == {"prepare", "sft", "reward_model"}
+        assert not (root / "models" / "ppo").exists() and len(_checkpoints(root, "ppo")) == 1
+        client = mlflow_client(root)
+        assert not client.search_registered_models()
+        runs = client.search_runs([client.get_experiment_by_name("rlhf-pipeline").experiment_id])
+        assert {r.info.status for r in runs if r.data.tags.get("rlhf.stage") == "ppo"} == {"KILLED"}
+        assert {r.info.status for r in runs if r.data.tags.get("rlhf.kind") == "pipeline"} == {"KILLED"}
+
+        with monkeypatch.context() as patch:
+            resumed = _sigterm_on_call(patch, PPOTrainer, "step", lambda n, args: False)
+            assert main(["--root", str(root)]) == 0
+        assert len(resumed) == 2  # steps 1 and 2 only: resumed, not restarted
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert {"ppo", "dpo", "evaluate"} <= set(lock)
+    assert not _checkpoints(root, "ppo")
+    assert client.search_registered_models()
+
+
+@pytest.mark.slow
+def test_dvc_repro_sigterm_then_repro_resumes(tmp_path, monkeypatch):
+    """``dvc repro`` with SIGTERM to the stage process during ppo: it exits 75 and is not recorded; the next
+    ``dvc repro`` resumes ppo from its saved state (not from step 0) and then records it."""
+    import subprocess
+    import sys
+
+    import psutil
+    import yaml
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from _pipeline_project import ROOT
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    root = make_project(tmp_path / "proj", overrides={"ppo.total_steps": 30})
+    dvc = str(ROOT / ".venv" / "bin" / "dvc")
+    with prefect_test_harness(server_startup_timeout=120):
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([dvc, "repro", "ppo"], cwd=root, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if "ppo step 5:" in line:  # in the PPO loop: stop the stage's process (dvc's child)
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    if "flows.stage" in " ".join(child.cmdline()):
+                        child.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+        text = "".join(output)
+        assert proc.returncode != 0, text
+        assert "exited with 75" in text, text  # flows.stage: EXIT_PREEMPTED, not a crash
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        assert "ppo" not in lock and {"prepare", "sft", "reward_model"} <= set(lock)
+        (state,) = _checkpoints(root, "ppo")
+        next_step = json.loads((state / "trainer_state.json").read_text())["extra"]["next_step"]
+        assert 6 <= next_step < 30
+        again = subprocess.run([dvc, "repro", "ppo"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert f"ppo: resuming at step {next_step}" in again.stdout + again.stderr
+    assert "ppo" in yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert not _checkpoints(root, "ppo")
