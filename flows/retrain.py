@@ -17,6 +17,7 @@ import flows  # noqa: F401  (environment defaults)
 from prefect import flow
 
 from flows.pipeline import pipeline
+from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import push_outputs
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
@@ -33,6 +34,7 @@ def retrain(root: str = ".", push: bool = True, remote: str | None = None) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 75 (``EXIT_PREEMPTED``) when SIGTERM/SIGINT stopped a training stage after saving its state."""
     parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--serve", action="store_true", help="serve the retraining deployment on a cron schedule")
@@ -43,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         retrain.serve(name="rlhf-retrain-local", cron=args.cron,
                       parameters={"root": str(Path(args.root).resolve()), "push": not args.no_push})
         return 0
-    retrain(args.root, push=not args.no_push)
+    install_stop_handlers()  # one run (not --serve: there SIGTERM must stop the server)
+    try:
+        retrain(args.root, push=not args.no_push)
+    except Preempted as stopped:  # a stage saved its state on SIGTERM: the next run resumes it
+        print(f"retrain stopped: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     return 0
 
 

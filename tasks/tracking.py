@@ -289,7 +289,7 @@ def _stage_tracker_class():
             self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
                           "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
             message = (f"stage {self.run_name}: tracking server {self.tracking_uri} unreachable "
-                       f"({type(error).__name__}); training continues and its params, metrics and tables are kept in "
+                       f"({type(error).__name__}); the stage continues and its params, metrics and tables are kept in "
                        f"{self.spool_path}. Upload them later with: make tracking-upload "
                        f"(python -m rlhf_core.tracking upload {self.spool_dir})")
             warnings.warn(message, RuntimeWarning, stacklevel=3)
