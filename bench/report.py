@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def _fmt(x, digits=4):
@@ -115,6 +116,9 @@ def render(r: dict) -> str:
         lines.append("")
     if r.get("notes"):
         lines += ["## Notes", "", r["notes"], ""]
+    analysis = Path(__file__).with_name("analysis.md")
+    if analysis.exists():  # hand-written: what bounds each missed target (profiles), updated with each measurement
+        lines += [analysis.read_text().rstrip(), ""]
     return "\n".join(lines)
 
 
