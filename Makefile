@@ -33,6 +33,11 @@ examples: setup
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
+# Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
+bench: setup
+	bash bench/setup_trl_venv.sh
+	OMP_NUM_THREADS=1 $(PY) bench/run.py
+
 # Regenerate the lock file from the current environment (after changing pyproject.toml).
 lock:
 	$(PY) -m pip freeze --exclude-editable | grep -v '^rlhf' > requirements.lock
