@@ -6,13 +6,11 @@ The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.params import PARAMS_FILE, as_dict, load_params, stage_io
+from tasks.params import as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
     checkpointing_arguments,
@@ -34,10 +32,8 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     from rlhf_core import DPOTrainer, set_seed
 
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    p, paths = params.dpo, params.paths
-    io = stage_io(paths)["dpo"]
+    root, params, p, io = load_stage(root, "dpo")
+    paths = params.paths
     pairs_path, sft_dir = io["deps"]
     log = get_logger()
     pairs = read_jsonl(root / pairs_path)

@@ -14,7 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.params import METRIC_KEYS, PARAMS_FILE, POLICIES, load_params, stage_io
+from tasks.params import METRIC_KEYS, POLICIES, load_stage
 from tasks.tracking import get_logger, stage_run, write_csv, write_json
 
 
@@ -43,10 +43,8 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from rlhf_core.evaluation import evaluate_policy
     from rlhf_core.rewards import GoldJudge, RewardModelScorer
 
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    p, paths = params.evaluate, params.paths
-    io = stage_io(paths)["evaluate"]
+    root, params, p, io = load_stage(root, "evaluate")
+    paths = params.paths
     prompts_path, heldout_path, sft_dir, rm_dir, ppo_dir, dpo_dir = io["deps"]
     log = get_logger()
     prompts = [r["query"] for r in read_jsonl(root / prompts_path)][: p.num_prompts]

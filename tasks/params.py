@@ -386,6 +386,13 @@ def stage_param_keys(stage: str) -> list[str]:
 
 # What each stage reads and writes, relative to the paths section. dvc.yaml must say the same
 # (tests/test_params.py). Code deps are listed in dvc.yaml only.
+def load_stage(root: str | Path, stage: str) -> tuple[Path, Params, Any, dict[str, list[str]]]:
+    """A stage's start: the resolved project root, all params, the stage's own section and its DVC deps/outs."""
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    return root, params, getattr(params, stage), stage_io(params.paths)[stage]
+
+
 def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
     d, m = paths.data, paths.models
     io = {

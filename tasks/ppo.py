@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 import shutil
 import statistics
-from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.params import PARAMS_FILE, PPOParams, as_dict, load_params, stage_io
+from tasks.params import PPOParams, as_dict, load_stage
 from tasks.tracking import atomic_dir, get_logger, progress, stage_run, write_csv, write_json
 
 STAGE_ONLY = ("total_steps", "max_new_tokens", "reward")
@@ -57,10 +56,8 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from rlhf_core.checkpointing import GracefulStop, Preempted, resumable_checkpoint, stage_checkpoint_dir
     from rlhf_core.rewards import make_reward
 
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    p, paths = params.ppo, params.paths
-    io = stage_io(paths)["ppo"]
+    root, params, p, io = load_stage(root, "ppo")
+    paths = params.paths
     prompts_path, sft_dir, rm_dir = io["deps"]
     log = get_logger()
     prompts = [r["query"] for r in read_jsonl(root / prompts_path)]

@@ -27,7 +27,7 @@ from rlhf_core.data import (
     write_jsonl,
 )
 from rlhf_core.rewards import GoldJudge
-from tasks.params import PARAMS_FILE, ParamsError, PrepareParams, load_params, stage_io
+from tasks.params import ParamsError, PrepareParams, load_stage
 from tasks.tracking import get_logger, stage_run, write_csv, write_json
 
 MIN_REVIEWS = 10
@@ -99,10 +99,8 @@ def _write_datasets(data_dir: Path, datasets: dict[str, list[dict]]) -> dict[str
       cache_policy=NO_CACHE)
 def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Materialise the datasets of ``params.yaml:prepare``; returns the metrics written to metrics/prepare.json."""
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    p, paths = params.prepare, params.paths
-    io = stage_io(paths)["prepare"]
+    root, params, p, io = load_stage(root, "prepare")
+    paths = params.paths
     log = get_logger()
 
     # read and validate everything first

@@ -9,13 +9,12 @@ agreement with the gold judge) and ``plots/reward_model.csv``.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.params import PARAMS_FILE, as_dict, load_params, stage_io
+from tasks.params import as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
     checkpointing_arguments,
@@ -40,10 +39,8 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
     from rlhf_core import RewardTrainer, set_seed
     from rlhf_core.rewards import RewardModelScorer
 
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    p, paths = params.reward_model, params.paths
-    io = stage_io(paths)["reward_model"]
+    root, params, p, io = load_stage(root, "reward_model")
+    paths = params.paths
     pairs_path, sft_dir = io["deps"]
     log = get_logger()
     pairs = read_jsonl(root / pairs_path)

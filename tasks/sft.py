@@ -9,13 +9,12 @@ same code fine-tunes that model. Writes ``models/sft`` (safetensors + tokenizer 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.params import PARAMS_FILE, SFTParams, as_dict, load_params, stage_io
+from tasks.params import SFTParams, as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
     checkpointing_arguments,
@@ -53,10 +52,8 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     from rlhf_core import SFTTrainer, set_seed
 
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    p, paths = params.sft, params.paths
-    io = stage_io(paths)["sft"]
+    root, params, p, io = load_stage(root, "sft")
+    paths = params.paths
     log = get_logger()
     texts = [r["text"] for r in read_jsonl(root / io["deps"][0])]
     if not texts:

@@ -1,6 +1,6 @@
 """Parity probe: one PPO step from identical weights; writes its stats and updated weights.
 
-    python bench/workloads/parity.py --lib ours|trl --args '{"out": "/tmp/x", "kl_penalty": "kl", ...}'
+    python bench/workloads/parity.py --lib ours|trl --args '{"out": "bench/.cache/parity-out", "kl_penalty": "kl", ...}'
 
 Dropout is off everywhere and there is one mini-batch per epoch, so both libraries should compute
 the same losses, KL, returns and updated weights (compared by bench/test_parity.py).
