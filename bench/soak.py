@@ -2,7 +2,9 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/soak.py [--steps 300] [--warmup 50] [--json out.json]
 
-Each step: generate (response lengths vary 3-8 tokens), score, ``step``, ``log_stats`` to a null tracker.
+Each step: generate (response lengths vary 3-8 tokens, drawn from a seeded generator and forced with
+``min_new_tokens``, so the work per step does not drift as the policy learns to end responses later),
+score, ``step``, ``log_stats`` to a null tracker.
 Measured: RSS (``/proc/self/statm``, after ``gc.collect()``) every 10 steps; per-step CPU time
 (``time.process_time``, insensitive to other processes on a shared machine) and wall time. Reported: RSS
 growth from the end of warm-up to the end, its least-squares slope (MB per 100 steps), and the median step
@@ -63,7 +65,7 @@ def run_soak(steps: int = 300, warmup: int = 50, seed: int = 0) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             responses = trainer.generate(queries, return_prompt=False, batch_size=4, max_new_tokens=n_new,
-                                         do_sample=True, top_k=0, top_p=1.0)
+                                         min_new_tokens=n_new, do_sample=True, top_k=0, top_p=1.0)
             scores = [(r < half).float().mean() for r in responses]
             stats = trainer.step(queries, responses, scores)
             trainer.log_stats(stats, {"query": batch, "response": [tokenizer.decode(r) for r in responses]}, scores)
