@@ -221,15 +221,20 @@ class SpoolingTracker(Tracker):
         if self.spool_path is not None:
             return
         self.spool_dir.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.spool_path = self.spool_dir / f"{_safe_name(self.project_name)}-{stamp}-{os.getpid()}.jsonl"
+        self.spool_path = self.spool_dir / self._spool_file_name()
         self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
                       "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
-        warnings.warn(
-            f"tracking backend unreachable ({type(error).__name__}: {str(error)[:200]}); training continues and "
-            f"everything is kept in {self.spool_path}. Upload it later with: "
-            f"python -m rlhf_core.tracking upload {self.spool_path}", RuntimeWarning, stacklevel=3,
-        )
+        warnings.warn(self._offline_message(error), RuntimeWarning, stacklevel=3)
+
+    def _spool_file_name(self) -> str:
+        """Name of this run's spool file (subclasses may name it after a stage)."""
+        return f"{_safe_name(self.project_name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
+
+    def _offline_message(self, error: BaseException) -> str:
+        """The one warning given when the backend is unreachable."""
+        return (f"tracking backend unreachable ({type(error).__name__}: {str(error)[:200]}); training continues and "
+                f"everything is kept in {self.spool_path}. Upload it later with: "
+                f"python -m rlhf_core.tracking upload {self.spool_path}")
 
     def _append(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}

@@ -276,24 +276,22 @@ def _stage_tracker_class():
     class StageSpoolingTracker(SpoolingTracker):
         """``SpoolingTracker`` whose spool file is named after the stage (several stages share one process)."""
 
-        def _go_offline(self, error: BaseException) -> None:
+        def _spool_file_name(self) -> str:
             import uuid
-            import warnings
 
-            self.backend = None
-            if self.spool_path is not None:
-                return
-            self.spool_dir.mkdir(parents=True, exist_ok=True)
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.spool_path = self.spool_dir / f"{self.run_name}-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}.jsonl"
-            self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
-                          "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
-            message = (f"stage {self.run_name}: tracking server {self.tracking_uri} unreachable "
-                       f"({type(error).__name__}); the stage continues and its params, metrics and tables are kept in "
-                       f"{self.spool_path}. Upload them later with: make tracking-upload "
-                       f"(python -m rlhf_core.tracking upload {self.spool_dir})")
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            get_logger().warning(message)
+            return f"{self.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}.jsonl"
+
+        def _offline_message(self, error: BaseException) -> str:
+            return (f"stage {self.run_name}: tracking server {self.tracking_uri} unreachable "
+                    f"({type(error).__name__}); the stage continues and its params, metrics and tables are kept in "
+                    f"{self.spool_path}. Upload them later with: make tracking-upload "
+                    f"(python -m rlhf_core.tracking upload {self.spool_dir})")
+
+        def _go_offline(self, error: BaseException) -> None:
+            first_time = self.spool_path is None
+            super()._go_offline(error)
+            if first_time:  # the warning also goes to the Prefect run's log
+                get_logger().warning(self._offline_message(error))
 
         def __repr__(self) -> str:  # what a config that holds it logs as ``log_with``
             return self.name
