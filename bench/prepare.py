@@ -5,7 +5,8 @@
 - ``.cache/tokenizers/rt.json`` and ``.cache/models/rt-sft``: for workload (d), a tokenizer trained on
   the rt-polarity snippets (read in place from ../shared/data/rt-polarity, never copied) and a small
   policy fine-tuned on them with a plain causal-LM loop.
-Nothing here depends on rlhf_core or trl, so both environments load the results identically.
+Only plain files come out (safetensors, JSON, a ``tokenizers`` tokenizer), so both environments load the
+results identically; the corpus constant is shared with ``rlhf_core.models.tiny``.
 """
 
 from __future__ import annotations
@@ -15,19 +16,10 @@ import random
 import time
 
 import common
+from rlhf_core.models.tiny import DEFAULT_CORPUS
 
-CORPUS = [
-    "This movie was great and the acting was wonderful.",
-    "This morning I went to the cinema and the film was terrible.",
-    "The plot is boring, the dialogue is awful, and the ending is bad.",
-    "What a lovely, charming and funny story; I loved every minute.",
-    "The music was fine but the story felt slow and dull.",
-    "An excellent cast, a brilliant script and a beautiful score.",
-    "I hated the characters and the pacing was a mess.",
-    "A good film with a happy ending, warm and delightful.",
-    "the a an and or but of to in on at for with is was were be it this that i you he she they we",
-    "0 1 2 3 4 5 6 7 8 9 . , ! ? ; : ' \" ( ) -",
-]
+# The same built-in sentences the offline tiny models use (a constant: both libraries read the files).
+CORPUS = list(DEFAULT_CORPUS)
 
 RT_ARCH = {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 128, "vocab_size": 2048, **common.NO_DROPOUT}
 
