@@ -11,7 +11,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup test examples bench lock clean
+.PHONY: setup test test-slow examples bench lock clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,13 @@ examples: setup
 	$(PY) examples/ppo_programmatic_reward.py
 
 # One thread per test process: the tiny test models gain nothing from more, and it keeps runs steady.
+# `make test` is the whole suite but the `slow` end-to-end checks (pipeline e2e, retraining, SIGTERM through
+# dvc repro, soak, DDPO learning: about 3 more minutes), which `make test-slow` runs; CI runs both.
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow"
+
+test-slow: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m slow
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
 bench: setup
