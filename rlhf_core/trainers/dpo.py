@@ -366,7 +366,13 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
             "logits/rejected": _response_logit_mean(rejected_logits, rejected_mask),
         }
         self._last_rewards = torch.stack([chosen_rewards, rejected_rewards], dim=1)  # (B, 2)
-        return losses.mean(), {prefix + k: float(v.detach().cpu()) for k, v in metrics.items()}
+        values = torch.stack([v.detach().float() for v in metrics.values()])  # (8,)
+        if self.accelerator.num_processes > 1:
+            # each rank holds its own shard of the batch: average over ranks so every rank stores (and rank 0
+            # logs) the metrics of the whole batch, as the Trainer does for the loss. Every rank runs this
+            # method once per train/eval step, so the collective cannot hang.
+            values = self.accelerator.reduce(values, reduction="mean")
+        return losses.mean(), {prefix + k: float(v) for k, v in zip(metrics, values.cpu())}
 
     # classic TRL 0.7 name of the same method
     get_batch_metrics = get_batch_loss_metrics
