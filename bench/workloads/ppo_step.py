@@ -28,6 +28,8 @@ def main():
         batch_size=args["batch_size"], mini_batch_size=args["mini_batch_size"], ppo_epochs=args["ppo_epochs"],
         learning_rate=args.get("learning_rate", 1e-5), seed=0, model_name=f"bench-{size}",
         gradient_accumulation_steps=args.get("gradient_accumulation_steps", 1),
+        # "bf16": accelerate's CPU/GPU autocast around both models' forward passes (same kwargs in both libraries)
+        accelerator_kwargs={"mixed_precision": args["mixed_precision"]} if args.get("mixed_precision") else {},
     )
     trainer = PPOTrainer(config, policy, None, tokenizer)
     vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])

@@ -37,8 +37,38 @@ class ModelBatch:
             response_mask=self.response_mask[index],
         )
 
+    def trimmed(self) -> "ModelBatch":
+        """The same rows without the columns that are padding in every row (speed; same values).
+
+        A sub-batch is padded to the width of the whole batch; a forward pass over columns that no row
+        attends to is wasted work. Real tokens keep their position ids, so their outputs are unchanged.
+        """
+        inputs = dict(self.model_inputs)
+        index = self.response_index
+        for mask_key, keys in _PADDED_GROUPS.items():
+            if mask_key not in inputs:
+                continue
+            real = inputs[mask_key].bool().any(0)  # (T,) columns some row attends to
+            if bool(real.all()):
+                continue
+            first, last = int(real.int().argmax()), len(real) - int(real.flip(0).int().argmax())
+            for key in keys:
+                if key in inputs:
+                    inputs[key] = inputs[key][:, first:last]
+            if self.token_ids_key in keys:
+                # Padded response slots are clamped to the last scorable column, as when the batch was built.
+                index = (index - first).clamp(0, max(last - first - 2, 0))
+        return replace(self, model_inputs=inputs, response_index=index)
+
     def __len__(self) -> int:
         return self.response_index.shape[0]
+
+
+# Model inputs that share a padding layout, keyed by the attention mask that says which columns are real.
+_PADDED_GROUPS = {
+    "attention_mask": ("input_ids", "attention_mask", "position_ids"),
+    "decoder_attention_mask": ("decoder_input_ids", "decoder_attention_mask"),
+}
 
 
 @dataclass
