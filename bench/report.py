@@ -31,7 +31,9 @@ def render(r: dict) -> str:
         f"the 1-minute load before each run is in results.json (`load_before`). Total {r['total_seconds']:.0f} s.",
         "",
         f"Measured fp32 matmul peak (2048^3, {r['threads']} threads, best of 8): "
-        f"**{r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s** (the MFU denominator).",
+        f"**{r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s** (the MFU denominator)"
+        + (f"; bf16: **{r['matmul_peak_flops_bf16'] / 1e9:.1f} GFLOP/s** (the denominator of the bf16 rows)."
+           if "matmul_peak_flops_bf16" in r else "."),
         "",
         "Ratios are ours / TRL of the medians. Every run is a fresh process; the exact command of each is in "
         "the tables below and in results.json (`commands`).",
@@ -61,7 +63,9 @@ def render(r: dict) -> str:
                 o, t = x["median"]["ours"], x["median"]["trl"]
                 s = x["settings"]
                 lines.append(f"| {x['size']} | B={s['batch_size']} mb={s['mini_batch_size']} epochs={s['ppo_epochs']} "
-                             f"q={s['query_len']} r={s['response_len']} | {_fmt(o['seconds_per_step'])} | "
+                             f"q={s['query_len']} r={s['response_len']}"
+                             f"{' **' + s['mixed_precision'] + ' autocast**' if s.get('mixed_precision') else ' fp32'} | "
+                             f"{_fmt(o['seconds_per_step'])} | "
                              f"{_fmt(t['seconds_per_step'])} | {_fmt(x['ratio'], 3)} | {_met(x)} | "
                              f"{_fmt(o['tokens_per_second'])} | {_fmt(t['tokens_per_second'])} | "
                              f"{o['mfu'] * 100:.1f}% | {t['mfu'] * 100:.1f}% |")

@@ -35,6 +35,9 @@ WORKLOADS = [
     # (a) PPOTrainer.step, full reference, classic ppo_epochs=4
     ("step", "tiny", {**STEP, "size": "tiny", "batch_size": 32, "mini_batch_size": 8, "steps": 4}),
     ("step", "gpt2s", {**STEP, "size": "gpt2s", "batch_size": 8, "mini_batch_size": 4, "steps": 2}),
+    # the same with bf16 autocast in both libraries (PPOConfig.accelerator_kwargs; this CPU has AMX-bf16)
+    ("step", "gpt2s", {**STEP, "size": "gpt2s", "batch_size": 8, "mini_batch_size": 4, "steps": 2,
+                       "mixed_precision": "bf16"}),
     # (b) generate: library default batch size (argument not passed) and a tuned one, same sampling
     ("generate", "tiny", {"size": "tiny", "num_prompts": 64, "query_len": [4, 12], "max_new_tokens": 32,
                           "batch_size": None, "repeats": 3}),
@@ -78,12 +81,12 @@ def run_one(lib: str, workload: str, args: dict) -> dict:
     return result
 
 
-def matmul_peak(threads: int) -> float:
-    """Best observed fp32 matmul FLOP/s (2048^3) with ``threads`` threads: the MFU denominator."""
+def matmul_peak(threads: int, dtype: str = "float32") -> float:
+    """Best observed matmul FLOP/s (2048^3, ``dtype``) with ``threads`` threads: the MFU denominator."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a, b = (torch.randn(2048, 2048, dtype=getattr(torch, dtype)) for _ in range(2))
     a @ b
     best = float("inf")
     for _ in range(8):
@@ -103,7 +106,7 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 
 
-def summarise(workload: str, size: str, args: dict, runs: dict, peak: float) -> dict:
+def summarise(workload: str, size: str, args: dict, runs: dict, peaks: dict) -> dict:
     """One results row: medians per library, ratio ours/trl, target and whether it is met."""
     row = {"workload": workload, "size": size, "settings": {k: v for k, v in args.items() if k != "threads"},
            "threads": args["threads"], "commands": {lib: shlex.join(command(lib, workload, args)) for lib in runs},
@@ -117,7 +120,8 @@ def summarise(workload: str, size: str, args: dict, runs: dict, peak: float) -> 
             width = rs[0]["padded_tokens_per_step"] / args["batch_size"]
             flops = tokens * forward_flops_per_token(arch, width) * (2 + 3 * args["ppo_epochs"])
             med[lib] = {"seconds_per_step": secs, "tokens_per_second": tokens / secs,
-                        "model_flops_per_step": flops, "achieved_flops": flops / secs, "mfu": flops / secs / peak}
+                        "model_flops_per_step": flops, "achieved_flops": flops / secs,
+                        "mfu": flops / secs / peaks[args.get("mixed_precision") or "fp32"]}
         row["metric"], row["target_ratio"], row["better"] = "seconds_per_step", 0.5, "lower"
     elif workload == "generate":
         for lib, rs in runs.items():
@@ -194,7 +198,8 @@ def main() -> None:
     t0 = time.time()
     info = prepare.main()
     report = {"machine_start": machine(), "prepare": info, "threads": opts.threads, "repeats": opts.repeats,
-              "quick": opts.quick, "matmul_peak_flops": matmul_peak(opts.threads), "rows": []}
+              "quick": opts.quick, "matmul_peak_flops": matmul_peak(opts.threads),
+              "matmul_peak_flops_bf16": matmul_peak(opts.threads, "bfloat16"), "rows": []}
     print(f"matmul peak: {report['matmul_peak_flops'] / 1e9:.1f} GFLOP/s, load {os.getloadavg()}", flush=True)
     if "parity" in only:
         report["parity"] = run_parity()
@@ -218,7 +223,7 @@ def main() -> None:
                     run_args = args if seed is None else {**args, "seed": seed}
                     runs[lib].append(run_one(lib, workload, run_args))
         row = summarise(workload, size, args if seeds == [None] else {**args, "seeds": seeds}, runs,
-                        report["matmul_peak_flops"])
+                        {"fp32": report["matmul_peak_flops"], "bf16": report["matmul_peak_flops_bf16"]})
         report["rows"].append(row)
         print(f"{workload:9s} {size:6s} {row['metric']}: ours {row['median']['ours'][row['metric']]:.4g} "
               f"trl {row['median']['trl'][row['metric']]:.4g} ratio {row.get('ratio', float('nan')):.3f} "
