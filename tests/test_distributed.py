@@ -34,21 +34,14 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_core.models.tiny import DEFAULT_CORPUS
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 HF_STEPS = 2  # x 2 ranks x batch 2 = 8 rows = one epoch of each dataset below
 PACKED_LENGTH = 12  # SFT_TEXTS pack into 9 blocks of 12 tokens: 8 are trained on
 
-SFT_TEXTS = [
-    "This movie was great and the acting was wonderful.",
-    "This morning I went to the cinema and the film was terrible.",
-    "The plot is boring, the dialogue is awful, and the ending is bad.",
-    "What a lovely, charming and funny story; I loved every minute.",
-    "The music was fine but the story felt slow and dull.",
-    "An excellent cast, a brilliant script and a beautiful score.",
-    "I hated the characters and the pacing was a mess.",
-    "A good film with a happy ending, warm and delightful.",
-]
+SFT_TEXTS = list(DEFAULT_CORPUS[:8])  # the tiny tokenizer's own review sentences
 PAIRS = {  # distinct chosen texts and margins, so each row is identifiable from what compute_loss sees
     "prompt": ["Review: "] * 8,
     "chosen": ["a lovely film", "great acting", "a good story, warm", "wonderful music", "a brilliant script",
