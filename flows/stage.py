@@ -5,6 +5,13 @@ SIGTERM/SIGINT make a training stage save its state at the next step boundary an
 running the stage again (``dvc repro`` or this command) resumes from that state.
 The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (``make repro`` sets it), else it is
 a top-level run tagged ``rlhf.entry=dvc``.
+
+Under a launcher (``accelerate launch ... -m flows.stage sft``, or ``torchrun``), one copy runs per process.
+Only the main process (global rank 0) runs the stage as a Prefect flow run; every other rank calls the task's
+function directly (``task.fn``), without Prefect. Two flow runs would record the same stage twice, and with no
+``PREFECT_API_URL`` each process would start its own temporary Prefect server on the same database. The ranks
+still train together (the trainers' DDP collectives), and only rank 0 writes (``tasks/distributed.py``).
+Non-training stages (prepare, evaluate) exit with status 2 and a message under a launcher with several processes.
 """
 
 from __future__ import annotations
@@ -14,11 +21,19 @@ import os
 import sys
 
 import flows  # noqa: F401  (environment defaults)
-from prefect import flow
+from tasks.distributed import LauncherError, destroy_process_group, is_main_process, require_single_process
 
-from flows.stages import STAGE_TASKS
-from rlhf_core.checkpointing import Preempted, install_stop_handlers
-from tasks.params import STAGES
+if not is_main_process():  # no flow run on this rank: its warnings go to stderr only, not to the Prefect API
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+
+from prefect import flow  # noqa: E402
+
+from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402
+from rlhf_core.checkpointing import Preempted, install_stop_handlers  # noqa: E402
+from tasks.params import STAGES  # noqa: E402
+
+EXIT_USAGE = 2
+"""A non-training stage started by a launcher with several processes."""
 
 
 @flow(name="rlhf-stage", log_prints=True)
@@ -28,18 +43,29 @@ def stage(name: str, root: str = ".") -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 done, 1 failed, 75 (``EXIT_PREEMPTED``) stopped by SIGTERM/SIGINT with its state saved:
-    run it again (or ``dvc repro``) to resume. DVC records the stage only on 0."""
+    """Exit status: 0 done, 1 failed, 2 a non-training stage under a multi-process launcher, 75
+    (``EXIT_PREEMPTED``) stopped by SIGTERM/SIGINT with its state saved: run it again (or ``dvc repro``) to resume.
+    DVC records the stage only on 0."""
     install_stop_handlers()  # before anything else: a SIGTERM from now on is a stop request, not a kill
     parser = argparse.ArgumentParser(prog="python -m flows.stage", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=STAGES)
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     args = parser.parse_args(argv)
     try:
-        stage(args.name, args.root)
+        if args.name not in LAUNCHABLE_STAGES:
+            require_single_process(args.name)  # before any Prefect or MLflow work
+        if is_main_process():
+            stage(args.name, args.root)
+        else:  # a non-main rank of a launch: the same task body, no Prefect flow run (see the module docstring)
+            STAGE_TASKS[args.name].fn(args.root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
+    except LauncherError as error:
+        print(f"stage {args.name}: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except Preempted as stopped:
         print(f"stage {args.name}: {stopped}", file=sys.stderr)
+        destroy_process_group()  # every rank stopped at the same step and met at a barrier
         return stopped.exit_code
+    destroy_process_group()  # (a failed rank skips it: the launcher stops the others)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The stage name -> Prefect task table shared by the flows."""
 
+from tasks.distributed import TRAINING_STAGES
 from tasks.dpo import dpo_task
 from tasks.evaluate import evaluate_task
 from tasks.ppo import ppo_task
@@ -15,3 +16,6 @@ STAGE_TASKS = {
     "dpo": dpo_task,
     "evaluate": evaluate_task,
 }
+
+LAUNCHABLE_STAGES = TRAINING_STAGES
+"""Stages that may run under ``accelerate launch`` / ``torchrun`` (the others fail fast there)."""

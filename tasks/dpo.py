@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.distributed import check_replicas_identical
 from tasks.params import as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
@@ -55,6 +56,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
                                  max_prompt_length=p.max_prompt_length, log_with=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
+            check_replicas_identical(trainer.accelerator, trainer.model, "dpo")  # launched (DDP): all ranks agree
             keys = ("loss", "rewards/accuracies", "rewards/margins")
             curve = loss_curve(trainer.state.log_history, keys)
             last = curve[-1] if curve else {}
@@ -62,7 +64,8 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                        "final_loss": round(float(last.get("loss", result.training_loss)), 4),
                        "final_reward_accuracy": round(float(last.get("rewards/accuracies", float("nan"))), 4),
                        "final_reward_margin": round(float(last.get("rewards/margins", float("nan"))), 4),
-                       "num_pairs": len(pairs), "steps": trainer.state.global_step}
+                       "num_pairs": len(pairs), "steps": trainer.state.global_step,
+                       "num_processes": trainer.args.world_size}
             trainer.save_model(str(out))
             tokenizer.save_pretrained(str(out))
             run.write_model_card(out, "DPOTrainer", f"{sft_dir} (SFT policy; also the reference)", as_dict(p), metrics)

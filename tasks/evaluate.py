@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.distributed import require_single_process
 from tasks.params import METRIC_KEYS, POLICIES, load_stage
 from tasks.tracking import get_logger, stage_run, write_csv, write_json
 
@@ -37,6 +38,8 @@ def _chart(results: dict[str, dict[str, float]], path: Path) -> None:
 def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Evaluate every policy; returns the content of metrics/evaluate.json."""
     import tempfile
+
+    require_single_process("evaluate")  # not a training stage: one process (see tasks/distributed.py)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

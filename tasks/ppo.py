@@ -4,6 +4,10 @@ The classic TRL loop on rlhf_core's ``PPOTrainer``: sample prompts, ``generate``
 with the reward (the learned reward model by default), ``step``, ``log_stats`` (step metrics under the
 spec's names and a query/response/reward table per step in MLflow). Writes ``models/ppo`` (value-head
 checkpoint; loads as a plain causal LM), ``metrics/ppo.json`` and ``plots/ppo.csv``.
+
+Under a launcher with N processes every rank draws the same seeded prompt order and takes its own slice of
+each step's ``batch_size x N`` prompts (rank r: the r-th ``batch_size``), so the effective batch is
+``batch_size x N``; DDP keeps the weights identical (checked at the end) and rank 0 alone writes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.distributed import (
+    any_process,
+    check_replicas_identical,
+    is_main_process,
+    main_process_first,
+    mean_over_processes,
+)
 from tasks.params import PPOParams, as_dict, load_stage
 from tasks.tracking import atomic_dir, get_logger, progress, stage_run, write_csv, write_json
 
@@ -48,6 +59,10 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     controller) and the loop's own (next step, prompt order, curve, prompt sampler) are saved in
     ``.checkpoints/ppo-<hash of params and inputs>`` and ``Preempted`` is raised (exit status 75). Running the
     stage again resumes there and ends with the same model as an uninterrupted run.
+
+    Under a launcher the stop request is all-reduced at every step, so all ranks save (rank 0 writes) and stop
+    after the same step. Resuming a multi-process run continues from that state, but not bit for bit: the saved
+    RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
     """
     import torch
     from transformers import AutoTokenizer
@@ -73,6 +88,7 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLMWithValueHead.from_pretrained(str(root / sft_dir))
         trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+        world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
         reward_fn = make_reward(p.reward, reward_model_path=str(root / rm_dir))
         run.log_dataset(root / prompts_path, "prompts_train")
         gen = generation_kwargs(tokenizer, p.max_new_tokens)
@@ -80,19 +96,26 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         order: list[str] = []
         curve = []
         start = 0
-        if resumable_checkpoint(state):
+        with main_process_first():  # rank 0 recovers a half-swapped state directory before the others look
+            resume = resumable_checkpoint(state)
+        if resume:
             extra = trainer.load_state(str(state))
             start, order, curve = int(extra["next_step"]), list(extra["order"]), list(extra["curve"])
             version, internal, gauss = extra["rng"]
             rng.setstate((version, tuple(internal), gauss))
             log.info("ppo: resuming at step %d from %s", start, state)
             run.summary["resumed_at_step"] = start
-        log.info("ppo: %d steps of %d rollouts, reward=%s", p.total_steps, p.batch_size, p.reward)
+        if rank:  # independent sampling per rank (the prompt order above stays shared)
+            set_seed(p.seed + rank)
+        per_step = p.batch_size * world
+        log.info("ppo: %d steps of %d rollouts (%d per process x %d), reward=%s", p.total_steps, per_step,
+                 p.batch_size, world, p.reward)
         with GracefulStop() as stop:
             for step in progress(range(start, p.total_steps), desc="ppo", unit="step"):
-                if len(order) < p.batch_size:
+                while len(order) < per_step:
                     order += rng.sample(prompts, len(prompts))
-                batch_prompts, order = order[: p.batch_size], order[p.batch_size:]
+                batch_prompts = order[rank * p.batch_size:(rank + 1) * p.batch_size]  # this rank's slice
+                order = order[per_step:]
                 queries = [tokenizer(q, return_tensors="pt").input_ids[0] for q in batch_prompts]
                 responses = trainer.generate(queries, return_prompt=False, batch_size=p.batch_size, **gen)
                 texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -100,29 +123,33 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                 rewards = [torch.tensor(s, dtype=torch.float32) for s in scores]
                 stats = trainer.step(queries, responses, rewards)
                 trainer.log_stats(stats, {"query": batch_prompts, "response": texts}, rewards)
-                row = {"step": step, "reward_mean": statistics.fmean(scores), "kl": float(stats["objective/kl"]),
+                row = {"step": step, "reward_mean": mean_over_processes(scores), "kl": float(stats["objective/kl"]),
                        "kl_coef": float(stats["objective/kl_coef"])}
                 curve.append(row)
                 if step % 5 == 0 or step == p.total_steps - 1:
                     log.info("ppo step %d: reward %.3f, kl %.3f, kl_coef %.3f", step, row["reward_mean"], row["kl"], row["kl_coef"])
-                if stop.requested and step + 1 < p.total_steps:
+                stopping = any_process(stop.requested)  # collective: every rank, every step
+                if stopping and step + 1 < p.total_steps:
                     version, internal, gauss = rng.getstate()
                     trainer.save_state(str(state), extra={"next_step": step + 1, "order": order, "curve": curve,
                                                           "rng": [version, list(internal), gauss]})
                     log.warning("ppo: %s at step %d; state saved in %s; run the stage again to resume",
-                                stop.signal_name, step + 1, state)
+                                stop.signal_name or "stop request from another process", step + 1, state)
                     raise Preempted(state, step + 1, stop.signal_name)
+        check_replicas_identical(trainer.accelerator, trainer.accelerator.unwrap_model(trainer.model), "ppo")
         with atomic_dir(root / io["outs"][0]) as out:
             trainer.save_pretrained(str(out))
             last = curve[-max(1, len(curve) // 5):]  # the last fifth of training
             metrics = {"reward_mean_first": round(curve[0]["reward_mean"], 4),
                        "reward_mean_last": round(statistics.fmean(r["reward_mean"] for r in last), 4),
                        "kl_last": round(statistics.fmean(r["kl"] for r in last), 4),
-                       "kl_coef_last": round(curve[-1]["kl_coef"], 4), "steps": p.total_steps}
+                       "kl_coef_last": round(curve[-1]["kl_coef"], 4), "steps": p.total_steps,
+                       "num_processes": world, "rollouts_per_step": per_step}
             run.write_model_card(out, "PPOTrainer", f"{sft_dir} (SFT policy; also the KL reference)", as_dict(p), metrics)
         write_json(root / paths.metrics / "ppo.json", metrics)
         write_csv(root / paths.plots / "ppo.csv", curve, ["step", "reward_mean", "kl", "kl_coef"])
-        shutil.rmtree(state, ignore_errors=True)  # outputs are complete: the resumable state is no longer needed
+        if is_main_process():  # outputs are complete: the resumable state is no longer needed
+            shutil.rmtree(state, ignore_errors=True)
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)
     return metrics

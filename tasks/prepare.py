@@ -27,6 +27,7 @@ from rlhf_core.data import (
     write_jsonl,
 )
 from rlhf_core.rewards import GoldJudge
+from tasks.distributed import LauncherError, require_single_process
 from tasks.params import ParamsError, PrepareParams, load_stage
 from tasks.tracking import get_logger, stage_run, write_csv, write_json
 
@@ -37,7 +38,7 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     """Retry transient I/O errors, never bad input (a malformed file or params fail the same way twice)."""
     try:
         state.result()
-    except (DataFormatError, ParamsError, FileNotFoundError, ValueError):
+    except (DataFormatError, ParamsError, FileNotFoundError, ValueError, LauncherError):
         return False
     except Exception:  # noqa: BLE001
         return True
@@ -99,6 +100,7 @@ def _write_datasets(data_dir: Path, datasets: dict[str, list[dict]]) -> dict[str
       cache_policy=NO_CACHE)
 def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Materialise the datasets of ``params.yaml:prepare``; returns the metrics written to metrics/prepare.json."""
+    require_single_process("prepare")  # not a training stage: one process (see tasks/distributed.py)
     root, params, p, io = load_stage(root, "prepare")
     paths = params.paths
     log = get_logger()

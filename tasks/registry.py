@@ -16,6 +16,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.distributed import require_single_process
 from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, load_params
 from tasks.tracking import get_logger, stage_run
 
@@ -75,6 +76,7 @@ def _versions_with_hash(client, name: str, evaluation_hash: str) -> list:
 @task(name="registry", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Register the evaluated challenger; move ``champion`` if it wins. Returns the decision record."""
+    require_single_process("registry", "`python -m flows.pipeline` (it runs the registry step after evaluate)")
     import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.distributed import check_replicas_identical
 from tasks.params import as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
@@ -67,6 +68,7 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
                                     train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
                                     log_with=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/reward_model-*; SIGTERM -> Preempted (exit 75)
+            check_replicas_identical(trainer.accelerator, trainer.model, "reward_model")  # launched: ranks agree
             curve = loss_curve(trainer.state.log_history)
             scorer = RewardModelScorer(trainer.model, tokenizer, max_length=p.max_length)
             chosen = scorer([x["prompt"] + x["chosen"] for x in held])
@@ -76,6 +78,7 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
                 "heldout_accuracy": round(sum(c > r for c, r in zip(chosen, rejected)) / len(held), 4),
                 "heldout_margin": round(sum(c - r for c, r in zip(chosen, rejected)) / len(held), 4),
                 "num_train_pairs": len(train), "num_heldout_pairs": len(held), "steps": trainer.state.global_step,
+                "num_processes": trainer.args.world_size,
             }
             trainer.save_model(str(out))
             tokenizer.save_pretrained(str(out))

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.distributed import check_replicas_identical
 from tasks.params import SFTParams, as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
@@ -71,11 +72,13 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                 train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
                 max_seq_length=p.max_seq_length, tokenizer=tokenizer, log_with=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/sft-*; SIGTERM -> Preempted (exit 75)
+            check_replicas_identical(trainer.accelerator, trainer.model, "sft")  # launched (DDP): all ranks agree
             curve = loss_curve(trainer.state.log_history)
             final_loss = curve[-1]["loss"] if curve else float(result.training_loss)
             metrics = {"train_loss": round(float(result.training_loss), 4), "final_loss": round(final_loss, 4),
                        "final_perplexity": round(math.exp(min(final_loss, 50.0)), 3),
-                       "num_texts": len(texts), "num_parameters": n_params, "steps": trainer.state.global_step}
+                       "num_texts": len(texts), "num_parameters": n_params, "steps": trainer.state.global_step,
+                       "num_processes": trainer.args.world_size}
             trainer.save_model(str(out))
             tokenizer.save_pretrained(str(out))
             run.write_model_card(out, "SFTTrainer", p.model_name or f"built from config (tiny {p.arch})", as_dict(p), metrics)

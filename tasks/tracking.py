@@ -10,6 +10,12 @@ is tagged with the git commit, the DVC hashes of the stage's inputs and the Pref
 Tracking outages never stop a stage: when the tracking server refuses connections (at start, or later), the
 stage warns once and keeps its params, metrics and tables in ``tracking-spool/<stage>-<time>-<pid>.jsonl`` in
 the project; ``make tracking-upload`` (``python -m rlhf_core.tracking upload tracking-spool``) replays them.
+
+Under a launcher (``accelerate launch`` / ``torchrun``, see ``tasks/distributed.py``) only the main process
+(global rank 0) writes: ``stage_run`` gives the other ranks a handle with no MLflow run, no spool and no
+Prefect artifacts, ``write_atomic``/``write_json``/``write_csv`` do nothing there, ``atomic_dir`` hands them a
+private scratch directory outside the project, and every rank meets at a barrier when the stage ends (or stops),
+so none exits before rank 0 has written.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from tasks.distributed import barrier, is_main_process
 from tasks.params import as_dict
 
 DEFAULT_EXPERIMENT = "rlhf-pipeline"
@@ -57,7 +64,7 @@ def get_logger() -> logging.Logger | logging.LoggerAdapter:
     logger = logging.getLogger("rlhf_pipeline")
     if not logger.handlers and not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if is_main_process() else logging.WARNING)  # launched: rank 0 tells the story
     return logger
 
 
@@ -69,7 +76,7 @@ def on_terminal() -> bool:
 def progress(iterable: Iterable, **kwargs) -> Iterable:
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, disable=not on_terminal(), **kwargs)
+    return tqdm(iterable, disable=not on_terminal() or not is_main_process(), **kwargs)
 
 
 def in_prefect_run() -> bool:
@@ -97,7 +104,15 @@ def prefect_flow_run_id() -> str:
 
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temp dir beside ``target``; on success replace ``target`` with it, on error delete it."""
+    """Yield a temp dir beside ``target``; on success replace ``target`` with it, on error delete it.
+
+    On a non-main rank of a launch: a private scratch directory outside the project, deleted afterwards (every
+    rank still calls the trainers' save, which sharded setups need as a collective; DDP saves on rank 0 only).
+    """
+    if not is_main_process():
+        with tempfile.TemporaryDirectory(prefix=f"rlhf-{Path(target).name}-rank-") as scratch:
+            yield Path(scratch)
+        return
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -114,6 +129,9 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
 
 
 def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file and a rename. Nothing on a non-main rank of a launch."""
+    if not is_main_process():
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
@@ -243,8 +261,15 @@ def mlflow_ui_link(experiment_id: str, run_id: str) -> str:
 
 
 def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None) -> str:
-    """Create the parent MLflow run of one pipeline run; returns its id (the run is not made active)."""
+    """Create the parent MLflow run of one pipeline run; returns its id (the run is not made active).
+
+    The pipeline flow is single-process: under a launcher it fails here, before any stage runs."""
     import mlflow
+
+    from tasks.distributed import require_single_process
+
+    require_single_process("the pipeline flow", "`python -m flows.pipeline`; launch only the training stages, "
+                           "one at a time (`accelerate launch ... -m flows.stage sft`)")
 
     if not tracking_reachable(root):
         get_logger().warning("tracking server %s unreachable: no MLflow parent run; stages spool to %s/",
@@ -309,6 +334,8 @@ class StageRun:
 
     ``tracker`` is the rlhf_core tracker the stage's trainers log to (pass it as ``log_with``): the active
     MLflow run while the server answers, the spool file afterwards.
+
+    ``main`` is False on the non-main ranks of a launch: no run, a no-op tracker, nothing written.
     """
 
     stage: str
@@ -318,10 +345,11 @@ class StageRun:
     summary: dict[str, Any] = field(default_factory=dict)
     input_hashes: dict[str, str] = field(default_factory=dict)
     tracker: Any = None
+    main: bool = True
 
     @property
     def offline(self) -> bool:
-        return self.tracker is not None and self.tracker.offline
+        return bool(getattr(self.tracker, "offline", False))
 
     @property
     def spool_path(self) -> Path | None:
@@ -332,8 +360,8 @@ class StageRun:
         return mlflow_ui_link(self.experiment_id, self.run_id) if self.run_id else f"(offline: {self.spool_path})"
 
     def _direct(self, what: str, call) -> None:
-        """An MLflow call with no spool equivalent (datasets, artifacts): skipped while offline."""
-        if self.offline:
+        """An MLflow call with no spool equivalent (datasets, artifacts): skipped while offline (and off rank 0)."""
+        if self.offline or not self.main:
             return
         try:
             call()
@@ -361,6 +389,8 @@ class StageRun:
     def log_dataset(self, path: str | Path, name: str, context: str = "training") -> None:
         """Log a JSONL dataset as an MLflow run input (source = its path, digest = its content)."""
         path = Path(path)
+        if not self.main:
+            return
         if self.offline:  # keep at least which file (and which content) was read
             self.tracker.log_params({f"input.{name}": f"{path} md5={_md5_file(path)}"})
             return
@@ -384,6 +414,9 @@ class StageRun:
         """Write README.md (rlhf_core's model card, with pipeline provenance as notes) and log it to MLflow."""
         import mlflow
 
+        if not self.main:
+            return
+
         from rlhf_core.model_card import write_model_card
 
         notes = "\n".join(
@@ -405,13 +438,26 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     If the tracking server is unreachable the stage still runs: one warning, and everything the run would have
     logged goes to a spool file under ``<root>/tracking-spool/`` (``make tracking-upload`` sends it later).
     A stage stopped by SIGTERM (``Preempted``) ends its run ``KILLED``; any other error ``FAILED``.
+
+    Under a launcher, only the main process opens the run; the other ranks get a handle that records nothing
+    (``main=False``). All ranks meet at a barrier when the stage finishes or is stopped, after rank 0 has ended
+    its run, so no rank exits (and no launcher tears the group down) while rank 0 still writes. A rank that
+    fails with any other error does not wait: the launcher stops the others.
     """
     import mlflow
 
     from rlhf_core.checkpointing import Preempted
-    from rlhf_core.tracking import MLflowTracker, public_params
+    from rlhf_core.tracking import MLflowTracker, NullTracker, public_params
 
     root = Path(root).resolve()
+    if not is_main_process():
+        try:
+            yield StageRun(stage, root, "", "", input_hashes=input_hashes(root, deps), tracker=NullTracker(), main=False)
+        except Preempted:
+            barrier()
+            raise
+        barrier()
+        return
     uri = tracking_uri(root)
     experiment = os.environ.get("RLHF_MLFLOW_EXPERIMENT", DEFAULT_EXPERIMENT)
     parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
@@ -451,6 +497,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
         yield handle
     except Preempted:
         end("KILLED")
+        barrier()  # every rank stopped at the same step (the stop flag is all-reduced); the state is on disk
         raise
     except BaseException:
         end("FAILED")
@@ -463,6 +510,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
         get_logger().warning("stage %s finished with tracking offline: upload %s with `make tracking-upload`",
                              stage, handle.spool_path)
     create_stage_artifact(handle)
+    barrier()  # the other ranks leave only once the outputs and the run are complete
 
 
 def create_stage_artifact(handle: StageRun) -> None:
@@ -515,19 +563,39 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
     Yields a ``Resumable``: ``.dir`` (the trainer's ``output_dir``: ``.checkpoints/<stage>-<hash of params and
     inputs>``), ``.callback`` (add to the trainer's callbacks) and ``.train(trainer)``, which resumes from the
     latest complete checkpoint and raises ``Preempted`` (exit status 75) when SIGTERM/SIGINT stopped it. The
-    caller deletes the directory (``.done()``) once its outputs are written.
+    caller deletes the directory (``.done()``, main process only) once its outputs are written.
+
+    Under a launcher the stop request is agreed by all ranks (``AllRanksStopCallback``), every rank resumes from
+    the checkpoint in ``.checkpoints/``, and only rank 0 writes there: the other ranks' ``output_dir`` is a private
+    scratch directory outside the project (deleted at the end), so transformers' per-rank ``rng_state_<rank>.pth``
+    of ranks > 0 is not kept and a resumed multi-process run is not bit-exact on those ranks (their RNG streams
+    restart from the seed; rank 0's, the weights, the optimizer, the scheduler and the data position are exact).
     """
     from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint, stage_checkpoint_dir
     from rlhf_core.trainers._hf_compat import GracefulStopCallback
+
+    from tasks.distributed import any_process
+
+    class AllRanksStopCallback(GracefulStopCallback):
+        """``GracefulStopCallback`` whose stop request is all-reduced at every step end: a signal that reached
+        any rank stops every rank after the same step (a lone rank leaving would hang the others' DDP collectives).
+        One small collective per optimizer step under a launcher; the plain callback in a single process."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            result = super().on_step_end(args, state, control, **kwargs)
+            if any_process(self.stopped):
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped = True
+            return result
 
     directory = stage_checkpoint_dir(run.root, stage, {"params": as_dict(params_section), "inputs": run.input_hashes})
     log = get_logger()
 
     class Resumable:
-        dir = directory
-
-        def __init__(self, stop: GracefulStop) -> None:
-            self.callback = GracefulStopCallback(stop)
+        def __init__(self, stop: GracefulStop, output_dir: Path) -> None:
+            self.dir = output_dir
+            self.callback = AllRanksStopCallback(stop)
 
         def train(self, trainer: Any) -> Any:
             last = latest_checkpoint(directory)
@@ -543,10 +611,16 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
             return result
 
         def done(self) -> None:
-            shutil.rmtree(directory, ignore_errors=True)
+            if is_main_process():
+                shutil.rmtree(directory, ignore_errors=True)
 
-    with GracefulStop() as stop:
-        yield Resumable(stop)
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(GracefulStop())
+        if is_main_process():
+            output_dir = directory
+        else:  # transformers would write this rank's RNG state into rank 0's checkpoint
+            output_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"rlhf-{stage}-rank-")))
+        yield Resumable(stop, output_dir)
 
 
 def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list[dict]:
