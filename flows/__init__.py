@@ -1,4 +1,10 @@
-"""Prefect flows: the whole pipeline, one stage (what dvc.yaml calls), and scheduled retraining."""
+"""Prefect flows: the whole pipeline, one stage (what dvc.yaml calls), and scheduled retraining.
+
+The flows keep ``log_prints=False``: with it on, Prefect turns every ``print`` into a log record, including
+the ones libraries capture for themselves (``datasets`` fingerprints a map function with dill, which reads
+the function's globals from a captured ``dis.dis`` printout: pages of bytecode landed in the run log).
+Stages report through loggers (``rlhf_core``, ``rlhf_pipeline``), which do reach the Prefect run.
+"""
 
 import os
 

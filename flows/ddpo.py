@@ -64,7 +64,7 @@ def train_ddpo(reward: str, epochs: int, image_steps: int, batch_size: int, lear
     return {"reward_curve": curve}
 
 
-@flow(name="ddpo", log_prints=True)
+@flow(name="ddpo", log_prints=False)  # see flows/__init__.py
 def ddpo(reward: str = "compressibility", epochs: int = 6, image_steps: int = 5, batch_size: int = 16,
          learning_rate: float = 3e-3, seed: int = 0, use_lora: bool = False) -> dict:
     """Tiny DDPO run logged to MLflow experiment ``ddpo``."""

@@ -28,7 +28,7 @@ WHERE_TO_LOOK = """Where to look:
   Prefect UI:  prefect server start --host 127.0.0.1   (http://127.0.0.1:4200; runs, logs, artifacts)"""
 
 
-@flow(name="rlhf-pipeline", log_prints=True)
+@flow(name="rlhf-pipeline", log_prints=False)  # see flows/__init__.py
 def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
     """Run every stale stage of the pipeline in ``root``, then the registry step."""
     root = str(Path(root).resolve())

@@ -23,7 +23,7 @@ from tasks.dvc_ops import push_outputs
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
 
 
-@flow(name="rlhf-retrain", log_prints=True)
+@flow(name="rlhf-retrain", log_prints=False)  # see flows/__init__.py
 def retrain(root: str = ".", push: bool = True, remote: str | None = None) -> dict:
     """Re-run what changed, evaluate, register, push to the DVC remote."""
     root = str(Path(root).resolve())

@@ -36,7 +36,7 @@ EXIT_USAGE = 2
 """A non-training stage started by a launcher with several processes."""
 
 
-@flow(name="rlhf-stage", log_prints=True)
+@flow(name="rlhf-stage", log_prints=False)  # see flows/__init__.py
 def stage(name: str, root: str = ".") -> dict:
     """Run the task of stage ``name`` in ``root``."""
     return STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
