@@ -109,23 +109,26 @@ class MLflowTracker(Tracker):
             mlflow.start_run(run_name=run_name, **kwargs)
         self.run_id = mlflow.active_run().info.run_id
 
+    # Every call names its run: MLflow's active run is per thread, and a fluent call that finds none (another
+    # thread, or after the run ended) silently starts a new, untagged run instead of logging to ours.
     def log(self, metrics, step=None):
         scalars = {_mlflow_key(k): v for k, v in scalar_metrics(metrics).items()}
         if scalars:
-            self._mlflow.log_metrics(scalars, step=step)
+            self._mlflow.log_metrics(scalars, step=step, run_id=self.run_id)
 
     def log_table(self, name, columns, rows, step=None):
         data = {col: [row[i] for row in rows] for i, col in enumerate(columns)}
         suffix = f"_step{step}" if step is not None else ""
-        self._mlflow.log_table(data=data, artifact_file=f"tables/{name}{suffix}.json")
+        self._mlflow.log_table(data=data, artifact_file=f"tables/{name}{suffix}.json", run_id=self.run_id)
 
     def log_params(self, params):
         clean = {_mlflow_key(k): str(v)[:6000] for k, v in public_params(params).items()}
         if clean:
-            self._mlflow.log_params(clean)
+            self._mlflow.log_params(clean, run_id=self.run_id)
 
     def finish(self):
-        if self._owns_run and self._mlflow.active_run() is not None:
+        active = self._mlflow.active_run()
+        if self._owns_run and active is not None and active.info.run_id == self.run_id:
             self._mlflow.end_run()
 
 

@@ -384,7 +384,8 @@ class StageRun:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         import mlflow
 
-        self._direct(f"artifact {Path(path).name}", lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path))
+        self._direct(f"artifact {Path(path).name}",
+                     lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
 
     def log_dataset(self, path: str | Path, name: str, context: str = "training") -> None:
         """Log a JSONL dataset as an MLflow run input (source = its path, digest = its content)."""
@@ -405,7 +406,12 @@ class StageRun:
             with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local files
                 warnings.simplefilter("ignore", UserWarning)
                 ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
-            mlflow.log_input(ds, context=context)
+            from mlflow.entities import DatasetInput, InputTag
+            from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+            # the client call names the run (mlflow.log_input would use, or start, this thread's active run)
+            mlflow.MlflowClient().log_inputs(self.run_id, [DatasetInput(
+                ds._to_mlflow_entity(), tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)])])
 
         self._direct(f"dataset {name}", log)
 
@@ -427,7 +433,7 @@ class StageRun:
         path = write_model_card(model_dir, model_name=f"rlhf-{self.stage}", trainer_name=trainer_name,
                                 base_model=base_model, hyperparameters=dict(hyperparameters), metrics=dict(metrics),
                                 notes=notes)
-        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text(), "model_card.md"))
+        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text(), "model_card.md", run_id=self.run_id))
 
 
 @contextlib.contextmanager
