@@ -32,3 +32,15 @@ try:  # property tests: the same examples on every run (no flaky CI), no per-exa
     settings.load_profile("repo")
 except ImportError:  # hypothesis is a dev dependency; its tests skip without it
     pass
+
+
+@pytest.fixture(autouse=True)
+def _isolate_mlflow_tracking_uri():
+    """Undo a test's ``mlflow.set_tracking_uri``: it also sets ``$MLFLOW_TRACKING_URI``, which our tasks read
+    first, so one test's store would become every later test's store (and their subprocesses')."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
