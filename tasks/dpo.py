@@ -10,7 +10,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.distributed import check_replicas_identical
 from tasks.params import as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
@@ -56,7 +55,6 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
                                  max_prompt_length=p.max_prompt_length, log_with=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
-            check_replicas_identical(trainer.accelerator, trainer.model, "dpo")  # launched (DDP): all ranks agree
             keys = ("loss", "rewards/accuracies", "rewards/margins")
             curve = loss_curve(trainer.state.log_history, keys)
             last = curve[-1] if curve else {}

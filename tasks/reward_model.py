@@ -14,7 +14,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.distributed import check_replicas_identical
 from tasks.params import as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
@@ -68,7 +67,6 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
                                     train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
                                     log_with=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/reward_model-*; SIGTERM -> Preempted (exit 75)
-            check_replicas_identical(trainer.accelerator, trainer.model, "reward_model")  # launched: ranks agree
             curve = loss_curve(trainer.state.log_history)
             scorer = RewardModelScorer(trainer.model, tokenizer, max_length=p.max_length)
             chosen = scorer([x["prompt"] + x["chosen"] for x in held])

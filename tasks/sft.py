@@ -14,7 +14,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
-from tasks.distributed import check_replicas_identical
 from tasks.params import SFTParams, as_dict, load_stage
 from tasks.tracking import (
     atomic_dir,
@@ -72,7 +71,6 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                 train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
                 max_seq_length=p.max_seq_length, tokenizer=tokenizer, log_with=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/sft-*; SIGTERM -> Preempted (exit 75)
-            check_replicas_identical(trainer.accelerator, trainer.model, "sft")  # launched (DDP): all ranks agree
             curve = loss_curve(trainer.state.log_history)
             final_loss = curve[-1]["loss"] if curve else float(result.training_loss)
             metrics = {"train_loss": round(float(result.training_loss), 4), "final_loss": round(final_loss, 4),

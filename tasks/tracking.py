@@ -568,7 +568,8 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
 
     Yields a ``Resumable``: ``.dir`` (the trainer's ``output_dir``: ``.checkpoints/<stage>-<hash of params and
     inputs>``), ``.callback`` (add to the trainer's callbacks) and ``.train(trainer)``, which resumes from the
-    latest complete checkpoint and raises ``Preempted`` (exit status 75) when SIGTERM/SIGINT stopped it. The
+    latest complete checkpoint, raises ``Preempted`` (exit status 75) when SIGTERM/SIGINT stopped it, and under
+    data parallelism checks that every rank ended with the same weights. The
     caller deletes the directory (``.done()``, main process only) once its outputs are written.
 
     Under a launcher the stop request is agreed by all ranks (``AllRanksStopCallback``), every rank resumes from
@@ -580,7 +581,7 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
     from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint, stage_checkpoint_dir
     from rlhf_core.trainers._hf_compat import GracefulStopCallback
 
-    from tasks.distributed import any_process
+    from tasks.distributed import any_process, check_replicas_identical
 
     class AllRanksStopCallback(GracefulStopCallback):
         """``GracefulStopCallback`` whose stop request is all-reduced at every step end: a signal that reached
@@ -614,6 +615,7 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
                 log.warning("%s: stopped at step %d; checkpoint in %s; run the stage again to resume",
                             stage, step, directory)
                 raise Preempted(directory, step, self.callback.stop.signal_name if self.callback.stop else None)
+            check_replicas_identical(trainer.accelerator, trainer.model, stage)  # launched (DDP): all ranks agree
             return result
 
         def done(self) -> None:
