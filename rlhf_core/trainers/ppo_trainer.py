@@ -39,6 +39,7 @@ from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.tracking import make_tracker
+from rlhf_core.trainers.generation import DEFAULT_GENERATION_BATCH_SIZE, generate_batched, generate_single
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from rlhf_core.trainers.ppo_config import PPOConfig
@@ -51,12 +52,6 @@ _PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedTy
 def _list_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Default collator: a dict of lists (queries have different lengths)."""
     return {key: [row[key] for row in rows] for key in rows[0]}
-
-
-# Queries generated together by ``generate``. Every decoding step is one forward pass over the whole
-# chunk with the KV cache, so a larger chunk amortises per-step overhead and weight reads: on CPU,
-# 64 tiny-model prompts x 32 tokens took 1.0 s at 4 per chunk and 0.15 s at 64 (bench/results.md, (b)).
-DEFAULT_GENERATION_BATCH_SIZE = 64
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -218,90 +213,27 @@ class PPOTrainer:
         which leaves most of a CPU or GPU idle per decoding step); each response is cut after its
         first EOS (kept) and never contains padding. A 1-d tensor returns the raw (1, L) output.
         """
-        generation_kwargs = self._generation_defaults(generation_kwargs)
         ref_model = self.accelerator.unwrap_model(self.model) if self.is_peft_model else self.ref_model
         if isinstance(query_tensor, (list, tuple)):
-            response = self._generate_batched(self.model, query_tensor, length_sampler, batch_size, return_prompt, generation_kwargs)
-            if not generate_ref_response:
-                return response
-            with self._reference_context():
-                ref = self._generate_batched(ref_model, query_tensor, length_sampler, batch_size, return_prompt, generation_kwargs)
-            return response, ref
-        if query_tensor.dim() != 1:
-            raise ValueError(
-                f"query_tensor must be a 1-d tensor (seq_len,) or a list of them, got shape {tuple(query_tensor.shape)}"
-            )
-        if length_sampler is not None:
-            generation_kwargs["max_new_tokens"] = length_sampler()
-        response = self._generate_single(self.model, query_tensor, return_prompt, generation_kwargs)
+            run = lambda model: generate_batched(  # noqa: E731
+                self.accelerator.unwrap_model(model), self.tokenizer, list(query_tensor), device=self.accelerator.device,
+                batch_size=batch_size, length_sampler=length_sampler, return_prompt=return_prompt,
+                is_encoder_decoder=self.is_encoder_decoder, **generation_kwargs)
+        else:
+            if query_tensor.dim() != 1:
+                raise ValueError(
+                    f"query_tensor must be a 1-d tensor (seq_len,) or a list of them, got shape {tuple(query_tensor.shape)}"
+                )
+            if length_sampler is not None:
+                generation_kwargs["max_new_tokens"] = length_sampler()
+            run = lambda model: generate_single(  # noqa: E731
+                self.accelerator.unwrap_model(model), self.tokenizer, query_tensor, device=self.accelerator.device,
+                return_prompt=return_prompt, is_encoder_decoder=self.is_encoder_decoder, **generation_kwargs)
+        response = run(self.model)
         if not generate_ref_response:
             return response
         with self._reference_context():
-            return response, self._generate_single(ref_model, query_tensor, return_prompt, generation_kwargs)
-
-    def _generation_defaults(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = dict(kwargs)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        kwargs.setdefault("pad_token_id", pad_id)
-        # A pad token distinct from EOS is not text: never sample it, so no pad id can leak into a response.
-        if self.tokenizer.pad_token_id is not None and self.tokenizer.pad_token_id != self.tokenizer.eos_token_id:
-            kwargs.setdefault("suppress_tokens", [self.tokenizer.pad_token_id])
-        if kwargs.get("top_k") == 0.0:
-            kwargs["top_k"] = 0  # the spec's examples pass 0.0; transformers wants an int
-        return kwargs
-
-    def _generate_single(self, model, query, return_prompt, kwargs):
-        device = self.accelerator.device
-        output = self.accelerator.unwrap_model(model).generate(
-            input_ids=query.unsqueeze(0).to(device), attention_mask=torch.ones_like(query).unsqueeze(0).to(device), **kwargs
-        )
-        if not return_prompt and not self.is_encoder_decoder:
-            output = output[:, query.shape[0]:]
-        return output
-
-    def _generate_batched(self, model, queries, length_sampler, batch_size, return_prompt, kwargs):
-        outputs: list[torch.Tensor] = []
-        unwrapped = self.accelerator.unwrap_model(model)
-        batch_size = max(1, min(len(queries), batch_size))
-        for start in range(0, len(queries), batch_size):
-            if length_sampler is not None:
-                kwargs["max_new_tokens"] = length_sampler()
-            chunk = [q.to(self.accelerator.device) for q in queries[start:start + batch_size]]
-            batch = self._pad_queries(chunk)
-            generated = unwrapped.generate(**batch, **kwargs)
-            for row, mask in zip(generated, batch["attention_mask"]):
-                outputs.append(self._clean_generation(row, mask, return_prompt))
-        return outputs
-
-    def _pad_queries(self, queries: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Left-pad queries for decoder-only generation (right for encoder-decoder)."""
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        left = not self.is_encoder_decoder
-        width = max(len(q) for q in queries)
-        ids = torch.full((len(queries), width), pad_id, dtype=torch.long, device=queries[0].device)
-        mask = torch.zeros_like(ids)
-        for i, q in enumerate(queries):
-            cols = slice(width - len(q), width) if left else slice(0, len(q))
-            ids[i, cols], mask[i, cols] = q, 1
-        return {"input_ids": ids, "attention_mask": mask}
-
-    def _clean_generation(self, row: torch.Tensor, mask: torch.Tensor, return_prompt: bool) -> torch.Tensor:
-        """Drop left padding (and the prompt if asked); cut the response after its first EOS."""
-        if self.is_encoder_decoder:
-            prompt, response = row[:0], row
-        else:
-            prompt_len = int(mask.sum())
-            prompt = row[len(mask) - prompt_len: len(mask)]
-            response = row[len(mask):]
-        eos = self.tokenizer.eos_token_id
-        skip = 1 if self.is_encoder_decoder else 0  # the decoder-start token may equal EOS/pad
-        hits = (response[skip:] == eos).nonzero()
-        if eos is not None and len(hits):
-            response = response[: skip + int(hits[0]) + 1]
-        pad = self.tokenizer.pad_token_id
-        if pad is not None and pad != eos:
-            response = torch.cat([response[:skip], response[skip:][response[skip:] != pad]])
-        return torch.cat([prompt, response]) if return_prompt else response
+            return response, run(ref_model)
 
     def _reference_context(self):
         """Inside: the reference model's weights are active (adapter disabled for PEFT)."""
