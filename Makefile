@@ -1,4 +1,5 @@
 # Two commands for a fresh machine: `make run` and `make test`. Both set up .venv first.
+.DEFAULT_GOAL := help
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,9 +12,12 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup test test-slow examples bench lock clean
+.PHONY: help setup test test-slow examples bench lock clean plots exps
 
-setup: $(STAMP)
+help: ## list the targets, one line each
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## (.*)$$/\1\t\2/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv and install the pinned dependencies (CPU torch)
 
 # torch first, pinned: an unpinned or transitive torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml requirements.lock
@@ -23,7 +27,7 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
-examples: setup
+examples: setup ## run the classic-TRL example scripts against rlhf_core
 	$(PY) examples/minimal_example.py
 	$(PY) examples/readme_example.py
 	$(PY) examples/training_loop.py
@@ -32,28 +36,28 @@ examples: setup
 # One thread per test process: the tiny test models gain nothing from more, and it keeps runs steady.
 # `make test` is the whole suite but the `slow` end-to-end checks (pipeline e2e, retraining, SIGTERM through
 # dvc repro, soak, DDPO learning: about 3 more minutes), which `make test-slow` runs; CI runs both.
-test: setup
+test: setup ## set up, then run the fast test suite (no slow end-to-end checks)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m "not slow"
 
-test-slow: setup
+test-slow: setup ## run the slow end-to-end checks (pipeline, retraining, signals, soak)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m slow
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
-bench: setup
+bench: setup ## benchmark against classic TRL 0.11.4 in its own venv; writes bench/results.{md,json}
 	bash bench/setup_trl_venv.sh
 	OMP_NUM_THREADS=1 $(PY) bench/run.py
 
 # Regenerate the lock file from the current environment (after changing pyproject.toml).
-lock:
+lock: ## regenerate requirements.lock from the current venv
 	$(PY) -m pip freeze --exclude-editable | grep -v '^rlhf' > requirements.lock
 
-clean:
+clean: ## remove .venv and pytest caches
 	rm -rf $(VENV) .pytest_cache
 
 # One thread per process: on a shared 2-core machine two threads per process made PPO ~10x slower.
 .PHONY: run pipeline repro mlflow-ui prefect-ui retrain serve-retrain
 
-run: setup
+run: setup ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> ppo/dpo -> evaluate -> registry)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
 	@echo ""
 	@echo "Where to look:"
@@ -61,28 +65,38 @@ run: setup
 	@echo "  DVC:        $(VENV)/bin/dvc metrics show   |   $(VENV)/bin/dvc status   |   plots/*.csv"
 	@echo "  Prefect UI: make prefect-ui  -> http://127.0.0.1:4200 (flow runs, logs, artifacts)"
 
-pipeline: run
+pipeline: run ## same as run
 
 # The same stages through DVC, then the registry step (the flow finds nothing stale).
-repro: setup
+repro: setup ## run the stages through dvc repro, then the registry step
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/dvc repro
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
 
-mlflow-ui: setup
+mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000 (runs, charts, registered models)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
 
-prefect-ui: setup
+prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
-retrain: setup
+retrain: setup ## run the retraining flow once (stale stages only, evaluate, register)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.retrain
 
 # Needs `make prefect-ui` running in another terminal.
-serve-retrain: setup
+serve-retrain: setup ## serve the retraining flow on its cron schedule (needs make prefect-ui)
 	PREFECT_API_URL=http://127.0.0.1:4200/api OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.retrain --serve
 
 # Send what stages kept in tracking-spool/ while the MLflow server was unreachable (to $MLFLOW_TRACKING_URI,
 # else the project's store). Uploaded spools are renamed *.uploaded, so running it twice sends nothing twice.
 .PHONY: tracking-upload
-tracking-upload: setup
+tracking-upload: setup ## replay tracking data spooled while MLflow was unreachable
 	$(PY) -m rlhf_core.tracking upload tracking-spool --tracking-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}"
+
+# DVC's plot page loads vega from a CDN (blank offline): tools/offline_plots.py inlines the scripts into
+# .venv/vega/dvc-template.html, which .dvc/config names, so `dvc plots show` works with no network.
+plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inlined)
+	$(PY) tools/offline_plots.py template
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc plots show -o dvc_plots
+
+# `dvc exp show` with only the headline columns, so it fits a terminal.
+exps: setup ## dvc exp show, headline columns only (gold reward, KL, win rate per policy)
+	$(VENV)/bin/dvc exp show --drop '.*' --keep '(Experiment|Created|.*\.(gold_reward|kl|win_rate))$$' --md
