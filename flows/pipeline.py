@@ -18,9 +18,10 @@ from prefect.artifacts import create_markdown_artifact
 from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
+from tasks.logs import get_logger
+from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
 from tasks.params import PARAMS_FILE, STAGES, load_params
 from tasks.registry import registry_task
-from tasks.tracking import end_pipeline_run, get_logger, mlflow_setup, mlflow_ui_link, start_pipeline_run
 
 WHERE_TO_LOOK = """Where to look:
   MLflow UI:   make mlflow-ui   (http://127.0.0.1:5000, experiment rlhf-pipeline, model rlhf-policy)

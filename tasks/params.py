@@ -343,7 +343,7 @@ PATH_KEYS = ("data", "models", "metrics", "plots", "incoming")
 def check_paths(root: str | Path, paths: PathsParams, source: str = PARAMS_FILE) -> dict[str, Path]:
     """Every ``paths.*`` directory resolved under ``root``; a :class:`ParamsError` naming the key if one escapes
     the project (``..``, an absolute path, a symlink) while ``paths.allow_outside`` is false."""
-    from rlhf_core.checkpointing import resolve_output_path
+    from tasks.paths import resolve_output_path
 
     resolved = {}
     for key in PATH_KEYS:

@@ -14,18 +14,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.logs import get_logger
+from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import SFTParams, as_dict, load_stage
-from tasks.tracking import (
-    atomic_dir,
-    checkpointing_arguments,
-    get_logger,
-    loss_curve,
-    resumable_training,
-    stage_run,
-    training_arguments,
-    write_csv,
-    write_json,
-)
+from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+from tasks.stage_run import stage_run
 
 
 def build_policy(p: SFTParams, texts: list[str]):

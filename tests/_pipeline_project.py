@@ -68,7 +68,7 @@ def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True
 def mlflow_client(root: Path):
     import mlflow
 
-    from tasks.tracking import mlflow_setup
+    from tasks.mlflow_runs import mlflow_setup
 
     mlflow_setup(root)
     return mlflow.MlflowClient()

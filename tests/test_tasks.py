@@ -9,7 +9,8 @@ import pytest
 from _pipeline_project import make_project, write_params
 
 from rlhf_core.data import DataFormatError
-from tasks.tracking import atomic_dir, input_hashes
+from tasks.outputs import atomic_dir
+from tasks.provenance import input_hashes
 
 RT_POLARITY = Path(__file__).resolve().parents[2] / "shared" / "data" / "rt-polarity"
 DATA_FILES = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences")
