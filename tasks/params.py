@@ -26,8 +26,13 @@ from tasks.paths import resolve_output_path
 
 PARAMS_FILE = "params.yaml"
 
-# The DVC stages, in pipeline order (registry is an MLflow step, not a DVC stage).
+# The DVC stages of the default pipeline, in order (registry is an MLflow step, not a DVC stage).
 STAGES = ("prepare", "sft", "reward_model", "ppo", "dpo", "evaluate")
+
+OPTIONAL_STAGES = ("ddpo",)
+"""DVC stages outside the default run: run by name, or by the pipeline flow when their section's ``enabled``."""
+
+ALL_STAGES = STAGES + OPTIONAL_STAGES
 
 
 class ParamsError(ValueError):
@@ -208,6 +213,36 @@ class PPOParams(ConfigSection):
     STAGE: ClassVar[type] = PPOStageParams
 
 
+DDPO_CONFIG_KEYS = (
+    "num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "sample_guidance_scale",
+    "train_batch_size", "train_learning_rate", "train_clip_range", "seed",
+)
+"""The ``DDPOConfig`` fields the ddpo section sets, in params.yaml's order (types and docs: ``DDPOConfig``)."""
+
+
+@dataclass(frozen=True)
+class DDPOStageParams:
+    """The ddpo section's keys that are not ``DDPOConfig`` fields."""
+
+    enabled: bool
+    """Run ddpo in the default pipeline flow (``make run``) after evaluate; off: only when asked for by name."""
+    reward: str
+    """``compressibility`` or ``incompressibility`` (JPEG size of the generated images)."""
+    use_lora: bool
+    """Train LoRA adapters instead of the whole UNet."""
+    num_prompts: int
+    """Prompts are drawn from the first this many animal names."""
+
+
+@dataclass(frozen=True)
+class DDPOParams(ConfigSection):
+    """DDPO on a tiny Stable-Diffusion-shaped pipeline built from configs: ``DDPOConfig`` keys + ``DDPOStageParams``."""
+
+    CONFIG: ClassVar[str] = "DDPOConfig"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = DDPO_CONFIG_KEYS
+    STAGE: ClassVar[type] = DDPOStageParams
+
+
 @dataclass(frozen=True)
 class DPOParams:
     """Direct preference optimisation of the SFT policy on the preference pairs."""
@@ -271,6 +306,7 @@ class Params:
     ppo: PPOParams
     dpo: DPOParams
     evaluate: EvaluateParams
+    ddpo: DDPOParams
     registry: RegistryParams
 
     def section(self, name: str):
@@ -279,7 +315,7 @@ class Params:
 
 SECTIONS: dict[str, type] = {
     "paths": PathsParams, "prepare": PrepareParams, "sft": SFTParams, "reward_model": RewardModelParams,
-    "ppo": PPOParams, "dpo": DPOParams, "evaluate": EvaluateParams, "registry": RegistryParams,
+    "ppo": PPOParams, "dpo": DPOParams, "evaluate": EvaluateParams, "ddpo": DDPOParams, "registry": RegistryParams,
 }
 
 
@@ -370,6 +406,12 @@ def validate(p: Params, source: str = PARAMS_FILE) -> None:
     need(set(p.registry.candidates) <= {"sft", "ppo", "dpo"} and p.registry.candidates,
          "registry.candidates must be a non-empty subset of [sft, ppo, dpo]")
     need(p.registry.metric in METRIC_KEYS, f"registry.metric must be one of {METRIC_KEYS}")
+    need(p.ddpo.reward in DDPO_REWARDS, f"ddpo.reward must be one of {DDPO_REWARDS}")
+    need(1 <= p.ddpo.num_prompts <= 24, "ddpo.num_prompts must be in [1, 24] (the animal prompts)")
+    need(p.ddpo.num_epochs >= 1, "ddpo.num_epochs must be >= 1")
+
+
+DDPO_REWARDS = ("compressibility", "incompressibility")
 
 
 # evaluate.json: one object per policy with these keys.
@@ -434,6 +476,11 @@ def stage_param_keys(stage: str) -> list[str]:
 
 # What each stage reads and writes, relative to the paths section. dvc.yaml must say the same
 # (tests/test_params.py). Code deps are listed in dvc.yaml only.
+def stage_enabled(params: Params, stage: str) -> bool:
+    """Whether the default pipeline flow runs ``stage``: always for ``STAGES``, else its section's ``enabled``."""
+    return stage in STAGES or bool(getattr(params.section(stage), "enabled", False))
+
+
 def load_stage(root: str | Path, stage: str) -> tuple[Path, Params, Any, dict[str, list[str]]]:
     """A stage's start: the resolved project root, all params, the stage's own section and its DVC deps/outs."""
     root = Path(root).resolve()
@@ -453,6 +500,7 @@ def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
         "dpo": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft"], "outs": [f"{m}/dpo"]},
         "evaluate": {"deps": [f"{d}/prompts_eval.jsonl", f"{d}/heldout.jsonl", f"{m}/sft", f"{m}/reward_model",
                               f"{m}/ppo", f"{m}/dpo"], "outs": []},
+        "ddpo": {"deps": [], "outs": [f"{m}/ddpo"]},
     }
     for stage, entry in io.items():
         entry["metrics"] = [f"{paths.metrics}/{stage}.json"]
@@ -465,5 +513,6 @@ __all__ = [
     "SFTParams", "RewardModelParams", "PPOParams", "DPOParams", "EvaluateParams", "RegistryParams", "SECTIONS",
     "load_params", "parse_params", "build_section", "apply_overrides", "as_dict", "stage_param_keys", "stage_io",
     "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",
-    "section_keys",
+    "section_keys", "ALL_STAGES", "OPTIONAL_STAGES", "DDPOParams", "DDPOStageParams", "DDPO_CONFIG_KEYS",
+    "DDPO_REWARDS", "stage_enabled",
 ]

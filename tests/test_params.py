@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from tasks.params import (
+    ALL_STAGES,
+    DDPO_CONFIG_KEYS,
     PPO_CONFIG_KEYS,
     SECTIONS,
     STAGES,
@@ -59,10 +61,10 @@ def test_no_defaults_params_yaml_is_the_one_source_of_values():
 
 
 def test_dvc_stages_in_order(dvc_stages):
-    assert tuple(dvc_stages) == STAGES
+    assert tuple(dvc_stages) == ALL_STAGES == STAGES + ("ddpo",)
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", ALL_STAGES)
 def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
     entry = dvc_stages[stage]
     io = stage_io(load_params(ROOT / "params.yaml").paths)[stage]
@@ -105,6 +107,17 @@ def test_ppo_params_are_ppo_config_fields_plus_stage_keys(raw):
     assert dict(p.config) == {k: raw["ppo"][k] for k in PPO_CONFIG_KEYS}
     assert (p.total_steps, p.learning_rate) == (raw["ppo"]["total_steps"], raw["ppo"]["learning_rate"])
     PPOConfig(**p.config)  # every key is accepted by the config it documents
+
+
+def test_ddpo_params_are_ddpo_config_fields_plus_stage_keys(raw):
+    from rlhf_core import DDPOConfig
+
+    config_fields = {f.name for f in dataclasses.fields(DDPOConfig)}
+    assert set(DDPO_CONFIG_KEYS) <= config_fields
+    p = load_params(ROOT / "params.yaml").ddpo
+    assert p.enabled is False  # not in the default run
+    assert not {"enabled", "reward", "use_lora", "num_prompts"} & config_fields
+    DDPOConfig(**p.config, mixed_precision="no")
 
 
 def test_ppo_config_key_is_type_checked_from_ppo_config(raw):
