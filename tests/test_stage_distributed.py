@@ -1,6 +1,6 @@
 """The pipeline's training stages under a two-process launch: ``python -m flows.stage <name>`` per rank.
 
-What README "The pipeline's training stages on a multi-GPU node" promises, on this CPU machine: torchrun with two
+What docs/scale.md "The pipeline's training stages on a multi-GPU node" promises, on this CPU machine: torchrun with two
 gloo processes and ``ACCELERATE_USE_CPU=1`` (what ``accelerate launch`` runs; its CPU config would start ONE
 process without MPI). A tiny project runs ``prepare`` single-process, then ``sft``, ``reward_model``, ``ppo`` and
 ``dpo`` each under the launcher, with MLflow in the project's SQLite store and a Prefect test server.
