@@ -25,7 +25,7 @@ SAVE_STEPS = 50
 
 def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, **overrides):
     """``TrainingArguments`` for a stage: its section's Trainer fields, no reporters (metrics reach MLflow
-    through rlhf_core's tracker, ``tracker=run.tracker``). Hardware comes from the environment / accelerate
+    through rlhf_core's tracker, the stage run's). Hardware comes from the environment / accelerate
     config, never from params.yaml. No checkpoints unless ``overrides`` ask (see ``checkpointing_arguments``);
     any keyword overrides the defaults here."""
     from transformers import TrainingArguments

@@ -40,8 +40,9 @@ from tasks.provenance import git_commit, input_hashes, md5_file
 class StageRun:
     """Handle given to a stage body: the MLflow run plus a summary collected for the Prefect artifact.
 
-    ``tracker`` is the rlhf_core tracker the stage's trainers log to (pass it as ``tracker=``): the active
-    MLflow run while the server answers, the spool file afterwards.
+    ``tracker`` is the rlhf_core tracker the stage's trainers log to (``PPOTrainer(tracker=...)``; the
+    Trainer-based trainers still take it as ``log_with=``): the active MLflow run while the server answers,
+    the spool file afterwards.
 
     ``main`` is False on the non-main ranks of a launch: no run, a no-op tracker, nothing written.
     """
