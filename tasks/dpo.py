@@ -13,7 +13,6 @@ from rlhf_core.data import read_jsonl
 from tasks.logs import get_logger
 from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import as_dict, load_stage
-from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 from tasks.stage_run import stage_run
 
 
@@ -24,6 +23,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core import DPOTrainer, set_seed
+    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     root, params, p, io = load_stage(root, "dpo")
     paths = params.paths

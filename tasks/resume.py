@@ -1,5 +1,8 @@
 """Training plumbing shared by the Trainer-based stages (sft, reward_model, dpo): ``TrainingArguments`` from a
 params section, resumable checkpoints with a graceful stop agreed by every rank, and the loss curve for plots.
+
+Importing it imports transformers (the stop callback is a ``TrainerCallback``): the stage tasks import it inside
+their task function, so a non-training stage (``python -m flows.stage prepare``) starts without transformers.
 """
 
 from __future__ import annotations
