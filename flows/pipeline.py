@@ -1,7 +1,7 @@
 """The whole pipeline as one Prefect flow: ``python -m flows.pipeline``.
 
-For each stage in order, ask DVC whether it is stale; if so run its task and record it in dvc.lock.
-Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
+For each stage in order, ask DVC whether it is stale; if so run its task and record it in dvc.lock
+(optional stages, ddpo, only when their section says ``enabled: true``). Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
 parameter re-runs ppo and evaluate only. ``dvc repro`` runs the same tasks through ``flows.stage``.
 """
 
@@ -18,9 +18,10 @@ from prefect.artifacts import create_markdown_artifact
 from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
-from tasks.params import PARAMS_FILE, STAGES, load_params
+from tasks.logs import get_logger
+from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
+from tasks.params import ALL_STAGES, PARAMS_FILE, load_params, stage_enabled
 from tasks.registry import registry_task
-from tasks.tracking import end_pipeline_run, get_logger, mlflow_setup, mlflow_ui_link, start_pipeline_run
 
 WHERE_TO_LOOK = """Where to look:
   MLflow UI:   make mlflow-ui   (http://127.0.0.1:5000, experiment rlhf-pipeline, model rlhf-policy)
@@ -32,12 +33,12 @@ WHERE_TO_LOOK = """Where to look:
 def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
     """Run every stale stage of the pipeline in ``root``, then the registry step."""
     root = str(Path(root).resolve())
-    load_params(Path(root) / PARAMS_FILE)  # bad params fail here, before any state changes
+    params = load_params(Path(root) / PARAMS_FILE)  # bad params fail here, before any state changes
     log = get_logger()
     parent = start_pipeline_run(root, entry="prefect")
     ran, skipped = [], []
     try:
-        for name in STAGES:
+        for name in [s for s in ALL_STAGES if stage_enabled(params, s)]:  # ddpo only when ddpo.enabled
             changes = stage_status(root, name)
             if changes or force:
                 log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))

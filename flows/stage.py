@@ -30,7 +30,7 @@ from prefect import flow  # noqa: E402
 
 from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402
 from rlhf_core.checkpointing import Preempted, install_stop_handlers  # noqa: E402
-from tasks.params import STAGES  # noqa: E402
+from tasks.params import ALL_STAGES  # noqa: E402
 
 EXIT_USAGE = 2
 """A non-training stage started by a launcher with several processes."""
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     DVC records the stage only on 0."""
     install_stop_handlers()  # before anything else: a SIGTERM from now on is a stop request, not a kill
     parser = argparse.ArgumentParser(prog="python -m flows.stage", description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=STAGES)
+    parser.add_argument("name", choices=ALL_STAGES)
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     args = parser.parse_args(argv)
     try:

@@ -1,5 +1,6 @@
 """The stage name -> Prefect task table shared by the flows."""
 
+from tasks.ddpo import ddpo_task
 from tasks.distributed import TRAINING_STAGES
 from tasks.dpo import dpo_task
 from tasks.evaluate import evaluate_task
@@ -15,6 +16,7 @@ STAGE_TASKS = {
     "ppo": ppo_task,
     "dpo": dpo_task,
     "evaluate": evaluate_task,
+    "ddpo": ddpo_task,
 }
 
 LAUNCHABLE_STAGES = TRAINING_STAGES

@@ -11,7 +11,6 @@
   samples delivered) is part of the checkpoint, so a resumed run sees the same batches as a straight one.
 - ``GracefulStop``: SIGTERM/SIGINT become a flag checked at step boundaries; the stage saves and exits with
   ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``: "try again"), distinct from success (0) and failure (1).
-- ``resolve_output_path``: output paths from ``params.yaml`` stay inside the project unless allowed.
 
 Only the standard library, numpy and torch are imported here, so ``rlhf_core`` stays importable anywhere.
 """
@@ -411,44 +410,11 @@ def latest_checkpoint(directory: str | Path, prefix: str = "checkpoint-") -> Pat
     return max(steps)[1] if steps else None
 
 
-def stage_checkpoint_dir(root: str | Path, stage: str, params: Any, base: str = ".checkpoints") -> Path:
-    """Where a pipeline stage keeps its resumable state: ``<root>/.checkpoints/<stage>-<fingerprint(params)>``.
-
-    Outside DVC's outputs (``dvc repro`` deletes a stage's outs before running it) and keyed by the stage's
-    parameters, so a changed parameter starts afresh instead of resuming a different run. Delete the directory
-    when the stage has finished and written its outputs.
-    """
-    return resolve_output_path(root, Path(base) / f"{stage}-{fingerprint(params)}")
-
-
-# ---------------------------------------------------------------------------------------------- output paths
-
-
-def resolve_output_path(root: str | Path, relative: str | Path, allow_outside: bool = False) -> Path:
-    """``root / relative`` resolved; a ``ValueError`` if it escapes ``root`` (``..``, absolute, symlink).
-
-    ``allow_outside=True`` is the explicit opt-in for writing elsewhere (e.g. a shared scratch disk).
-    """
-    root_path = Path(root).resolve()
-    text = str(relative)
-    if not text or "\x00" in text:
-        raise ValueError(f"output path {relative!r} is empty or contains a NUL byte")
-    candidate = (root_path / Path(relative).expanduser()).resolve()
-    if allow_outside:
-        return candidate
-    if candidate != root_path and root_path not in candidate.parents:
-        raise ValueError(
-            f"output path {str(relative)!r} resolves to {candidate}, outside the project directory {root_path}; "
-            "use a path inside the project, or allow it explicitly (allow_outside=True)"
-        )
-    return candidate
-
-
 __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
-    "latest_checkpoint", "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state",
-    "resumable_checkpoint", "stage_checkpoint_dir",
+    "latest_checkpoint", "load_torch", "read_json", "recover_directory", "restore_rng_state",
+    "resumable_checkpoint",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",
 ]

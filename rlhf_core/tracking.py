@@ -196,7 +196,15 @@ class SpoolingTracker(Tracker):
     ``backend_factory`` builds the real tracker (it may fail itself: the server may be down at start). After
     the first connection failure the run stays on the spool (no retry storms slowing training), a single
     warning names the spool file and the upload command, and ``finish`` repeats the reminder.
+
+    Public hooks for subclasses: ``spool_file_name()`` (the spool's file name), ``offline_message(error)`` (the
+    warning), ``on_offline(error)`` (called once, when the run first goes offline), ``remind_on_finish`` (False:
+    ``finish`` gives no second warning). ``go_offline(error)`` is how a caller that hit an outage on a side
+    channel (an artifact upload, say) moves the run onto the spool.
     """
+
+    remind_on_finish: bool = True
+    """Whether ``finish`` repeats the "upload the spool" warning."""
 
     def __init__(self, backend_factory: Any, spool_dir: str | Path | None = None, project_name: str = "trl",
                  run_name: str | None = None, tracking_uri: str | None = None) -> None:
@@ -207,33 +215,38 @@ class SpoolingTracker(Tracker):
         self.backend: Tracker | None = None
         self.run_id: str | None = None
         if not server_reachable(tracking_uri):
-            self._go_offline(ConnectionError(f"tracking server {tracking_uri} refuses connections"))
+            self.go_offline(ConnectionError(f"tracking server {tracking_uri} refuses connections"))
             return
         try:
             self.backend = backend_factory(project_name=project_name, run_name=run_name)
             self.run_id = getattr(self.backend, "run_id", None)
         except Exception as error:  # noqa: BLE001 - any backend failure must not stop training
-            self._go_offline(error)
+            self.go_offline(error)
 
     @property
     def offline(self) -> bool:
         return self.backend is None
 
-    def _go_offline(self, error: BaseException) -> None:
+    def go_offline(self, error: BaseException) -> None:
+        """Drop the backend and keep everything from now on in the spool (opened, with one warning, the first time)."""
         self.backend = None
         if self.spool_path is not None:
             return
         self.spool_dir.mkdir(parents=True, exist_ok=True)
-        self.spool_path = self.spool_dir / self._spool_file_name()
+        self.spool_path = self.spool_dir / self.spool_file_name()
         self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
                       "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
-        warnings.warn(self._offline_message(error), RuntimeWarning, stacklevel=3)
+        warnings.warn(self.offline_message(error), RuntimeWarning, stacklevel=3)
+        self.on_offline(error)
 
-    def _spool_file_name(self) -> str:
+    def on_offline(self, error: BaseException) -> None:
+        """Hook: called once, right after the run went offline and its spool was opened (default: nothing)."""
+
+    def spool_file_name(self) -> str:
         """Name of this run's spool file (subclasses may name it after a stage)."""
         return f"{_safe_name(self.project_name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
 
-    def _offline_message(self, error: BaseException) -> str:
+    def offline_message(self, error: BaseException) -> str:
         """The one warning given when the backend is unreachable."""
         return (f"tracking backend unreachable ({type(error).__name__}: {str(error)[:200]}); training continues and "
                 f"everything is kept in {self.spool_path}. Upload it later with: "
@@ -252,7 +265,7 @@ class SpoolingTracker(Tracker):
                 getattr(self.backend, method)(*args, **kwargs)
                 return
             except Exception as error:  # noqa: BLE001
-                self._go_offline(error)
+                self.go_offline(error)
         self._append(record)
 
     def log(self, metrics, step=None):
@@ -274,9 +287,11 @@ class SpoolingTracker(Tracker):
             try:
                 self.backend.finish()
             except Exception as error:  # noqa: BLE001
-                self._go_offline(error)
+                self.go_offline(error)
         if self.spool_path is not None:
             self._append({"kind": "finish"})
+            if not self.remind_on_finish:
+                return
             warnings.warn(f"tracking data for this run is in {self.spool_path}: upload it with "
                           f"python -m rlhf_core.tracking upload {self.spool_path}", RuntimeWarning, stacklevel=2)
 

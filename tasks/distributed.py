@@ -2,11 +2,11 @@
 
 ``accelerate launch`` / ``torchrun`` (and ``mpirun``) start one copy of ``python -m flows.stage <name>`` per
 process. All copies train in lockstep; only the main process (global rank 0) writes the stage's outputs, its
-MLflow run and its resumable state (``tasks.tracking`` asks :func:`is_main_process`). Everything here is a no-op
-in a single process, so the single-process path of every stage is unchanged.
+MLflow run and its resumable state (``tasks.stage_run``, ``tasks.outputs`` ask :func:`is_main_process`).
+Everything here is a no-op in a single process, so the single-process path of every stage is unchanged.
 
-Rank and world size come from the launcher's environment (the variables accelerate reads), so they are known
-before any process group exists. The collectives use accelerate's ``PartialState`` (the same process group the
+Rank and world size come from the launcher's environment (``tasks.ranks``, re-exported here), so they are
+known before any process group exists. The collectives use accelerate's ``PartialState`` (the same process group the
 trainers use; created on first use).
 """
 
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-WORLD_SIZE_ENV = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-RANK_ENV = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+from tasks.logs import get_logger
+from tasks.ranks import RANK_ENV, WORLD_SIZE_ENV, is_main_process, process_rank, world_size
 
 TRAINING_STAGES = ("sft", "reward_model", "ppo", "dpo")
 """The stages that may run under a launcher (each rank trains; rank 0 writes)."""
@@ -27,29 +26,6 @@ TRAINING_STAGES = ("sft", "reward_model", "ppo", "dpo")
 
 class LauncherError(RuntimeError):
     """A single-process stage (prepare, evaluate, registry, the pipeline flow) was started by a launcher."""
-
-
-def _int_env(names: Sequence[str], default: int) -> int:
-    for name in names:
-        value = os.environ.get(name, "").strip()
-        if value:
-            return int(value)
-    return default
-
-
-def world_size() -> int:
-    """Number of processes in this launch (1 without a launcher)."""
-    return max(1, _int_env(WORLD_SIZE_ENV, 1))
-
-
-def process_rank() -> int:
-    """Global rank of this process (0 without a launcher)."""
-    return _int_env(RANK_ENV, 0) if world_size() > 1 else 0
-
-
-def is_main_process() -> bool:
-    """True in the process that writes (global rank 0), and always in a single process."""
-    return process_rank() == 0
 
 
 def require_single_process(what: str, how: str | None = None) -> None:
@@ -153,8 +129,6 @@ def check_replicas_identical(accelerator: Any, model: Any, stage: str) -> str | 
     if high != -neg_low:
         raise RuntimeError(f"{stage}: the {world_size()} processes ended with different weights (rank "
                            f"{process_rank()}: sha256 {fingerprint[:16]}); data-parallel training went out of sync")
-    from tasks.tracking import get_logger
-
     get_logger().info("%s: weights identical on all %d processes (sha256 %s)", stage, world_size(), fingerprint[:16])
     return fingerprint
 
@@ -169,7 +143,7 @@ def destroy_process_group() -> None:
 
 
 __all__ = [
-    "LauncherError", "TRAINING_STAGES", "any_process", "barrier", "check_replicas_identical", "destroy_process_group",
+    "LauncherError", "RANK_ENV", "TRAINING_STAGES", "WORLD_SIZE_ENV", "any_process", "barrier", "check_replicas_identical", "destroy_process_group",
     "is_main_process", "main_process_first", "mean_over_processes", "process_rank", "require_single_process",
     "weights_fingerprint", "world_size",
 ]

@@ -15,8 +15,10 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
 from tasks.distributed import require_single_process
+from tasks.logs import get_logger
+from tasks.outputs import write_csv, write_json
 from tasks.params import METRIC_KEYS, POLICIES, load_stage
-from tasks.tracking import get_logger, stage_run, write_csv, write_json
+from tasks.stage_run import stage_run
 
 
 def _chart(results: dict[str, dict[str, float]], path: Path) -> None:

@@ -1,9 +1,13 @@
-"""The one loader for ``params.yaml``: one dataclass per section, unknown or missing keys rejected.
+"""The one loader for ``params.yaml``: one schema per section, unknown or missing keys rejected.
 
-``params.yaml`` has one section per pipeline stage (plus ``paths`` and ``registry``). Each section mirrors
-the dataclass below key for key; ``dvc.yaml`` lists, per stage, exactly the keys of that stage's section
-(``tests/test_params.py`` checks that the three agree). Fields whose names match ``PPOConfig`` /
-``TrainingArguments`` fields keep those names so they can be passed straight through.
+One source of values: ``params.yaml`` (the dataclasses here have no defaults; every key must be there).
+One source of field docs: a section that configures a library trainer (``ppo``) lists which fields of the
+rlhf_core config dataclass it sets (``PPO_CONFIG_KEYS``: names only; types and docs on ``PPOConfig``) and
+keeps its stage-only keys in a small dataclass (``PPOStageParams``). The other sections are stage-only
+dataclasses; fields that match ``TrainingArguments`` keep those names so they pass straight through.
+
+``params.yaml`` has one section per pipeline stage (plus ``paths`` and ``registry``); ``dvc.yaml`` lists, per
+stage, exactly the keys of that stage's section (``tests/test_params.py`` checks that the three agree).
 
 Hardware is not a parameter: the accelerate config is chosen outside this file (``ACCELERATE_CONFIG_FILE``).
 """
@@ -11,16 +15,24 @@ Hardware is not a parameter: the accelerate config is chosen outside this file (
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from tasks.paths import resolve_output_path
+
 PARAMS_FILE = "params.yaml"
 
-# The DVC stages, in pipeline order (registry is an MLflow step, not a DVC stage).
+# The DVC stages of the default pipeline, in order (registry is an MLflow step, not a DVC stage).
 STAGES = ("prepare", "sft", "reward_model", "ppo", "dpo", "evaluate")
+
+OPTIONAL_STAGES = ("ddpo",)
+"""DVC stages outside the default run: run by name, or by the pipeline flow when their section's ``enabled``."""
+
+ALL_STAGES = STAGES + OPTIONAL_STAGES
 
 
 class ParamsError(ValueError):
@@ -31,47 +43,47 @@ class ParamsError(ValueError):
 class PathsParams:
     """Directory layout shared by every stage; dvc.yaml's deps and outs use the same paths."""
 
-    data: str = "data"
+    data: str
     """Prepared datasets (DVC-cached)."""
-    models: str = "models"
+    models: str
     """Trained checkpoints, one directory per stage (DVC-cached)."""
-    metrics: str = "metrics"
+    metrics: str
     """One ``<stage>.json`` per stage (git-tracked, ``cache: false``)."""
-    plots: str = "plots"
+    plots: str
     """One ``<stage>.csv`` per stage (git-tracked, ``cache: false``)."""
-    incoming: str = "incoming"
+    incoming: str
     """New data for retraining: review files and preference files dropped here are merged by prepare."""
-    allow_outside: bool = False
-    """Allow the paths above to resolve outside the project directory (``..``, absolute, symlinks); off by default."""
+    allow_outside: bool
+    """Allow the paths above to resolve outside the project directory (``..``, absolute, symlinks); keep false."""
 
 
 @dataclass(frozen=True)
 class PrepareParams:
     """Dataset preparation: corpus, prompts and gold-labelled preference pairs."""
 
-    source: str = "synthetic"
+    source: str
     """``synthetic`` (generated offline), a local file/dir (txt, jsonl, csv, parquet) or ``hub:<dataset name>``."""
-    source_revision: str = ""
+    source_revision: str
     """Hub dataset revision (a new revision is new data for retraining); empty = default branch."""
-    split: str = "train"
+    split: str
     """Hub split to read."""
-    text_field: str = "text"
+    text_field: str
     """Column holding the review text (jsonl/csv/parquet/hub)."""
-    num_reviews: int = 4000
+    num_reviews: int
     """Synthetic: how many reviews to generate. Files/hub: cap on reviews read (0 = all)."""
-    max_words: int = 40
+    max_words: int
     """Reviews longer than this many words are truncated at a word boundary."""
-    prompt_min_words: int = 2
+    prompt_min_words: int
     """Prompts are the first N words of a review, N drawn from [prompt_min_words, prompt_max_words]."""
-    prompt_max_words: int = 4
+    prompt_max_words: int
     """Upper bound of the prompt length in words."""
-    eval_fraction: float = 0.1
+    eval_fraction: float
     """Share of reviews held out for evaluation (prompts and perplexity text)."""
-    pairs_per_review: int = 1
+    pairs_per_review: int
     """Preference pairs built per training review (its continuation against another review's)."""
-    min_margin: float = 0.3
+    min_margin: float
     """Minimum gold-judge score gap between chosen and rejected; closer pairs are dropped."""
-    seed: int = 0
+    seed: int
     """Seed for generation, shuffling and pairing."""
 
 
@@ -79,33 +91,33 @@ class PrepareParams:
 class SFTParams:
     """Supervised fine-tuning of the policy on the corpus (tokenizer trained on the corpus when offline)."""
 
-    model_name: str = ""
+    model_name: str
     """Empty: build a small model from the config below; else a hub name or local path (e.g. ``gpt2``)."""
-    arch: str = "gpt2"
+    arch: str
     """Architecture of the built model: ``gpt2`` or ``llama``."""
-    vocab_size: int = 2000
+    vocab_size: int
     """Byte-level BPE vocabulary trained on the corpus (built model only)."""
-    hidden_size: int = 128
+    hidden_size: int
     """Width of the built model."""
-    num_layers: int = 3
+    num_layers: int
     """Transformer blocks of the built model."""
-    num_heads: int = 4
+    num_heads: int
     """Attention heads of the built model."""
-    max_positions: int = 96
+    max_positions: int
     """Context length of the built model."""
-    max_seq_length: int = 64
+    max_seq_length: int
     """SFT truncates training texts to this many tokens."""
-    learning_rate: float = 2e-3
+    learning_rate: float
     """AdamW learning rate."""
-    num_train_epochs: float = 4.0
+    num_train_epochs: float
     """Passes over the corpus."""
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int
     """Batch size."""
-    warmup_steps: float = 0.05
+    warmup_steps: float
     """Linear warm-up: a share of the steps when < 1, else a step count (TrainingArguments.warmup_steps)."""
-    weight_decay: float = 0.0
+    weight_decay: float
     """AdamW weight decay."""
-    seed: int = 0
+    seed: int
     """Seed for initialisation and data order."""
 
 
@@ -113,90 +125,141 @@ class SFTParams:
 class RewardModelParams:
     """Pairwise reward model on the preference pairs, initialised from the SFT model (InstructGPT)."""
 
-    init_from: str = "sft"
+    init_from: str
     """``sft`` (the SFT checkpoint, as in InstructGPT) or a hub name / local path."""
-    max_length: int = 64
+    max_length: int
     """Chosen/rejected texts are truncated to this many tokens."""
-    learning_rate: float = 1e-3
+    learning_rate: float
     """AdamW learning rate."""
-    num_train_epochs: float = 1.0
+    num_train_epochs: float
     """Passes over the pairs."""
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int
     """Pairs per batch."""
-    seed: int = 0
+    seed: int
     """Seed for the score head and data order."""
 
 
-@dataclass(frozen=True)
-class PPOParams:
-    """PPO against the reward with a KL penalty to the SFT reference. Names match ``PPOConfig`` fields
-    except the stage-only ones at the end (``total_steps``, ``max_new_tokens``, ``reward``)."""
+PPO_CONFIG_KEYS = (
+    "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "init_kl_coef",
+    "adap_kl_ctrl", "target", "horizon", "kl_penalty", "gamma", "lam", "cliprange", "cliprange_value", "vf_coef",
+    "max_grad_norm", "use_score_scaling", "use_score_norm", "whiten_rewards", "seed",
+)
+"""The ``PPOConfig`` fields the ppo section sets, in params.yaml's order (types and docs: ``PPOConfig``)."""
 
-    learning_rate: float = 5e-4
-    """Adam learning rate (PPOConfig.learning_rate)."""
-    batch_size: int = 64
-    """Rollouts per PPO step."""
-    mini_batch_size: int = 16
-    """Minibatch size inside a PPO step."""
-    gradient_accumulation_steps: int = 1
-    """Minibatches accumulated per optimiser step."""
-    ppo_epochs: int = 4
-    """Optimisation epochs per batch of rollouts."""
-    init_kl_coef: float = 0.1
-    """Initial KL penalty coefficient."""
-    adap_kl_ctrl: bool = True
-    """Adapt the KL coefficient towards ``target``."""
-    target: float = 6.0
-    """Target KL for the adaptive controller."""
-    horizon: float = 10000.0
-    """Horizon of the adaptive KL controller."""
-    kl_penalty: str = "kl"
-    """KL estimator: kl, abs, mse or full."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
-    cliprange: float = 0.2
-    """Policy ratio clip range."""
-    cliprange_value: float = 0.2
-    """Value clip range."""
-    vf_coef: float = 0.1
-    """Value loss coefficient."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    use_score_scaling: bool = False
-    """Scale scores by a running standard deviation."""
-    use_score_norm: bool = False
-    """Also subtract the running mean (needs use_score_scaling)."""
-    whiten_rewards: bool = False
-    """Whiten per-token rewards before GAE."""
-    seed: int = 0
-    """Seed for sampling and minibatch order."""
-    total_steps: int = 40
-    """Stage-only: number of PPO steps (batches of rollouts)."""
-    max_new_tokens: int = 20
-    """Stage-only: tokens sampled per response."""
-    reward: str = "reward_model"
-    """Stage-only: ``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
+
+@dataclass(frozen=True)
+class PPOStageParams:
+    """The ppo section's keys that are not ``PPOConfig`` fields."""
+
+    total_steps: int
+    """Number of PPO steps (batches of rollouts)."""
+    max_new_tokens: int
+    """Tokens sampled per response."""
+    reward: str
+    """``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
+
+
+@dataclass(frozen=True)
+class ConfigSection:
+    """A section made of a library config's keyword arguments plus a few stage-only keys.
+
+    ``config``: the ``CONFIG_KEYS`` (fields of the rlhf_core dataclass ``CONFIG``, which types and documents
+    them) with params.yaml's values; ``stage``: the ``STAGE`` dataclass of the rest. Attribute access reaches
+    both (``p.batch_size``, ``p.total_steps``); ``as_dict`` gives the flat section.
+    """
+
+    config: Mapping[str, Any]
+    stage: Any
+
+    CONFIG: ClassVar[str] = ""
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = ()
+    STAGE: ClassVar[type] = object
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        config, stage = self.__dict__.get("config", {}), self.__dict__.get("stage")
+        if name in config:
+            return config[name]
+        if stage is not None and name in {f.name for f in fields(stage)}:
+            return getattr(stage, name)
+        raise AttributeError(f"{type(self).__name__} has no key {name!r}")
+
+    @classmethod
+    def declared(cls) -> dict[str, Any]:
+        """Every key of the section, in order, with its declared type (the config's, then the stage's)."""
+        import typing
+
+        import rlhf_core
+
+        hints = typing.get_type_hints(getattr(rlhf_core, cls.CONFIG))
+        return {**{k: hints[k] for k in cls.CONFIG_KEYS}, **{f.name: f.type for f in fields(cls.STAGE)}}
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> ConfigSection:
+        config = {k: values[k] for k in cls.CONFIG_KEYS}
+        return cls(config=config, stage=cls.STAGE(**{f.name: values[f.name] for f in fields(cls.STAGE)}))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.config, **dataclasses.asdict(self.stage)}
+
+
+@dataclass(frozen=True)
+class PPOParams(ConfigSection):
+    """PPO against the reward with a KL penalty to the SFT reference: ``PPOConfig`` keys + ``PPOStageParams``."""
+
+    CONFIG: ClassVar[str] = "PPOConfig"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = PPO_CONFIG_KEYS
+    STAGE: ClassVar[type] = PPOStageParams
+
+
+DDPO_CONFIG_KEYS = (
+    "num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "sample_guidance_scale",
+    "train_batch_size", "train_learning_rate", "train_clip_range", "seed",
+)
+"""The ``DDPOConfig`` fields the ddpo section sets, in params.yaml's order (types and docs: ``DDPOConfig``)."""
+
+
+@dataclass(frozen=True)
+class DDPOStageParams:
+    """The ddpo section's keys that are not ``DDPOConfig`` fields."""
+
+    enabled: bool
+    """Run ddpo in the default pipeline flow (``make run``) after evaluate; off: only when asked for by name."""
+    reward: str
+    """``compressibility`` or ``incompressibility`` (JPEG size of the generated images)."""
+    use_lora: bool
+    """Train LoRA adapters instead of the whole UNet."""
+    num_prompts: int
+    """Prompts are drawn from the first this many animal names."""
+
+
+@dataclass(frozen=True)
+class DDPOParams(ConfigSection):
+    """DDPO on a tiny Stable-Diffusion-shaped pipeline built from configs: ``DDPOConfig`` keys + ``DDPOStageParams``."""
+
+    CONFIG: ClassVar[str] = "DDPOConfig"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = DDPO_CONFIG_KEYS
+    STAGE: ClassVar[type] = DDPOStageParams
 
 
 @dataclass(frozen=True)
 class DPOParams:
     """Direct preference optimisation of the SFT policy on the preference pairs."""
 
-    beta: float = 0.1
+    beta: float
     """Strength of the implicit KL constraint to the reference."""
-    learning_rate: float = 5e-4
+    learning_rate: float
     """AdamW learning rate."""
-    num_train_epochs: float = 2.0
+    num_train_epochs: float
     """Passes over the pairs."""
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int
     """Pairs per batch."""
-    max_length: int = 64
+    max_length: int
     """Prompt + completion truncation, in tokens."""
-    max_prompt_length: int = 16
+    max_prompt_length: int
     """Prompt truncation, in tokens."""
-    seed: int = 0
+    seed: int
     """Seed for data order."""
 
 
@@ -204,15 +267,15 @@ class DPOParams:
 class EvaluateParams:
     """Compare the SFT, PPO and DPO policies on held-out prompts."""
 
-    num_prompts: int = 256
+    num_prompts: int
     """Held-out prompts sampled per policy."""
-    max_new_tokens: int = 20
+    max_new_tokens: int
     """Tokens sampled per response (same as PPO for a fair comparison)."""
-    batch_size: int = 64
+    batch_size: int
     """Generation / scoring batch size."""
-    num_samples: int = 12
+    num_samples: int
     """Samples shown in the before/after table."""
-    seed: int = 0
+    seed: int
     """Seed for sampling."""
 
 
@@ -220,15 +283,15 @@ class EvaluateParams:
 class RegistryParams:
     """The registry rule: which evaluated policy becomes challenger, and when it replaces the champion."""
 
-    model_name: str = "rlhf-policy"
+    model_name: str
     """Registered model name in MLflow."""
-    candidates: list = field(default_factory=lambda: ["ppo", "dpo"])
+    candidates: list
     """Evaluated policies eligible for registration; the best by ``metric`` becomes the challenger."""
-    metric: str = "gold_reward"
+    metric: str
     """evaluate.json key that decides (higher is better)."""
-    min_improvement: float = 0.02
+    min_improvement: float
     """Challenger must beat the champion's metric by at least this much."""
-    max_kl: float = 20.0
+    max_kl: float
     """Challenger's KL to the SFT reference must not exceed this."""
 
 
@@ -243,6 +306,7 @@ class Params:
     ppo: PPOParams
     dpo: DPOParams
     evaluate: EvaluateParams
+    ddpo: DDPOParams
     registry: RegistryParams
 
     def section(self, name: str):
@@ -251,11 +315,25 @@ class Params:
 
 SECTIONS: dict[str, type] = {
     "paths": PathsParams, "prepare": PrepareParams, "sft": SFTParams, "reward_model": RewardModelParams,
-    "ppo": PPOParams, "dpo": DPOParams, "evaluate": EvaluateParams, "registry": RegistryParams,
+    "ppo": PPOParams, "dpo": DPOParams, "evaluate": EvaluateParams, "ddpo": DDPOParams, "registry": RegistryParams,
 }
 
 
+def _plain_type(declared: Any) -> Any:
+    """The type to check a YAML value against: ``Optional[X]`` -> X, ``Literal[...]`` -> its values' type."""
+    import typing
+
+    origin = typing.get_origin(declared)
+    if origin is typing.Literal:
+        return type(typing.get_args(declared)[0])
+    if origin is typing.Union:
+        inner = [a for a in typing.get_args(declared) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else None
+    return declared
+
+
 def _check_type(where: str, name: str, value: Any, declared: Any) -> Any:
+    declared = _plain_type(declared)
     expected = {"int": int, "float": float, "str": str, "bool": bool, "list": list}.get(
         declared if isinstance(declared, str) else getattr(declared, "__name__", ""), None
     )
@@ -270,20 +348,28 @@ def _check_type(where: str, name: str, value: Any, declared: Any) -> Any:
     return value
 
 
+def section_keys(name: str) -> dict[str, Any]:
+    """Every key of section ``name``, in params.yaml's order, with its declared type."""
+    cls = SECTIONS[name]
+    if issubclass(cls, ConfigSection):
+        return cls.declared()
+    return {f.name: f.type for f in fields(cls)}
+
+
 def build_section(name: str, raw: Any, source: str = PARAMS_FILE):
-    """Build the dataclass of section ``name`` from a mapping; unknown or missing keys are errors."""
+    """Build the section object of ``name`` from a mapping; unknown or missing keys are errors (no defaults)."""
     cls = SECTIONS[name]
     if not isinstance(raw, dict):
         raise ParamsError(f"{source}: section {name!r} must be a mapping, got {type(raw).__name__}")
-    declared = {f.name: f for f in fields(cls)}
+    declared = section_keys(name)
     unknown = sorted(set(raw) - set(declared))
     missing = sorted(set(declared) - set(raw))
     if unknown:
         raise ParamsError(f"{source}: unknown key(s) in section {name!r}: {', '.join(unknown)}")
     if missing:
         raise ParamsError(f"{source}: missing key(s) in section {name!r}: {', '.join(missing)}")
-    values = {k: _check_type(f"{source}:{name}", k, raw[k], declared[k].type) for k in declared}
-    return cls(**values)
+    values = {k: _check_type(f"{source}:{name}", k, raw[k], declared[k]) for k in declared}
+    return cls.from_values(values) if issubclass(cls, ConfigSection) else cls(**values)
 
 
 def parse_params(raw: Any, source: str = PARAMS_FILE) -> Params:
@@ -320,6 +406,12 @@ def validate(p: Params, source: str = PARAMS_FILE) -> None:
     need(set(p.registry.candidates) <= {"sft", "ppo", "dpo"} and p.registry.candidates,
          "registry.candidates must be a non-empty subset of [sft, ppo, dpo]")
     need(p.registry.metric in METRIC_KEYS, f"registry.metric must be one of {METRIC_KEYS}")
+    need(p.ddpo.reward in DDPO_REWARDS, f"ddpo.reward must be one of {DDPO_REWARDS}")
+    need(1 <= p.ddpo.num_prompts <= 24, "ddpo.num_prompts must be in [1, 24] (the animal prompts)")
+    need(p.ddpo.num_epochs >= 1, "ddpo.num_epochs must be >= 1")
+
+
+DDPO_REWARDS = ("compressibility", "incompressibility")
 
 
 # evaluate.json: one object per policy with these keys.
@@ -343,8 +435,6 @@ PATH_KEYS = ("data", "models", "metrics", "plots", "incoming")
 def check_paths(root: str | Path, paths: PathsParams, source: str = PARAMS_FILE) -> dict[str, Path]:
     """Every ``paths.*`` directory resolved under ``root``; a :class:`ParamsError` naming the key if one escapes
     the project (``..``, an absolute path, a symlink) while ``paths.allow_outside`` is false."""
-    from rlhf_core.checkpointing import resolve_output_path
-
     resolved = {}
     for key in PATH_KEYS:
         try:
@@ -375,17 +465,22 @@ def apply_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
 
 
 def as_dict(section) -> dict[str, Any]:
-    """A section as a flat dict (for MLflow params)."""
-    return dataclasses.asdict(section)
+    """A section as a flat dict, keys in params.yaml's order (for MLflow params and checkpoint fingerprints)."""
+    return section.as_dict() if isinstance(section, ConfigSection) else dataclasses.asdict(section)
 
 
 def stage_param_keys(stage: str) -> list[str]:
     """The dotted params a DVC stage depends on: every key of its own section."""
-    return [f"{stage}.{f.name}" for f in fields(SECTIONS[stage])]
+    return [f"{stage}.{key}" for key in section_keys(stage)]
 
 
 # What each stage reads and writes, relative to the paths section. dvc.yaml must say the same
 # (tests/test_params.py). Code deps are listed in dvc.yaml only.
+def stage_enabled(params: Params, stage: str) -> bool:
+    """Whether the default pipeline flow runs ``stage``: always for ``STAGES``, else its section's ``enabled``."""
+    return stage in STAGES or bool(getattr(params.section(stage), "enabled", False))
+
+
 def load_stage(root: str | Path, stage: str) -> tuple[Path, Params, Any, dict[str, list[str]]]:
     """A stage's start: the resolved project root, all params, the stage's own section and its DVC deps/outs."""
     root = Path(root).resolve()
@@ -405,6 +500,7 @@ def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
         "dpo": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft"], "outs": [f"{m}/dpo"]},
         "evaluate": {"deps": [f"{d}/prompts_eval.jsonl", f"{d}/heldout.jsonl", f"{m}/sft", f"{m}/reward_model",
                               f"{m}/ppo", f"{m}/dpo"], "outs": []},
+        "ddpo": {"deps": [], "outs": [f"{m}/ddpo"]},
     }
     for stage, entry in io.items():
         entry["metrics"] = [f"{paths.metrics}/{stage}.json"]
@@ -416,5 +512,7 @@ __all__ = [
     "PARAMS_FILE", "STAGES", "POLICIES", "METRIC_KEYS", "ParamsError", "Params", "PathsParams", "PrepareParams",
     "SFTParams", "RewardModelParams", "PPOParams", "DPOParams", "EvaluateParams", "RegistryParams", "SECTIONS",
     "load_params", "parse_params", "build_section", "apply_overrides", "as_dict", "stage_param_keys", "stage_io",
-    "read_raw", "validate", "PATH_KEYS", "check_paths",
+    "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",
+    "section_keys", "ALL_STAGES", "OPTIONAL_STAGES", "DDPOParams", "DDPOStageParams", "DDPO_CONFIG_KEYS",
+    "DDPO_REWARDS", "stage_enabled",
 ]

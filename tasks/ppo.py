@@ -28,8 +28,11 @@ from tasks.distributed import (
     main_process_first,
     mean_over_processes,
 )
+from tasks.logs import get_logger, progress
+from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import PPOParams, as_dict, load_stage
-from tasks.tracking import atomic_dir, get_logger, progress, stage_run, write_csv, write_json
+from tasks.paths import stage_checkpoint_dir
+from tasks.stage_run import stage_run
 
 STAGE_ONLY = ("total_steps", "max_new_tokens", "reward")
 
@@ -68,7 +71,7 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from rlhf_core import AutoModelForCausalLMWithValueHead, PPOTrainer, set_seed
-    from rlhf_core.checkpointing import GracefulStop, Preempted, resumable_checkpoint, stage_checkpoint_dir
+    from rlhf_core.checkpointing import GracefulStop, Preempted, resumable_checkpoint
     from rlhf_core.rewards import make_reward
 
     root, params, p, io = load_stage(root, "ppo")

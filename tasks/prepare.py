@@ -28,8 +28,10 @@ from rlhf_core.data import (
 )
 from rlhf_core.rewards import GoldJudge
 from tasks.distributed import LauncherError, require_single_process
+from tasks.logs import get_logger
+from tasks.outputs import write_csv, write_json
 from tasks.params import ParamsError, PrepareParams, load_stage
-from tasks.tracking import get_logger, stage_run, write_csv, write_json
+from tasks.stage_run import stage_run
 
 MIN_REVIEWS = 10
 

@@ -17,8 +17,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.distributed import require_single_process
+from tasks.logs import get_logger
 from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, load_params
-from tasks.tracking import get_logger, stage_run
+from tasks.stage_run import stage_run
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 
@@ -81,7 +82,7 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tasks.tracking import mlflow_setup, tracking_reachable, tracking_uri
+    from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
 
     root = Path(root).resolve()
     params = load_params(root / PARAMS_FILE)

@@ -14,18 +14,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.logs import get_logger
+from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import as_dict, load_stage
-from tasks.tracking import (
-    atomic_dir,
-    checkpointing_arguments,
-    get_logger,
-    loss_curve,
-    resumable_training,
-    stage_run,
-    training_arguments,
-    write_csv,
-    write_json,
-)
+from tasks.stage_run import stage_run
 
 HOLDOUT_SHARE = 0.1
 
@@ -37,6 +29,7 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_core import RewardTrainer, set_seed
+    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
     from rlhf_core.rewards import RewardModelScorer
 
     root, params, p, io = load_stage(root, "reward_model")

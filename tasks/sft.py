@@ -14,18 +14,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
+from tasks.logs import get_logger
+from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import SFTParams, as_dict, load_stage
-from tasks.tracking import (
-    atomic_dir,
-    checkpointing_arguments,
-    get_logger,
-    loss_curve,
-    resumable_training,
-    stage_run,
-    training_arguments,
-    write_csv,
-    write_json,
-)
+from tasks.stage_run import stage_run
 
 
 def build_policy(p: SFTParams, texts: list[str]):
@@ -51,6 +43,7 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     from datasets import Dataset
 
     from rlhf_core import SFTTrainer, set_seed
+    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     root, params, p, io = load_stage(root, "sft")
     paths = params.paths

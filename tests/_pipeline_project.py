@@ -41,6 +41,17 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None) -> str:
     return out.stdout
 
 
+def _drop_optional_stages(dvc_yaml: Path) -> None:
+    """The test profile is the default pipeline: optional stages (ddpo) leave the copy's dvc.yaml, so ``dvc status``
+    and ``dvc repro`` there cover exactly the stages the flow runs."""
+    from tasks.params import OPTIONAL_STAGES
+
+    data = yaml.safe_load(dvc_yaml.read_text())
+    for stage in OPTIONAL_STAGES:
+        data["stages"].pop(stage, None)
+    dvc_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True) -> Path:
     """Copy the code and config into ``root`` (a git + DVC repo with a local remote) with tiny params."""
     root.mkdir(parents=True, exist_ok=True)
@@ -48,9 +59,10 @@ def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True
         src, dst = ROOT / name, root / name
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "ddpo*"))
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, dst)
+    _drop_optional_stages(root / "dvc.yaml")
     write_params(root, overrides)
     (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.dvc-remote/\n__pycache__/\n")
     if git_dvc:
@@ -68,7 +80,7 @@ def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True
 def mlflow_client(root: Path):
     import mlflow
 
-    from tasks.tracking import mlflow_setup
+    from tasks.mlflow_runs import mlflow_setup
 
     mlflow_setup(root)
     return mlflow.MlflowClient()

@@ -268,9 +268,11 @@ def test_a_stop_request_before_the_loop_is_honoured_then_consumed():
 
 
 def test_stage_checkpoints_live_outside_dvc_outs_and_are_keyed_by_params(tmp_path):
-    a = ckpt.stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 1e-5, "steps": 10})
-    b = ckpt.stage_checkpoint_dir(tmp_path, "ppo", {"steps": 10, "learning_rate": 1e-5})
-    c = ckpt.stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 2e-5, "steps": 10})
+    from tasks.paths import stage_checkpoint_dir
+
+    a = stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 1e-5, "steps": 10})
+    b = stage_checkpoint_dir(tmp_path, "ppo", {"steps": 10, "learning_rate": 1e-5})
+    c = stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 2e-5, "steps": 10})
     assert a == b != c and a.parent == (tmp_path / ".checkpoints").resolve() and a.name.startswith("ppo-")
     for step in (3, 12):
         with ckpt.atomic_directory(tmp_path / "run" / f"checkpoint-{step}") as tmp:

@@ -9,14 +9,19 @@ import pytest
 import yaml
 
 from tasks.params import (
+    ALL_STAGES,
+    DDPO_CONFIG_KEYS,
+    PPO_CONFIG_KEYS,
     SECTIONS,
     STAGES,
+    ConfigSection,
     ParamsError,
-    PPOParams,
+    PPOStageParams,
     apply_overrides,
     load_params,
     parse_params,
     read_raw,
+    section_keys,
     stage_io,
     stage_param_keys,
 )
@@ -42,16 +47,24 @@ def _names(entries):
 
 def test_params_yaml_sections_mirror_dataclasses(raw):
     assert list(raw) == list(SECTIONS)
-    for name, cls in SECTIONS.items():
-        assert list(raw[name]) == [f.name for f in dataclasses.fields(cls)], name
+    for name in SECTIONS:
+        assert list(raw[name]) == list(section_keys(name)), name
     load_params(ROOT / "params.yaml")  # types and cross-field rules
 
 
+def test_no_defaults_params_yaml_is_the_one_source_of_values():
+    for name, cls in SECTIONS.items():
+        schema = cls.STAGE if issubclass(cls, ConfigSection) else cls
+        defaulted = [f.name for f in dataclasses.fields(schema)
+                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert defaulted == [], f"{name}: {defaulted} have defaults (values belong in params.yaml)"
+
+
 def test_dvc_stages_in_order(dvc_stages):
-    assert tuple(dvc_stages) == STAGES
+    assert tuple(dvc_stages) == ALL_STAGES == STAGES + ("ddpo",)
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", ALL_STAGES)
 def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
     entry = dvc_stages[stage]
     io = stage_io(load_params(ROOT / "params.yaml").paths)[stage]
@@ -83,11 +96,35 @@ def test_outputs_feed_downstream_stages(dvc_stages):
                 assert dep in produced, f"{stage} depends on {dep}, which no stage produces"
 
 
-def test_ppo_params_are_ppo_config_fields():
-    config_mod = pytest.importorskip("rlhf_core.trainers.ppo_config")
-    config_fields = {f.name for f in dataclasses.fields(config_mod.PPOConfig)}
-    ours = {f.name for f in dataclasses.fields(PPOParams)} - PPO_STAGE_ONLY
-    assert ours <= config_fields, ours - config_fields
+def test_ppo_params_are_ppo_config_fields_plus_stage_keys(raw):
+    from rlhf_core import PPOConfig
+
+    config_fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    assert set(PPO_CONFIG_KEYS) <= config_fields, set(PPO_CONFIG_KEYS) - config_fields
+    assert {f.name for f in dataclasses.fields(PPOStageParams)} == PPO_STAGE_ONLY
+    assert not PPO_STAGE_ONLY & config_fields  # a stage key never shadows a PPOConfig field
+    p = load_params(ROOT / "params.yaml").ppo
+    assert dict(p.config) == {k: raw["ppo"][k] for k in PPO_CONFIG_KEYS}
+    assert (p.total_steps, p.learning_rate) == (raw["ppo"]["total_steps"], raw["ppo"]["learning_rate"])
+    PPOConfig(**p.config)  # every key is accepted by the config it documents
+
+
+def test_ddpo_params_are_ddpo_config_fields_plus_stage_keys(raw):
+    from rlhf_core import DDPOConfig
+
+    config_fields = {f.name for f in dataclasses.fields(DDPOConfig)}
+    assert set(DDPO_CONFIG_KEYS) <= config_fields
+    p = load_params(ROOT / "params.yaml").ddpo
+    assert p.enabled is False  # not in the default run
+    assert not {"enabled", "reward", "use_lora", "num_prompts"} & config_fields
+    DDPOConfig(**p.config, mixed_precision="no")
+
+
+def test_ppo_config_key_is_type_checked_from_ppo_config(raw):
+    with pytest.raises(ParamsError, match=r"ppo.kl_penalty: expected str, got int"):
+        parse_params(apply_overrides(raw, {"ppo.kl_penalty": 3}))
+    with pytest.raises(ParamsError, match=r"ppo.init_kl_coef: expected float, got str"):
+        parse_params(apply_overrides(raw, {"ppo.init_kl_coef": "0.2"}))
 
 
 def test_unknown_key_rejected(raw):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.checkpointing import resolve_output_path
+from tasks.paths import resolve_output_path
 from rlhf_core.tracking import MemoryTracker, public_params
 
 ROOT = Path(__file__).resolve().parents[1]

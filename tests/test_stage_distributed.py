@@ -1,6 +1,6 @@
 """The pipeline's training stages under a two-process launch: ``python -m flows.stage <name>`` per rank.
 
-What README "The pipeline's training stages on a multi-GPU node" promises, on this CPU machine: torchrun with two
+What docs/scale.md "The pipeline's training stages on a multi-GPU node" promises, on this CPU machine: torchrun with two
 gloo processes and ``ACCELERATE_USE_CPU=1`` (what ``accelerate launch`` runs; its CPU config would start ONE
 process without MPI). A tiny project runs ``prepare`` single-process, then ``sft``, ``reward_model``, ``ppo`` and
 ``dpo`` each under the launcher, with MLflow in the project's SQLite store and a Prefect test server.
@@ -271,8 +271,8 @@ def test_non_training_stage_under_a_launcher_exits_2_with_a_message(stage, two_r
 
 def test_registry_and_pipeline_flow_refuse_a_launcher(two_ranks, tmp_path):
     from tasks.distributed import LauncherError
+    from tasks.mlflow_runs import start_pipeline_run
     from tasks.registry import registry_task
-    from tasks.tracking import start_pipeline_run
 
     two_ranks(0)
     with pytest.raises(LauncherError, match="registry: started by a launcher"):
@@ -285,8 +285,9 @@ def test_registry_and_pipeline_flow_refuse_a_launcher(two_ranks, tmp_path):
 def test_non_main_rank_records_and_writes_nothing(two_ranks, tmp_path, monkeypatch):
     from dataclasses import dataclass
 
-    import tasks.tracking as tracking
-    from tasks.tracking import atomic_dir, stage_run, write_csv, write_json
+    import tasks.stage_run as stage_run_module
+    from tasks.outputs import atomic_dir, write_csv, write_json
+    from tasks.stage_run import stage_run
 
     @dataclass(frozen=True)
     class Section:
@@ -297,7 +298,7 @@ def test_non_main_rank_records_and_writes_nothing(two_ranks, tmp_path, monkeypat
     (project / "input.txt").write_text("x")
     two_ranks(1)
     calls = []
-    monkeypatch.setattr(tracking, "barrier", lambda: calls.append("barrier"))  # a real one needs the other rank
+    monkeypatch.setattr(stage_run_module, "barrier", lambda: calls.append("barrier"))  # a real one needs the other rank
     with stage_run("sft", project, Section(), ["input.txt"]) as run:
         assert not run.main and run.run_id == "" and not run.offline
         run.log_params({"a": 1})

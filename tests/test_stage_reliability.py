@@ -182,7 +182,7 @@ class _SectionWithSecrets:
 
 
 def test_secret_looking_params_are_never_logged(project, monkeypatch):
-    from tasks.tracking import stage_run
+    from tasks.stage_run import stage_run
 
     with stage_run("guarded", project, _SectionWithSecrets(), []) as run:
         run_id = run.run_id

@@ -9,7 +9,8 @@ import pytest
 from _pipeline_project import make_project, write_params
 
 from rlhf_core.data import DataFormatError
-from tasks.tracking import atomic_dir, input_hashes
+from tasks.outputs import atomic_dir
+from tasks.provenance import input_hashes
 
 RT_POLARITY = Path(__file__).resolve().parents[2] / "shared" / "data" / "rt-polarity"
 DATA_FILES = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences")
@@ -138,3 +139,36 @@ def test_input_hashes_match_dvc_file_hashes(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     hashes = input_hashes(tmp_path, ["a.txt", "missing"])
     assert hashes == {"a.txt": hashlib.md5(b"hello").hexdigest(), "missing": "missing"}
+
+
+DDPO_TINY = {"ddpo.num_epochs": 2, "ddpo.sample_num_steps": 2, "ddpo.sample_batch_size": 4,
+             "ddpo.sample_num_batches_per_epoch": 1, "ddpo.train_batch_size": 2}
+
+
+def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
+    pytest.importorskip("diffusers")
+    import csv
+
+    import mlflow
+
+    from tasks.ddpo import ddpo_task
+    from tasks.mlflow_runs import mlflow_setup
+
+    write_params(project, DDPO_TINY)
+    metrics = ddpo_task.fn(str(project))
+    assert metrics["epochs"] == 2 and metrics["reward_gain"] == metrics["reward_last"] - metrics["reward_first"]
+    assert json.loads((project / "metrics" / "ddpo.json").read_text()) == metrics
+    rows = list(csv.DictReader((project / "plots" / "ddpo.csv").open()))
+    assert [int(r["epoch"]) for r in rows] == [0, 1]
+    assert float(rows[0]["reward_mean"]) == pytest.approx(metrics["reward_first"])
+    assert (project / "models" / "ddpo" / "model_index.json").is_file()  # the whole pipeline (use_lora: false)
+    client = mlflow.MlflowClient()
+    mlflow_setup(project)
+    (run,) = client.search_runs([mlflow_setup(project)], "tags.`rlhf.stage` = 'ddpo'")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["ddpo.train_learning_rate"] == "0.003" and run.data.params["ddpo.num_epochs"] == "2"
+    history = client.get_metric_history(run.info.run_id, "reward_mean")  # the trainer's own step metrics
+    assert [round(m.value, 6) for m in sorted(history, key=lambda m: m.step)] == \
+        [round(float(r["reward_mean"]), 6) for r in rows]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert len(artifacts) == 2

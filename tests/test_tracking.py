@@ -1,5 +1,8 @@
 """Trackers: what reaches MLflow and TensorBoard, and what never does (secrets)."""
 
+import json
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -50,3 +53,47 @@ def test_tensorboard_tracker_writes_event_files(tmp_path):
     tracker.log_table("game_log", ["query", "response"], [["q", "r"]], step=1)
     tracker.finish()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_ppo_trainer_takes_a_ready_tracker_as_tracker_argument(tokenizer):
+    from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+    from rlhf_core.models.tiny import tiny_causal_lm
+
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
+    memory = MemoryTracker()
+    config = PPOConfig(batch_size=2, mini_batch_size=1, ppo_epochs=1)
+    trainer = PPOTrainer(config, model, None, tokenizer, tracker=memory)
+    assert trainer.tracker is memory and config.log_with is None  # not smuggled through the config
+    assert memory.params["batch_size"] == 2  # the config was logged to the tracker it was given
+
+
+def test_spooling_tracker_public_hooks(tmp_path):
+    from rlhf_core.tracking import SpoolingTracker
+
+    seen = []
+
+    class Named(SpoolingTracker):
+        remind_on_finish = False
+
+        def spool_file_name(self) -> str:
+            return "stage-x.jsonl"
+
+        def offline_message(self, error: BaseException) -> str:
+            return f"offline: {error}"
+
+        def on_offline(self, error: BaseException) -> None:
+            seen.append(str(error))
+
+    def refuse(project_name, run_name):
+        raise ConnectionError("refused")
+
+    with pytest.warns(RuntimeWarning, match="offline: refused"):
+        tracker = Named(refuse, spool_dir=tmp_path, project_name="p", run_name="x")
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.go_offline(ConnectionError("again"))  # already offline: no second spool, no second hook call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remind_on_finish=False: finish warns no more
+        tracker.finish()
+    assert seen == ["refused"] and tracker.spool_path == tmp_path / "stage-x.jsonl"
+    kinds = [json.loads(line)["kind"] for line in tracker.spool_path.read_text().splitlines()]
+    assert kinds == ["run", "metrics", "finish"]

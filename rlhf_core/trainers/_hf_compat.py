@@ -204,9 +204,10 @@ class RlhfTrainerMixin:
     """Optimizer steps in a row with non-finite gradients before the run stops (``NonFiniteGuardCallback``)."""
 
     def _setup_tracking(
-        self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None
+        self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
-        """Build the tracker named by ``log_with`` and hook it into the callbacks.
+        """Build the tracker named by ``log_with`` (or take ``tracker``, a ready one) and hook it into the callbacks.
 
         If transformers' own integration for the same backend is also on (``report_to=["mlflow"]``),
         it is removed so every metric is logged once.
@@ -216,9 +217,12 @@ class RlhfTrainerMixin:
         tracker_kwargs = dict(tracker_kwargs or {})
         if log_with == "mlflow":  # an outage spools beside the run's outputs (see rlhf_core.tracking)
             tracker_kwargs.setdefault("spool_dir", str(Path(self.args.output_dir) / "tracking-spool"))
-        self.tracker = make_tracker(log_with, project_name=project_name, **tracker_kwargs)
-        if log_with is None:
-            return
+        if tracker is None:
+            self.tracker = make_tracker(log_with, project_name=project_name, **tracker_kwargs)
+            if log_with is None:
+                return
+        else:
+            self.tracker = tracker
         backend = self.tracker.name
         if backend in (self.args.report_to or []):
             logger.warning("log_with=%r and report_to=%r: logging through rlhf_core's tracker only", backend, backend)

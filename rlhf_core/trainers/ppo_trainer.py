@@ -38,7 +38,7 @@ from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
-from rlhf_core.tracking import make_tracker
+from rlhf_core.tracking import Tracker, make_tracker
 from rlhf_core.trainers.generation import DEFAULT_GENERATION_BATCH_SIZE, generate_batched, generate_single
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
@@ -105,6 +105,7 @@ class PPOTrainer:
         num_shared_layers: int | None = None,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         training_data_collator: Callable | None = None,
+        tracker: Tracker | None = None,
     ):
         config = PPOConfig() if config is None else config
         self._check_init_arguments(config, model, ref_model, tokenizer)
@@ -135,8 +136,11 @@ class PPOTrainer:
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
         self.running = RunningMoments(self.accelerator)
-        self.tracker = make_tracker(config.log_with, config.tracker_project_name, **config.tracker_kwargs) \
-            if self.accelerator.is_main_process else make_tracker(None)
+        if not self.accelerator.is_main_process:
+            tracker = make_tracker(None)
+        elif tracker is None:  # ``tracker=``: a ready Tracker; else the one ``config.log_with`` names
+            tracker = make_tracker(config.log_with, config.tracker_project_name, **config.tracker_kwargs)
+        self.tracker = tracker
         if self.accelerator.is_main_process:
             self.tracker.log_params(config.to_dict())
         self.current_step = 0

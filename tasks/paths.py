@@ -1,0 +1,42 @@
+"""Where the pipeline writes: output paths from ``params.yaml`` kept inside the project, and each stage's
+resumable-state directory under ``.checkpoints/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.checkpointing import fingerprint
+
+
+def resolve_output_path(root: str | Path, relative: str | Path, allow_outside: bool = False) -> Path:
+    """``root / relative`` resolved; a ``ValueError`` if it escapes ``root`` (``..``, absolute, symlink).
+
+    ``allow_outside=True`` is the explicit opt-in for writing elsewhere (e.g. a shared scratch disk).
+    """
+    root_path = Path(root).resolve()
+    text = str(relative)
+    if not text or "\x00" in text:
+        raise ValueError(f"output path {relative!r} is empty or contains a NUL byte")
+    candidate = (root_path / Path(relative).expanduser()).resolve()
+    if allow_outside:
+        return candidate
+    if candidate != root_path and root_path not in candidate.parents:
+        raise ValueError(
+            f"output path {str(relative)!r} resolves to {candidate}, outside the project directory {root_path}; "
+            "use a path inside the project, or allow it explicitly (allow_outside=True)"
+        )
+    return candidate
+
+
+def stage_checkpoint_dir(root: str | Path, stage: str, params: Any, base: str = ".checkpoints") -> Path:
+    """Where a pipeline stage keeps its resumable state: ``<root>/.checkpoints/<stage>-<fingerprint(params)>``.
+
+    Outside DVC's outputs (``dvc repro`` deletes a stage's outs before running it) and keyed by the stage's
+    parameters, so a changed parameter starts afresh instead of resuming a different run. Delete the directory
+    when the stage has finished and written its outputs.
+    """
+    return resolve_output_path(root, Path(base) / f"{stage}-{fingerprint(params)}")
+
+
+__all__ = ["resolve_output_path", "stage_checkpoint_dir"]

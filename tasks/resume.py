@@ -1,0 +1,132 @@
+"""Training plumbing shared by the Trainer-based stages (sft, reward_model, dpo): ``TrainingArguments`` from a
+params section, resumable checkpoints with a graceful stop agreed by every rank, and the loss curve for plots.
+
+Importing it imports transformers (the stop callback is a ``TrainerCallback``): the stage tasks import it inside
+their task function, so a non-training stage (``python -m flows.stage prepare``) starts without transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint
+from rlhf_core.trainers._hf_compat import GracefulStopCallback
+from tasks.distributed import any_process, check_replicas_identical, is_main_process
+from tasks.logs import get_logger, on_terminal
+from tasks.params import as_dict
+from tasks.paths import stage_checkpoint_dir
+from tasks.stage_run import StageRun
+
+SAVE_STEPS = 50
+"""Trainer-based stages write a resumable checkpoint every this many optimizer steps (and on SIGTERM)."""
+
+
+def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, **overrides):
+    """``TrainingArguments`` for a stage: its section's Trainer fields, no reporters (metrics reach MLflow
+    through rlhf_core's tracker, the stage run's). Hardware comes from the environment / accelerate
+    config, never from params.yaml. No checkpoints unless ``overrides`` ask (see ``checkpointing_arguments``);
+    any keyword overrides the defaults here."""
+    from transformers import TrainingArguments
+
+    names = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "warmup_steps", "weight_decay", "seed")
+    kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
+    kwargs.update(output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,
+                  disable_tqdm=not on_terminal(), dataloader_num_workers=0, dataloader_pin_memory=False)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def checkpointing_arguments(save_steps: int = SAVE_STEPS) -> dict[str, Any]:
+    """``training_arguments`` overrides for a resumable stage: periodic checkpoints, only the latest kept."""
+    return {"save_strategy": "steps", "save_steps": save_steps, "save_total_limit": 1}
+
+
+class AllRanksStopCallback(GracefulStopCallback):
+    """``GracefulStopCallback`` whose stop request is all-reduced at every step end: a signal that reached
+    any rank stops every rank after the same step (a lone rank leaving would hang the others' DDP collectives).
+    One small collective per optimizer step under a launcher; the plain callback in a single process."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        result = super().on_step_end(args, state, control, **kwargs)
+        if any_process(self.stopped):
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped = True
+        return result
+
+
+class Resumable:
+    """What ``resumable_training`` yields: ``.dir`` (the trainer's ``output_dir``), ``.callback`` (add it to the
+    trainer's callbacks), ``.train(trainer)`` and ``.done()``.
+
+    ``checkpoints`` is the stage's checkpoint directory (``.checkpoints/<stage>-<hash>``); ``output_dir`` is the
+    same on the main process and a private scratch directory on the other ranks of a launch.
+    """
+
+    def __init__(self, stage: str, run: StageRun, stop: GracefulStop, checkpoints: Path, output_dir: Path) -> None:
+        self.stage, self.run, self.checkpoints = stage, run, checkpoints
+        self.dir = output_dir
+        self.callback = AllRanksStopCallback(stop)
+
+    def train(self, trainer: Any) -> Any:
+        """``trainer.train()`` from the latest complete checkpoint; ``Preempted`` if a signal stopped it early;
+        under data parallelism, checks that every rank ended with the same weights."""
+        log = get_logger()
+        last = latest_checkpoint(self.checkpoints)
+        if last is not None:
+            log.info("%s: resuming from %s", self.stage, last)
+            self.run.summary["resumed_from"] = last.name
+        result = trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
+        if self.callback.stopped and trainer.state.global_step < trainer.state.max_steps:
+            step = trainer.state.global_step
+            log.warning("%s: stopped at step %d; checkpoint in %s; run the stage again to resume",
+                        self.stage, step, self.checkpoints)
+            raise Preempted(self.checkpoints, step, self.callback.stop.signal_name if self.callback.stop else None)
+        check_replicas_identical(trainer.accelerator, trainer.model, self.stage)  # launched (DDP): all ranks agree
+        return result
+
+    def done(self) -> None:
+        """Delete the checkpoints once the stage's outputs are written (main process only)."""
+        if is_main_process():
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterator[Resumable]:
+    """Resume and stop plumbing shared by the Trainer-based stages (sft, reward_model, dpo).
+
+    Yields a ``Resumable``: ``.dir`` (the trainer's ``output_dir``: ``.checkpoints/<stage>-<hash of params and
+    inputs>``), ``.callback`` (add to the trainer's callbacks) and ``.train(trainer)``, which resumes from the
+    latest complete checkpoint, raises ``Preempted`` (exit status 75) when SIGTERM/SIGINT stopped it, and under
+    data parallelism checks that every rank ended with the same weights. The
+    caller deletes the directory (``.done()``, main process only) once its outputs are written.
+
+    Under a launcher the stop request is agreed by all ranks (``AllRanksStopCallback``), every rank resumes from
+    the checkpoint in ``.checkpoints/``, and only rank 0 writes there: the other ranks' ``output_dir`` is a private
+    scratch directory outside the project (deleted at the end), so transformers' per-rank ``rng_state_<rank>.pth``
+    of ranks > 0 is not kept and a resumed multi-process run is not bit-exact on those ranks (their RNG streams
+    restart from the seed; rank 0's, the weights, the optimizer, the scheduler and the data position are exact).
+    """
+    checkpoints = stage_checkpoint_dir(run.root, stage, {"params": as_dict(params_section), "inputs": run.input_hashes})
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(GracefulStop())
+        if is_main_process():
+            output_dir = checkpoints
+        else:  # transformers would write this rank's RNG state into rank 0's checkpoint
+            output_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"rlhf-{stage}-rank-")))
+        yield Resumable(stage, run, stop, checkpoints, output_dir)
+
+
+def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list[dict]:
+    """Rows ``{step, <key>...}`` from a Trainer's ``state.log_history`` (for plots/<stage>.csv)."""
+    keys = tuple(keys)
+    return [{"step": e["step"], **{k: e[k] for k in keys if k in e}} for e in log_history if "step" in e and keys[0] in e]
+
+
+__all__ = ["AllRanksStopCallback", "Resumable", "SAVE_STEPS", "checkpointing_arguments", "loss_curve",
+           "resumable_training", "training_arguments"]

@@ -1,0 +1,235 @@
+"""The MLflow child run of one stage (``stage_run``) and the handle its body logs through (``StageRun``).
+
+One child run per stage, tagged with the git commit, the DVC hashes of the stage's inputs and the Prefect
+flow-run id, under the pipeline's parent run when there is one. When the stage is done, a Prefect artifact
+(the stage summary and a link to the run) when it ran inside Prefect.
+
+Under a launcher (``accelerate launch`` / ``torchrun``, see ``tasks/distributed.py``) only the main process
+(global rank 0) records: ``stage_run`` gives the other ranks a handle with no MLflow run, no spool and no
+Prefect artifacts, and every rank meets at a barrier when the stage ends (or stops), so none exits before
+rank 0 has written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.checkpointing import Preempted
+from rlhf_core.tracking import NullTracker, public_params
+from tasks.distributed import barrier, is_main_process
+from tasks.logs import get_logger
+from tasks.mlflow_runs import (
+    PARENT_ENV,
+    mlflow_setup,
+    mlflow_ui_link,
+    stage_tracker,
+    tracking_reachable,
+)
+from tasks.params import as_dict
+from tasks.prefect_context import in_prefect_run, prefect_flow_run_id
+from tasks.provenance import git_commit, input_hashes, md5_file
+
+
+@dataclass
+class StageRun:
+    """Handle given to a stage body: the MLflow run plus a summary collected for the Prefect artifact.
+
+    ``tracker`` is the rlhf_core tracker the stage's trainers log to (``PPOTrainer(tracker=...)``; the
+    Trainer-based trainers still take it as ``log_with=``): the active MLflow run while the server answers,
+    the spool file afterwards.
+
+    ``main`` is False on the non-main ranks of a launch: no run, a no-op tracker, nothing written.
+    """
+
+    stage: str
+    root: Path
+    run_id: str
+    experiment_id: str
+    summary: dict[str, Any] = field(default_factory=dict)
+    input_hashes: dict[str, str] = field(default_factory=dict)
+    tracker: Any = None
+    main: bool = True
+
+    @property
+    def offline(self) -> bool:
+        return bool(getattr(self.tracker, "offline", False))
+
+    @property
+    def spool_path(self) -> Path | None:
+        return getattr(self.tracker, "spool_path", None)
+
+    @property
+    def link(self) -> str:
+        return mlflow_ui_link(self.experiment_id, self.run_id) if self.run_id else f"(offline: {self.spool_path})"
+
+    def _direct(self, what: str, call) -> None:
+        """An MLflow call with no spool equivalent (datasets, artifacts): skipped while offline (and off rank 0)."""
+        if self.offline or not self.main:
+            return
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - an outage must not stop the stage
+            self.tracker.go_offline(error)
+            get_logger().warning("stage %s: %s not logged (%s)", self.stage, what, error)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params (names that look like secrets are dropped by the tracker)."""
+        self.tracker.log_params({k: str(v)[:6000] for k, v in params.items()})
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        self.tracker.log(metrics, step=step)
+
+    def log_table(self, name: str, rows: list[Mapping[str, Any]]) -> None:
+        if rows:
+            columns = list(rows[0].keys())
+            self.tracker.log_table(name, columns, [[r[c] for c in columns] for r in rows])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        import mlflow
+
+        self._direct(f"artifact {Path(path).name}",
+                     lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
+
+    def log_dataset(self, path: str | Path, name: str, context: str = "training") -> None:
+        """Log a JSONL dataset as an MLflow run input (source = its path, digest = its content)."""
+        path = Path(path)
+        if not self.main:
+            return
+        if self.offline:  # keep at least which file (and which content) was read
+            self.tracker.log_params({f"input.{name}": f"{path} md5={md5_file(path)}"})
+            return
+
+        def log() -> None:
+            import warnings
+
+            import mlflow
+            import pandas as pd
+
+            df = pd.read_json(path, lines=True) if path.stat().st_size else pd.DataFrame()
+            with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local files
+                warnings.simplefilter("ignore", UserWarning)
+                ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
+            from mlflow.entities import DatasetInput, InputTag
+            from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+            # the client call names the run (mlflow.log_input would use, or start, this thread's active run)
+            mlflow.MlflowClient().log_inputs(self.run_id, [DatasetInput(
+                ds._to_mlflow_entity(), tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)])])
+
+        self._direct(f"dataset {name}", log)
+
+    def write_model_card(self, model_dir: str | Path, trainer_name: str, base_model: str | None,
+                         hyperparameters: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
+        """Write README.md (rlhf_core's model card, with pipeline provenance as notes) and log it to MLflow."""
+        import mlflow
+
+        if not self.main:
+            return
+
+        from rlhf_core.model_card import write_model_card
+
+        notes = "\n".join(
+            [f"Stage `{self.stage}` of the rlhf pipeline; git commit `{git_commit(self.root)}`; "
+             f"MLflow run `{self.run_id or 'none (tracking offline: see ' + str(self.spool_path) + ')'}`.",
+             "", "Inputs (DVC hashes):", ""] + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
+            + ["", "The offline default trains on a synthetic corpus of generated reviews, not real data."])
+        path = write_model_card(model_dir, model_name=f"rlhf-{self.stage}", trainer_name=trainer_name,
+                                base_model=base_model, hyperparameters=dict(hyperparameters), metrics=dict(metrics),
+                                notes=notes)
+        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text(), "model_card.md", run_id=self.run_id))
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[str],
+              parent_run_id: str | None = None) -> Iterator[StageRun]:
+    """A child MLflow run for one stage, tagged with provenance; leaves a Prefect artifact when done.
+
+    If the tracking server is unreachable the stage still runs: one warning, and everything the run would have
+    logged goes to a spool file under ``<root>/tracking-spool/`` (``make tracking-upload`` sends it later).
+    A stage stopped by SIGTERM (``Preempted``) ends its run ``KILLED``; any other error ``FAILED``.
+
+    Under a launcher, only the main process opens the run; the other ranks get a handle that records nothing
+    (``main=False``). All ranks meet at a barrier when the stage finishes or is stopped, after rank 0 has ended
+    its run, so no rank exits (and no launcher tears the group down) while rank 0 still writes. A rank that
+    fails with any other error does not wait: the launcher stops the others.
+    """
+    import mlflow
+
+    root = Path(root).resolve()
+    if not is_main_process():
+        try:
+            yield StageRun(stage, root, "", "", input_hashes=input_hashes(root, deps), tracker=NullTracker(), main=False)
+        except Preempted:
+            barrier()
+            raise
+        barrier()
+        return
+    parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
+    tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
+            "prefect.flow_run_id": prefect_flow_run_id()}
+    hashes = input_hashes(root, deps)
+    tags.update({f"dvc.input.{k}": v for k, v in hashes.items()})
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    online = tracking_reachable(root)
+    exp_id, run_id = "", ""
+    if online:
+        exp_id = mlflow_setup(root)
+        # A stale active run (e.g. from an earlier failure in this process) must not capture our logs.
+        while mlflow.active_run() is not None:
+            mlflow.end_run("KILLED")
+        run_id = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags).info.run_id
+    tracker = stage_tracker(root, stage)
+    handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, tracker=tracker)
+    if handle.offline:  # provenance tags would be lost with the run: keep them as params
+        tracker.log_params({f"tag.{k}": v for k, v in tags.items() if k != "mlflow.parentRunId"})
+    started = time.time()
+
+    def end(status: str) -> None:
+        tracker.finish()
+        if run_id and not handle.offline:  # (went offline mid-run: the next stage_run ends the stale run)
+            with contextlib.suppress(Exception):
+                mlflow.end_run(status)
+
+    try:
+        handle.log_params(public_params({f"{stage}.{k}": v for k, v in as_dict(params_section).items()}))
+        yield handle
+    except Preempted:
+        end("KILLED")
+        barrier()  # every rank stopped at the same step (the stop flag is all-reduced); the state is on disk
+        raise
+    except BaseException:
+        end("FAILED")
+        raise
+    handle.summary.setdefault("seconds", round(time.time() - started, 1))
+    tracker.log({"stage_seconds": time.time() - started})
+    end("FINISHED")
+    if handle.offline:
+        handle.summary["tracking_spool"] = str(handle.spool_path)
+        get_logger().warning("stage %s finished with tracking offline: upload %s with `make tracking-upload`",
+                             stage, handle.spool_path)
+    create_stage_artifact(handle)
+    barrier()  # the other ranks leave only once the outputs and the run are complete
+
+
+def create_stage_artifact(handle: StageRun) -> None:
+    """A Prefect table artifact (the stage summary) and a markdown link to the MLflow run."""
+    if not in_prefect_run():
+        return
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = handle.stage.replace("_", "-")
+    rows = [{"key": k, "value": (round(v, 4) if isinstance(v, float) else v)} for k, v in handle.summary.items()]
+    create_table_artifact(rows, key=f"{key}-summary", description=f"{handle.stage}: summary")
+    create_markdown_artifact(
+        f"### {handle.stage}\n\nMLflow run: [{handle.run_id}]({handle.link})\n", key=f"{key}-mlflow",
+        description=f"{handle.stage}: MLflow run link")
+
+
+__all__ = ["StageRun", "create_stage_artifact", "stage_run"]
