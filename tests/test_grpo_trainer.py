@@ -1,0 +1,312 @@
+"""GRPOTrainer on tiny models: TRL 1.16 API, shapes, reference handling, dropout, resume, logged stats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_core import GRPOConfig, GRPOTrainer
+from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm, tiny_reward_model
+from rlhf_core.trainers import online
+from rlhf_core.trainers.experience import build_causal_batch
+from rlhf_core.trainers.online import GroupRepeatSampler, token_logprobs_and_entropy
+from tests._online_rl import assert_finite_keys, changed, count_e, prompt_dataset, snapshot, train_logs
+
+GRPO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
+             "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
+             "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "policy_loss", "entropy", "skipped_updates"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _args(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+# ---- config
+
+def test_config_keeps_trl_116_names_and_defaults_with_cpu_deviations(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[])
+    trl_defaults = dict(beta=0.0, loss_type="dapo", scale_rewards="group", num_generations=8, num_iterations=1,
+                        epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
+                        temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                        reward_weights=None, mask_truncated_completions=False, use_vllm=False,
+                        use_bias_correction_kl=True, shuffle_dataset=True, remove_unused_columns=False,
+                        logging_steps=10, sync_ref_model=False, ref_model_mixup_alpha=0.6, ref_model_sync_steps=512,
+                        multi_objective_aggregation="sum_then_normalize", entropy_coef=0.0, log_completions=False)
+    assert {k: getattr(args, k) for k in trl_defaults} == trl_defaults
+    # documented deviations (CPU): fp32, no checkpointing, a learning rate that moves a small model, no dropout
+    assert args.bf16 is False and not args.gradient_checkpointing
+    assert args.learning_rate == 5e-5 and args.disable_dropout is True and args.max_completion_length == 128
+    # TRL's derived sizes: one generation per optimizer step by default
+    assert (args.generation_batch_size, args.steps_per_generation) == (8, 1)
+    assert GRPOConfig(output_dir=str(tmp_path), scale_rewards=False).scale_rewards == "none"
+    assert GRPOConfig(output_dir=str(tmp_path), scale_rewards=True).scale_rewards == "group"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(use_vllm=True), "use_vllm"), (dict(loss_type="cispo"), "loss_type"), (dict(scale_rewards="x"), "scale_rewards"),
+    (dict(num_generations=3), "divisible by num_generations"), (dict(num_generations=1), "num_generations must be"),
+    (dict(generation_batch_size=16, steps_per_generation=2), "cannot both"), (dict(top_entropy_quantile=0.2), "top_entropy"),
+])
+def test_config_rejects_bad_or_unsupported_options(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOConfig(output_dir=str(tmp_path), **overrides)
+
+
+def test_sampler_groups_prompts_and_repeats_generation_batches():
+    sampler = GroupRepeatSampler(5, num_generations=2, prompts_per_batch=2, repeat_count=2, shuffle=False)
+    # the trailing fifth prompt cannot fill a batch and is dropped
+    assert list(sampler) == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
+    assert len(sampler) == 16
+    a, b = GroupRepeatSampler(8, 4, 2, seed=3), GroupRepeatSampler(8, 4, 2, seed=3)
+    assert list(a) == list(b)  # seeded: every process (and a resumed run) sees the same groups
+
+
+# ---- where TRL 1.16 is weak
+
+def test_left_padded_logprobs_equal_each_row_alone(tok):
+    model = tiny_causal_lm(tok).eval()
+    queries = [torch.tensor(tok("The film was great")["input_ids"]), torch.tensor(tok("A")["input_ids"])]
+    responses = [torch.tensor(tok(" and good")["input_ids"]), torch.tensor(tok(" lovely film today")["input_ids"])]
+    together = build_causal_batch(queries, responses, tok.pad_token_id, left_pad=True)
+    with torch.no_grad():
+        batched, _ = token_logprobs_and_entropy(model, together)
+        for i in range(2):
+            alone = build_causal_batch([queries[i]], [responses[i]], tok.pad_token_id, left_pad=True)
+            single, _ = token_logprobs_and_entropy(model, alone)
+            n = len(responses[i])
+            torch.testing.assert_close(batched[i, :n], single[0, :n], atol=1e-5, rtol=1e-5)
+        # without position ids (TRL 1.16's forward) the padded short row is scored at shifted positions
+        no_pos = dict(together.model_inputs)
+        no_pos.pop("position_ids")
+        shifted, _ = token_logprobs_and_entropy(model, type(together)(no_pos, together.response_index,
+                                                                       together.response_mask, "input_ids"))
+    padded = int((together.model_inputs["attention_mask"][:, 0] == 0).nonzero()[0])
+    n = len(responses[padded])
+    assert (shifted[padded, :n] - batched[padded, :n]).abs().max() > 1e-2
+
+
+def test_beta_zero_loads_no_reference_model_and_beta_copies_in_memory(tok, tmp_path, monkeypatch):
+    path = tmp_path / "policy"
+    tiny_causal_lm(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    loads = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def counting(cls, name, *args, **kwargs):
+        loads.append(str(name))
+        return real(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(counting))
+    trainer = GRPOTrainer(str(path), count_e, args=_args(tmp_path, beta=0.0), train_dataset=prompt_dataset())
+    assert trainer.ref_model is None and loads == [str(path)]
+    loads.clear()
+    trainer = GRPOTrainer(str(path), count_e, args=_args(tmp_path, beta=0.1), train_dataset=prompt_dataset())
+    assert trainer.ref_model is not None and loads == [str(path)]  # the reference is a copy, not a re-load
+    for ref_p, p in zip(trainer.ref_model.parameters(), trainer.model.parameters()):
+        assert torch.equal(ref_p, p) and ref_p.data_ptr() != p.data_ptr() and not ref_p.requires_grad
+
+
+def test_dropout_is_off_in_every_forward_unless_asked(tok, tmp_path):
+    def modes_during_training(disable_dropout: bool) -> set[bool]:
+        model = tiny_causal_lm(tok, dropout=0.3)
+        seen: set[bool] = set()
+        model.register_forward_hook(lambda module, args, out: seen.add(module.training))
+        trainer = GRPOTrainer(model, count_e, args=_args(tmp_path, disable_dropout=disable_dropout, max_steps=1),
+                              train_dataset=prompt_dataset(), processing_class=tok)
+        trainer.train()
+        return seen
+
+    assert modes_during_training(True) == {False}
+    assert True in modes_during_training(False)  # TRL 1.16 behaviour on request: dropout in the loss forward
+
+
+# ---- training
+
+def test_train_moves_policy_keeps_reference_and_logs_every_stat(tok, tmp_path):
+    model = tiny_causal_lm(tok)
+    trainer = GRPOTrainer(model, count_e, args=_args(tmp_path, beta=0.04, learning_rate=1e-3),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    ref_before, before = snapshot(trainer.ref_model), snapshot(model)
+    trainer.train()
+    assert changed(model, before) and not changed(trainer.ref_model, ref_before)
+    logs = train_logs(trainer)
+    assert len(logs) == 2
+    assert_finite_keys(logs, GRPO_KEYS + ["kl", "completions/mean_terminated_length"])
+    assert logs[0]["kl"] == 0.0  # the first step's policy is the reference
+    assert logs[1]["kl"] > 0.0
+
+
+def test_rollout_shapes_and_group_advantages(tok, tmp_path):
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, beta=0.1, scale_rewards="none"),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    rows = [{"prompt": p, "row_id": i} for i, p in enumerate(["The film was"] * 4 + ["A good"] * 4)]
+    rollout = trainer._generate_and_score(rows, "train")
+    B, A = rollout.batch.response_mask.shape
+    assert B == 8 and 1 <= A <= 6
+    assert rollout.ref_logprobs.shape == (B, A) and rollout.old_logprobs is None  # on-policy: no old log-probs
+    assert rollout.batch.model_inputs["position_ids"].shape == rollout.batch.model_inputs["input_ids"].shape
+    texts = tok.batch_decode([rollout.batch.model_inputs["input_ids"][i][rollout.batch.response_index[i] + 1]
+                              [rollout.batch.response_mask[i].bool()] for i in range(B)], skip_special_tokens=True)
+    scores = torch.tensor(count_e(None, texts))
+    expected = scores - scores.view(2, 4).mean(1).repeat_interleave(4)  # scale_rewards="none": mean-centred
+    torch.testing.assert_close(rollout.advantages, expected)
+    assert int(rollout.num_items) == int(rollout.batch.response_mask.sum())
+
+
+def test_num_iterations_reuse_one_generation_with_importance_ratios(tok, tmp_path, monkeypatch):
+    calls = []
+    real = online.generate_batched
+    monkeypatch.setattr(online, "generate_batched", lambda *a, **k: calls.append(1) or real(*a, **k))
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, num_iterations=2, max_steps=4,
+                                                                   learning_rate=1e-2),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    trainer.train()
+    assert len(calls) == 2  # 4 optimizer steps, one generation per 2 iterations
+    assert trainer._buffered[0].old_logprobs is not None
+    logs = train_logs(trainer)
+    # first iteration on a generation: ratio exactly 1, nothing clipped; the second reuses moved weights
+    assert logs[0]["clip_ratio/region_mean"] == 0.0 and logs[2]["clip_ratio/region_mean"] == 0.0
+
+
+def test_trl_116_style_script_runs_unchanged(tok, tmp_path):
+    """A TRL 1.16 GRPO quick-start: model path, reward function with an extra dataset column, prompt dataset."""
+    path = tmp_path / "policy"
+    tiny_causal_lm(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    seen_columns = []
+
+    def reward_len(completions, row_id, **kwargs):
+        seen_columns.extend(row_id)
+        return [-abs(4 - len(c)) for c in completions]
+
+    training_args = GRPOConfig(output_dir=str(tmp_path / "Tiny-GRPO"), per_device_train_batch_size=4,
+                               num_generations=4, max_completion_length=5, max_steps=2, report_to=[])
+    trainer = GRPOTrainer(model=str(path), reward_funcs=reward_len, args=training_args,
+                          train_dataset=prompt_dataset())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert trainer.state.global_step == 2 and len(seen_columns) == 8
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert changed(reloaded, snapshot(AutoModelForCausalLM.from_pretrained(path)))
+
+
+def test_conversational_prompts_use_the_chat_template_or_fail_clearly(tok, tmp_path):
+    from datasets import Dataset
+
+    chat = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ["Hi", "Tell", "ok", "no"] * 2]})
+    plain_tok = build_tokenizer()
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, max_steps=1), train_dataset=chat,
+                          processing_class=plain_tok)
+    with pytest.raises(ValueError, match="chat_template"):
+        trainer.train()
+    chat_tok = build_tokenizer()
+    chat_tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                             "{% if add_generation_prompt %}assistant:{% endif %}"
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(tiny_causal_lm(tok), reward, args=_args(tmp_path, max_steps=1), train_dataset=chat,
+                          processing_class=chat_tok)
+    trainer.train()
+    assert seen and all(c[0]["role"] == "assistant" for c in seen)
+
+
+def test_several_reward_functions_and_a_reward_model_with_weights(tok, tmp_path):
+    reward_model = tiny_reward_model(tok)
+
+    def const(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = GRPOTrainer(tiny_causal_lm(tok), [count_e, const, reward_model],
+                          args=_args(tmp_path, reward_weights=[1.0, 0.5, 2.0], max_steps=1),
+                          train_dataset=prompt_dataset(), processing_class=tok,
+                          reward_processing_classes=[None, None, tok])
+    rows = [{"prompt": p} for p in ["The film was"] * 4 + ["A good"] * 4]
+    prompts = [r["prompt"] for r in rows]
+    completions = [" nice", " bad", " eee", "", " e", " ok", " fine", " yes"]
+    per_func = trainer._rewards(rows, prompts, completions, [[0]] * 8)
+    assert per_func.shape == (8, 3)
+    assert per_func[:, 0].tolist() == [float(c.count("e")) for c in completions]
+    assert per_func[:, 1].tolist() == [1.0] * 8
+    texts = [p + c for p, c in zip(prompts, completions)]
+    with torch.no_grad():
+        inputs = tok(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        torch.testing.assert_close(per_func[:, 2], reward_model(**inputs).logits[:, 0])
+    trainer.train()
+    assert_finite_keys(train_logs(trainer), ["rewards/count_e/mean", "rewards/const/mean"])
+    with pytest.raises(ValueError, match="reward_weights"):
+        GRPOTrainer(tiny_causal_lm(tok), [count_e, const], args=_args(tmp_path, reward_weights=[1.0]),
+                    train_dataset=prompt_dataset(), processing_class=tok)
+
+
+def test_missing_prompt_column_and_bad_reward_are_named(tok, tmp_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="'prompt' column"):
+        GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path), train_dataset=Dataset.from_dict({"text": ["a"]}),
+                    processing_class=tok)
+    trainer = GRPOTrainer(tiny_causal_lm(tok), lambda completions, **k: [1.0], args=_args(tmp_path),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    with pytest.raises(ValueError, match="returned 1 rewards for 8"):
+        trainer.train()
+
+
+def test_resume_from_checkpoint_equals_a_straight_run(tok, tmp_path):
+    def run(out, steps, resume=None, save_steps=None):
+        args = _args(tmp_path, output_dir=str(out), max_steps=4, beta=0.04, learning_rate=1e-3,
+                     save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
+        trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(16),
+                              processing_class=tok)
+        if steps < 4:
+            trainer.add_callback(_StopAt(steps))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "interrupted", 2, save_steps=2)
+    checkpoint = tmp_path / "interrupted" / "checkpoint-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    resumed = run(tmp_path / "resumed", 4, resume=str(checkpoint))
+    assert resumed.state.global_step == 4
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    # the resumed history starts with the checkpoint's two steps; the two new ones sampled the same completions
+    assert [h["reward"] for h in train_logs(straight)] == [h["reward"] for h in train_logs(resumed)]
+
+
+class _StopAt(online.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.slow
+def test_reward_goes_up_on_a_toy_reward(tok, tmp_path):
+    torch.manual_seed(0)
+    args = _args(tmp_path, max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16, num_generations=8,
+                 max_completion_length=8, beta=0.0, logging_steps=1)
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(64),
+                          processing_class=tok)
+    trainer.train()
+    rewards = [h["reward"] for h in train_logs(trainer)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.5, (first, last)
