@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from accelerate.utils import set_seed
 from torch.utils.data import Sampler
 from transformers import (
     AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, Trainer,
@@ -193,6 +194,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
+        # One seed per process: a prompt group split across processes must not sample identical completions.
+        set_seed(self.args.seed, device_specific=True)
         self.loss_is_scaled_for_ga = True  # compute_loss scales for gradient accumulation itself
         self.model_accepts_loss_kwargs = False
         self.num_generations = args.num_generations
