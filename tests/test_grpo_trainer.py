@@ -310,3 +310,62 @@ def test_reward_goes_up_on_a_toy_reward(tok, tmp_path):
     rewards = [h["reward"] for h in train_logs(trainer)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.5, (first, last)
+
+
+# ---- shared reliability: tracker, evaluation, non-finite guard, SIGTERM
+
+def test_tracker_receives_train_and_eval_stats_and_params(tok, tmp_path):
+    from rlhf_core.tracking import MemoryTracker
+
+    tracker = MemoryTracker()
+    args = _args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(),
+                          eval_dataset=prompt_dataset(4), processing_class=tok, log_with=tracker)
+    trainer.train()
+    assert tracker.params["num_generations"] == 4 and tracker.params["loss_type"] == "dapo"
+    train_steps = [m for _, m in tracker.metrics if "loss" in m]
+    assert len(train_steps) == 2 and all(k in train_steps[0] for k in ("reward", "entropy", "policy_loss"))
+    evals = [m for _, m in tracker.metrics if "eval_reward" in m]
+    assert len(evals) == 1 and "eval_loss" in evals[0] and "eval_completions/mean_length" in evals[0]
+    with pytest.raises(ValueError, match="global eval batch"):
+        _args(tmp_path, eval_strategy="steps", per_device_eval_batch_size=3)
+
+
+def test_a_non_finite_loss_skips_the_update(tok, tmp_path):
+    model = tiny_causal_lm(tok)
+    trainer = GRPOTrainer(model, count_e, args=_args(tmp_path, max_steps=1, learning_rate=1e-2),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    real = trainer._policy_loss
+    trainer._policy_loss = lambda *a: (real(*a)[0] * float("nan"), real(*a)[1])
+    before = snapshot(model)
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.train()
+    assert not changed(model, before)
+    assert train_logs(trainer)[-1]["skipped_updates"] == 1.0
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes(tok, tmp_path):
+    import os
+    import signal
+
+    from rlhf_core import checkpointing as ckpt
+    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+
+    class SigtermAtStep1(online.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def make(callbacks):
+        return GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, max_steps=3), callbacks=callbacks,
+                           train_dataset=prompt_dataset(), processing_class=tok)
+
+    with ckpt.GracefulStop() as stop:
+        guard = GracefulStopCallback(stop)
+        first = make([guard, SigtermAtStep1()])
+        first.train()
+    assert guard.stopped and first.state.global_step == 2
+    assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").is_file()
+    second = make([])
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 3

@@ -153,7 +153,12 @@ class _RefSyncCallback(TrainerCallback):
 
 
 class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
-    """Base of ``GRPOTrainer`` and ``RLOOTrainer``; subclasses implement ``_advantages`` and ``_policy_loss``."""
+    """Base of ``GRPOTrainer`` and ``RLOOTrainer``; subclasses implement ``_advantages`` and ``_policy_loss``.
+
+    Beyond TRL 1.16's arguments, keyword-only ``log_with`` (``"mlflow"``, ``"tensorboard"``, ``"memory"``
+    or a ``rlhf_core.tracking.Tracker``), ``tracker_project_name`` and ``tracker_kwargs`` send every log
+    to this project's tracker, as for the other trainers here.
+    """
 
     trainer_name = "online"
     config_class: type[OnlineRLConfig] = OnlineRLConfig
@@ -170,8 +175,13 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
         peft_config: Any = None,
+        *,
+        log_with: Any = None,
+        tracker_project_name: str = "trl",
+        tracker_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        args = args if args is not None else self.config_class(output_dir=f"{self._model_id(model)}-{self.trainer_name.upper()}")
+        if args is None:  # TRL 1.16's default: <model name>-GRPO / -RLOO
+            args = self.config_class(output_dir=f"{self._model_id(model)}-{self.trainer_name.upper()}")
         if not isinstance(args, OnlineRLConfig):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(args).__name__}")
         init_kwargs = dict(args.model_init_kwargs or {})
@@ -215,13 +225,14 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model: set beta > 0 (and no peft_config)")
             self.add_callback(_RefSyncCallback(self))
-        self._setup_tracking(None)
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     # ---- setup helpers
 
     @staticmethod
     def _model_id(model: Any) -> str:
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+        config = getattr(model, "config", None)
+        name = model if isinstance(model, str) else getattr(config, "_name_or_path", "") or "model"
         return str(name).rstrip("/").split("/")[-1]
 
     @staticmethod
@@ -397,7 +408,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         batch = build_causal_batch(queries, responses, tokenizer.pad_token_id, left_pad=True)
         if self.args.mask_truncated_completions:
             batch = replace(batch, response_mask=batch.response_mask * (~truncated)[:, None].float())
-        old = self._logprobs(self.model, batch) if (self._needs_old_logprobs() or self._needs_sampling_logprobs()) else None
+        needs_old = self._needs_old_logprobs() or self._needs_sampling_logprobs()
+        old = self._logprobs(self.model, batch) if needs_old else None
         ref = self._reference_logprobs(batch)
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -479,7 +491,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
     def compute_loss(self, model, inputs: Rollout, return_outputs: bool = False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         with dropout_off(model, self.args.disable_dropout):
-            logprobs, entropy = token_logprobs_and_entropy(model, inputs.batch, with_entropy=True)
+            logprobs, entropy = token_logprobs_and_entropy(model, inputs.batch.trimmed(), with_entropy=True)
         loss, stats = self._policy_loss(logprobs, entropy, inputs, mode)
         mask = inputs.batch.response_mask
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
@@ -498,6 +510,16 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         return self.current_gradient_accumulation_steps if mode == "train" else 1
 
     # ---- reference sync, logging
+
+    card_fields = ("beta", "num_generations", "max_completion_length", "temperature", "num_iterations", "epsilon",
+                   "epsilon_high", "loss_type", "scale_rewards", "normalize_advantages")
+
+    def card_hyperparameters(self) -> dict[str, Any]:
+        """The Trainer's hyper-parameters plus the sampling and loss fields of this method."""
+        values = super().card_hyperparameters()
+        values.update({name: getattr(self.args, name) for name in self.card_fields if hasattr(self.args, name)})
+        values["reward_funcs"] = ", ".join(self.reward_func_names)
+        return values
 
     @torch.no_grad()
     def sync_reference(self, alpha: float) -> None:
@@ -518,7 +540,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         metrics["reward"].append(float(torch.nanmean(all_scores)))
         metrics["reward_std"].append(float(_nan_std(all_scores)))
         grouped_std = torch.stack([_nan_std(g) for g in all_scores.view(-1, self._group_size(mode))])
-        metrics["frac_reward_zero_std"].append(float(torch.isclose(grouped_std, torch.zeros_like(grouped_std)).float().mean()))
+        zero_std = torch.isclose(grouped_std, torch.zeros_like(grouped_std)).float()
+        metrics["frac_reward_zero_std"].append(float(zero_std.mean()))
         lengths, truncated = gather(lengths), gather(truncated.float())
         metrics["completions/mean_length"].append(float(lengths.mean()))
         metrics["completions/min_length"].append(float(lengths.min()))
@@ -542,7 +565,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         if self.args.log_completions and self._last_samples and self.is_world_process_zero():
             shown = self._last_samples[: self.args.num_completions_to_print or len(self._last_samples)]
             for prompt, completion, score in shown:
-                print(f"[{self.trainer_name} step {self.state.global_step}] {score:+.3f} | {prompt!r} -> {completion!r}")
+                step = self.state.global_step
+                print(f"[{self.trainer_name} step {step}] {score:+.3f} | {prompt!r} -> {completion!r}")
         super().log(logs, *args, **kwargs)
 
 

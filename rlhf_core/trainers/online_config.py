@@ -128,7 +128,8 @@ class OnlineRLConfig(TrainingArguments):
         unsupported = {"use_vllm": False, "router_aux_loss_coef": None, "cast_lm_head_to_fp32": False}
         for name, default in unsupported.items():
             if getattr(self, name) != default:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by rlhf_core; leave it at {default!r}")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported by rlhf_core; leave it at {default!r}")
         if self.pad_to_multiple_of not in ("auto", None):
             raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} is not supported; use 'auto' or None")
 
@@ -164,5 +165,10 @@ class OnlineRLConfig(TrainingArguments):
             raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
         if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
             raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        eval_generations = self.num_generations_eval or self.num_generations
+        if self.eval_strategy != "no" and (self.per_device_eval_batch_size * self.world_size) % eval_generations:
+            raise ValueError(
+                f"the global eval batch (per_device_eval_batch_size {self.per_device_eval_batch_size} * world_size "
+                f"{self.world_size}) must be divisible by the generations per eval prompt ({eval_generations})")
         if self.reward_weights is not None and any(not isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be numbers, got {self.reward_weights!r}")

@@ -28,4 +28,5 @@ class RLOOConfig(OnlineRLConfig):
         if self.reward_clip_range is not None:
             low, high = self.reward_clip_range
             if low > high:
-                raise ValueError(f"reward_clip_range must be (low, high) with low <= high, got {self.reward_clip_range}")
+                raise ValueError(
+                    f"reward_clip_range must be (low, high) with low <= high, got {self.reward_clip_range}")
