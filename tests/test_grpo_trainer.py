@@ -369,3 +369,38 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tok, tmp_path):
     second = make([])
     second.train(resume_from_checkpoint=True)
     assert second.state.global_step == 3
+
+
+def test_peft_policy_uses_its_disabled_adapter_as_reference(tok, tmp_path):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, beta=0.1, learning_rate=1e-2),
+                          train_dataset=prompt_dataset(), processing_class=tok, peft_config=peft_config)
+    assert trainer.ref_model is None  # no copy: the base model with the adapter off
+    base = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora" not in k}
+    trainer.train()
+    assert all(torch.equal(base[k], v) for k, v in trainer.model.state_dict().items() if k in base)
+    logs = train_logs(trainer)
+    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0.0
+
+
+def test_mask_truncated_completions_and_reference_sync(tok, tmp_path):
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e,
+                          args=_args(tmp_path, beta=0.1, mask_truncated_completions=True, max_completion_length=2,
+                                     sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.25),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    eos, word = tok.eos_token_id, tok(" film")["input_ids"][0]
+    fixed = [[word, eos], [word, word], [eos], [word, word]] * 2  # rows 1, 3, 5, 7 hit the 2-token limit
+    real_sample = trainer._sample
+    trainer._sample = lambda texts, conv: (real_sample(texts, conv)[0], [torch.tensor(r) for r in fixed])
+    rollout = trainer._generate_and_score([{"prompt": "A good"}] * 8, "train")
+    assert rollout.batch.response_mask.sum(1).tolist() == [2.0, 0.0, 1.0, 0.0] * 2
+    trainer._sample = real_sample
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    ref_before = snapshot(trainer.ref_model)
+    trainer.sync_reference(0.25)
+    for (name, ref), policy in zip(trainer.ref_model.state_dict().items(), trainer.model.state_dict().values()):
+        torch.testing.assert_close(ref, 0.25 * policy + 0.75 * ref_before[name])
