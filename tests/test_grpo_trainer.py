@@ -404,3 +404,16 @@ def test_mask_truncated_completions_and_reference_sync(tok, tmp_path):
     trainer.sync_reference(0.25)
     for (name, ref), policy in zip(trainer.ref_model.state_dict().items(), trainer.model.state_dict().values()):
         torch.testing.assert_close(ref, 0.25 * policy + 0.75 * ref_before[name])
+
+
+def test_constructor_parameters_follow_trl_116_order():
+    import inspect
+
+    from rlhf_core import RLOOTrainer
+
+    trl_grpo = ["model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
+                "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config", "tools",
+                "rollout_func", "environment_factory"]
+    assert list(inspect.signature(GRPOTrainer.__init__).parameters)[1:len(trl_grpo) + 1] == trl_grpo
+    trl_rloo = trl_grpo[:11]
+    assert list(inspect.signature(RLOOTrainer.__init__).parameters)[1:len(trl_rloo) + 1] == trl_rloo

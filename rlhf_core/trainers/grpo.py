@@ -8,6 +8,8 @@ checkpoints) is ``rlhf_core.trainers.online``; the math is ``rlhf_core.losses`` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlhf_core.losses import group_relative_advantages, grpo_loss
@@ -18,12 +20,28 @@ from rlhf_core.trainers.online import OnlineRLTrainer, Rollout
 class GRPOTrainer(OnlineRLTrainer):
     """GRPO: advantages relative to each prompt's group of ``num_generations`` completions; no value model.
 
-    ``GRPOTrainer(model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-    reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None)``.
+    ``GRPOTrainer(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+    processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+    quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None)``.
     """
 
     trainer_name = "grpo"
     config_class = GRPOConfig
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None, **tracking: Any) -> None:
+        """TRL 1.16.0's positional order. ``tools``/``rollout_func``/``environment_factory`` (agent training)
+        are not supported here and must be None; ``tracking`` takes ``log_with``/``tracker_project_name``/
+        ``tracker_kwargs`` (see ``OnlineRLTrainer``)."""
+        for name, value in (("tools", tools), ("rollout_func", rollout_func),
+                            ("environment_factory", environment_factory)):
+            if value is not None:
+                raise ValueError(f"{name} (agent/tool training in TRL 1.16) is not supported by rlhf_core; pass None")
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, **tracking)
 
     def _advantages(self, scores: torch.Tensor, extras: torch.Tensor, mode: str) -> torch.Tensor:
         advantages, _ = group_relative_advantages(scores, self._group_size(mode), self.args.scale_rewards)

@@ -166,7 +166,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: RewardFunc | list[RewardFunc],
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: OnlineRLConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -174,6 +174,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         reward_processing_classes: Any = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
         *,
         log_with: Any = None,
@@ -184,6 +185,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
             args = self.config_class(output_dir=f"{self._model_id(model)}-{self.trainer_name.upper()}")
         if not isinstance(args, OnlineRLConfig):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(args).__name__}")
+        if quantization_config is not None:
+            raise ValueError("quantization_config (bitsandbytes, GPU only) is not supported by rlhf_core; pass None")
         init_kwargs = dict(args.model_init_kwargs or {})
         if isinstance(model, str) and args.trust_remote_code:
             init_kwargs.setdefault("trust_remote_code", True)

@@ -21,7 +21,8 @@ class RLOOTrainer(OnlineRLTrainer):
     """RLOO: each completion's baseline is the mean reward of the other ``num_generations - 1`` of its prompt.
 
     ``RLOOTrainer(model, reward_funcs, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
-    reward_processing_classes=None, callbacks=None, optimizers=(None, None), peft_config=None)``.
+    reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None,
+    peft_config=None)``: TRL 1.16.0's order.
     """
 
     trainer_name = "rloo"
