@@ -54,10 +54,72 @@ def test_config_keeps_trl_116_names_and_defaults_with_cpu_deviations(tmp_path):
     assert GRPOConfig(output_dir=str(tmp_path), scale_rewards=True).scale_rewards == "group"
 
 
+# Every field of TRL 1.16.0's GRPOConfig / RLOOConfig (and its _BaseConfig overrides), read from its source.
+TRL_116_GRPO_FIELDS = [
+    "learning_rate", "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout",
+    "cast_lm_head_to_fp32", "remove_unused_columns", "num_generations", "num_generations_eval", "max_completion_length",
+    "ds3_gather_for_generation", "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size",
+    "steps_per_generation", "temperature", "top_p", "top_k", "min_p", "generation_kwargs", "chat_template_kwargs",
+    "repetition_penalty", "cache_implementation", "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+    "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+    "vllm_tensor_parallel_size", "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg",
+    "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    "importance_sampling_level", "reward_weights", "multi_objective_aggregation", "scale_rewards", "loss_type",
+    "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+    "off_policy_mask_threshold", "use_bias_correction_kl", "log_completions", "log_multimodal",
+    "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
+    "transformers_continuous_batching_config", "use_transformers_paged", "vllm_importance_sampling_cap",
+    "logging_steps", "gradient_checkpointing", "bf16", "lr_scheduler_kwargs", "use_liger_kernel",
+    "torch_empty_cache_steps",
+]
+GRPO_ONLY = {"cast_lm_head_to_fp32", "delta", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos",
+             "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "importance_sampling_level",
+             "multi_objective_aggregation", "scale_rewards", "loss_type", "top_entropy_quantile", "entropy_coef",
+             "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+             "max_tool_calling_iterations", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+             "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "off_policy_mask_threshold",
+             "use_bias_correction_kl", "log_completions_hub_repo", "vllm_importance_sampling_cap"}
+TRL_116_RLOO_FIELDS = [n for n in TRL_116_GRPO_FIELDS if n not in GRPO_ONLY] + ["normalize_advantages",
+                                                                                  "reward_clip_range"]
+
+
+def test_every_trl_116_field_exists_and_ours_are_documented(tmp_path):
+    import ast
+    import dataclasses
+    import inspect
+
+    from rlhf_core import RLOOConfig
+    from rlhf_core.trainers import online_config
+
+    grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert [name for name in TRL_116_GRPO_FIELDS if name not in grpo] == []
+    rloo = {f.name for f in dataclasses.fields(RLOOConfig)}
+    assert [name for name in TRL_116_RLOO_FIELDS if name not in rloo] == []
+    # a docstring line under every field this project declares (house style)
+    from rlhf_core.trainers import grpo_config, rloo_config
+
+    for module in (online_config, grpo_config, rloo_config):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ClassDef):
+                body = node.body
+                for i, item in enumerate(body):
+                    if isinstance(item, ast.AnnAssign):
+                        doc = body[i + 1] if i + 1 < len(body) else None
+                        assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), item.target.id
+    # the accepted-but-unused options keep their meaning: vLLM settings are ignored without vLLM (as in TRL)
+    assert GRPOConfig(output_dir=str(tmp_path), vllm_mode="server", vllm_server_port=9000).use_vllm is False
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(use_vllm=True), "use_vllm"), (dict(loss_type="cispo"), "loss_type"), (dict(scale_rewards="x"), "scale_rewards"),
     (dict(num_generations=3), "divisible by num_generations"), (dict(num_generations=1), "num_generations must be"),
     (dict(generation_batch_size=16, steps_per_generation=2), "cannot both"), (dict(top_entropy_quantile=0.2), "top_entropy"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"), (dict(use_transformers_paged=True), "use_transformers_paged"),
+    (dict(cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
 ])
 def test_config_rejects_bad_or_unsupported_options(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -566,7 +566,10 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
                 logs[prefix + key] = sum(finite) / len(finite)
         self._metrics[mode].clear()
         if self.args.log_completions and self._last_samples and self.is_world_process_zero():
-            shown = self._last_samples[: self.args.num_completions_to_print or len(self._last_samples)]
+            samples = self._last_samples
+            if self.args.log_unique_prompts:
+                samples = list({prompt: (prompt, c, r) for prompt, c, r in reversed(samples)}.values())[::-1]
+            shown = samples[: self.args.num_completions_to_print or len(samples)]
             for prompt, completion, score in shown:
                 step = self.state.global_step
                 print(f"[{self.trainer_name} step {step}] {score:+.3f} | {prompt!r} -> {completion!r}")

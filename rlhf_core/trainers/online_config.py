@@ -88,6 +88,41 @@ class OnlineRLConfig(TrainingArguments):
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (not supported here)."})
     """Sample with vLLM (TRL 1.16). Not supported here (CPU-first): must stay False; sampling uses the KV cache."""
 
+    # ---- TRL 1.16 acceleration options, accepted so its scripts run: without vLLM (as in TRL with
+    # use_vllm=False) the vllm_* fields are never read; the others must keep their default.
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "DeepSpeed ZeRO-3 gather (unused)."})
+    """Gather ZeRO-3 weights for sampling (TRL 1.16). Never read here: rlhf_core does not run DeepSpeed ZeRO-3."""
+    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (unused without vLLM)."})
+    """TRL 1.16's vLLM placement (``colocate``/``server``); unused, as ``use_vllm`` is always False here."""
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (unused)."})
+    """TRL 1.16's vLLM model implementation; unused without vLLM."""
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (unused)."})
+    """TRL 1.16's vLLM sleep mode; unused without vLLM."""
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "vLLM regex (unused)."})
+    """TRL 1.16's vLLM structured-output regex; unused without vLLM."""
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (unused)."})
+    """TRL 1.16's vLLM server URL; unused without vLLM."""
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (unused)."})
+    """TRL 1.16's vLLM server host; unused without vLLM (nothing here listens on it)."""
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (unused)."})
+    """TRL 1.16's vLLM server port; unused without vLLM."""
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (unused)."})
+    """TRL 1.16's wait for the vLLM server; unused without vLLM."""
+    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-sync port (unused)."})
+    """TRL 1.16's vLLM weight-update port; unused without vLLM."""
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM GPU memory share (unused)."})
+    """TRL 1.16's vLLM GPU memory share; unused without vLLM."""
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM context length (unused)."})
+    """TRL 1.16's vLLM context window; unused without vLLM."""
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallelism (unused)."})
+    """TRL 1.16's vLLM tensor-parallel size; unused without vLLM."""
+    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "Not supported."})
+    """TRL 1.16's continuous-batching sampler. Not supported: must stay False (sampling uses the KV cache)."""
+    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Unused."})
+    """Settings of the continuous-batching sampler; must stay None."""
+    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated in TRL 1.16; not supported."})
+    """TRL 1.16's deprecated name of ``use_transformers_continuous_batching``; must stay False."""
+
     # ---- optimisation
     num_iterations: int = field(default=1, metadata={"help": "Updates per generation (mu)."})
     """Passes over each generation (mu). With more than one, importance ratios are taken against the log-probs
@@ -112,6 +147,10 @@ class OnlineRLConfig(TrainingArguments):
     """Print a sample of (prompt, completion, reward) every ``logging_steps`` steps."""
     num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed."})
     """How many completions ``log_completions`` prints; None: all of the last generation."""
+    log_multimodal: bool = field(default=True, metadata={"help": "Log images with completions (unused)."})
+    """TRL 1.16 logs images with completions; prompts here are text only, so it is never read."""
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
+    """Print each distinct prompt once (not once per completion of its group) when ``log_completions``."""
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -125,7 +164,9 @@ class OnlineRLConfig(TrainingArguments):
 
     def _reject_unsupported(self) -> None:
         """TRL 1.16 options this implementation does not have: an error, never a silent no-op."""
-        unsupported = {"use_vllm": False, "router_aux_loss_coef": None, "cast_lm_head_to_fp32": False}
+        unsupported = {"use_vllm": False, "router_aux_loss_coef": None, "cast_lm_head_to_fp32": False,
+                       "use_transformers_continuous_batching": False, "transformers_continuous_batching_config": None,
+                       "use_transformers_paged": False}
         for name, default in unsupported.items():
             if getattr(self, name) != default:
                 raise ValueError(
