@@ -479,3 +479,21 @@ def test_constructor_parameters_follow_trl_116_order():
     assert list(inspect.signature(GRPOTrainer.__init__).parameters)[1:len(trl_grpo) + 1] == trl_grpo
     trl_rloo = trl_grpo[:11]
     assert list(inspect.signature(RLOOTrainer.__init__).parameters)[1:len(trl_rloo) + 1] == trl_rloo
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_equals_the_full_batch(tok, tmp_path, loss_type):
+    """One generation of 8 trained as 2 micro-batches of 4 (accumulated) or as one batch of 8: the same step."""
+    def one_step(per_device: int, accumulation: int) -> dict[str, torch.Tensor]:
+        model = tiny_causal_lm(tok)
+        args = _args(tmp_path, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+                     max_steps=1, loss_type=loss_type, learning_rate=1e-1, beta=0.1, optim="sgd", max_grad_norm=0.0)
+        trainer = GRPOTrainer(model, count_e, args=args, train_dataset=prompt_dataset(), processing_class=tok)
+        trainer.train()
+        return snapshot(model)
+
+    full, accumulated = one_step(8, 1), one_step(4, 2)
+    initial = snapshot(tiny_causal_lm(tok))
+    assert any(not torch.equal(initial[k], full[k]) for k in full)
+    for key in full:
+        torch.testing.assert_close(accumulated[key], full[key], atol=1e-6, rtol=1e-5)
