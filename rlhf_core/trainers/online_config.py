@@ -102,8 +102,9 @@ class OnlineRLConfig(TrainingArguments):
     """TRL 1.16's vLLM structured-output regex; unused without vLLM."""
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (unused)."})
     """TRL 1.16's vLLM server URL; unused without vLLM."""
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (unused)."})
-    """TRL 1.16's vLLM server host; unused without vLLM (nothing here listens on it)."""
+    vllm_server_host: str = field(default="127.0.0.1", metadata={"help": "vLLM server host (unused)."})
+    """TRL 1.16's vLLM server host; unused without vLLM. TRL 1.16 defaults to all interfaces; ours is loopback,
+    the project's rule for any address it names."""
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (unused)."})
     """TRL 1.16's vLLM server port; unused without vLLM."""
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (unused)."})
