@@ -41,6 +41,10 @@ _EXPORTS = {
     "DefaultDDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
     "DDPOPipelineOutput": "rlhf_core.models.diffusion",
     "DDPOSchedulerOutput": "rlhf_core.models.diffusion",
+    "GRPOConfig": "rlhf_core.trainers.grpo_config",
+    "GRPOTrainer": "rlhf_core.trainers.grpo",
+    "RLOOConfig": "rlhf_core.trainers.rloo_config",
+    "RLOOTrainer": "rlhf_core.trainers.rloo",
 }
 
 __all__ = sorted(_EXPORTS)

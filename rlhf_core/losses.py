@@ -207,3 +207,179 @@ def pairwise_reward_loss(
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
     return loss
+
+
+# --------------------------------------------------------------------------------------------
+# ---- GRPO / RLOO (critic-free online methods; TRL 1.16 semantics, see rlhf_core.trainers.online)
+# --------------------------------------------------------------------------------------------
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+# Added to a standard deviation before dividing by it (TRL 1.16's constant).
+ADVANTAGE_STD_EPS = 1e-4
+
+
+def _nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs; NaN where fewer than two values are finite."""
+    dims = () if dim is None else (dim,)
+    mean = torch.nanmean(values, dim=dim, keepdim=True) if dim is not None else torch.nanmean(values)
+    count = (~torch.isnan(values)).sum(dim=dims or None, keepdim=keepdim)
+    sq = torch.nansum((values - mean) ** 2, dim=dims or None, keepdim=keepdim)
+    return torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, float("nan"))).sqrt()
+
+
+def group_relative_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantages: each reward minus its group's mean, optionally divided by a standard deviation.
+
+    rewards (N,) with N = prompts x ``num_generations``, the completions of a prompt adjacent; NaN marks an
+    unscorable completion (left out of its group's statistics; its advantage is 0). ``scale_rewards``:
+    ``group`` divides by the group's std (+1e-4), ``batch`` by the std of all N rewards, ``none`` not at all.
+    Returns ``(advantages (N,), std (N,))``, ``std`` the per-row std used (or that would be used) for scaling.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} (or True/False), got {scale_rewards!r}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
+    grouped = rewards.view(-1, num_generations)  # (P, G)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)  # (N,)
+    if scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif num_generations > 1:
+        std = _nanstd(grouped, dim=1).repeat_interleave(num_generations)  # (N,)
+    else:
+        std = torch.zeros_like(rewards)
+    advantages = rewards - mean  # (N,)
+    if scale_rewards != "none":
+        advantages = advantages / (std + ADVANTAGE_STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0), std
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0: (B, A) -> (B, A)."""
+    delta = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(delta) - delta - 1
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    bias_correction_kl: bool = True,
+    max_completion_length: int | None = None,
+    num_items: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO surrogate loss of one micro-batch, aggregated the way ``loss_type`` says.
+
+    logprobs (B, A) with grad; old_logprobs (B, A) the log-probs at sampling time (None: on-policy, the ratio
+    is exactly 1 with the gradient of logprobs); advantages (B,); response_mask (B, A); ref_logprobs (B, A)
+    when ``beta != 0``. Per token: ``-min(r * adv, clip(r, 1 - eps_low, 1 + eps_high) * adv)`` (``r`` capped
+    at ``delta`` if given) ``+ beta * k3`` (``k3 * r`` with ``bias_correction_kl``). Aggregation:
+    ``grpo`` mean over rows of each row's token mean; ``bnpo`` sum / tokens in this micro-batch; ``dr_grpo``
+    sum / (B * max_completion_length); ``dapo`` sum / ``num_items`` (tokens of the whole accumulated batch;
+    default: this micro-batch's). Returns ``(loss, stats)``; stats are detached scalars.
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    mask = response_mask.to(logprobs.dtype)  # (B, A)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    log_ratio = (logprobs - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (B, A)
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)  # (B, A) or (B, 1)
+    adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token = -torch.min(unclipped * adv, clipped * adv)  # (B, A) or (B, 1)
+    stats: dict[str, torch.Tensor] = {}
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("grpo_loss: beta != 0 needs ref_logprobs")
+        kl = k3_kl(logprobs, ref_logprobs)  # (B, A)
+        if bias_correction_kl:
+            kl = kl * ratio
+        per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl.detach(), mask)
+    per_token = per_token.expand_as(mask) * mask  # (B, A)
+    if loss_type == "grpo":
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = per_token.sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
+        loss = per_token.sum() / (mask.shape[0] * max_completion_length)
+    else:
+        items = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype)
+        loss = per_token.sum() / items.clamp(min=1.0)
+    low = ((ratio < 1 - epsilon_low) & (adv < 0)).expand_as(mask).to(mask.dtype)
+    high = ((ratio > 1 + epsilon_high) & (adv > 0)).expand_as(mask).to(mask.dtype)
+    stats["clip_ratio/low_mean"] = masked_mean(low, mask)
+    stats["clip_ratio/high_mean"] = masked_mean(high, mask)
+    stats["clip_ratio/region_mean"] = masked_mean(((low + high) > 0).to(mask.dtype), mask)
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def sequence_kl_penalized_rewards(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO's reward: ``score - beta * sum_t (logp_t - ref_logp_t)`` over the real response tokens.
+
+    scores (B,), logprobs/ref_logprobs/response_mask (B, A). Returns ``(rewards (B,), kl (B,))``, ``kl`` the
+    sequence-level first-order estimate (may be negative for a single sequence).
+    """
+    kl = ((logprobs - ref_logprobs) * response_mask.to(logprobs.dtype)).sum(-1)  # (B,)
+    return scores - beta * kl, kl
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False) -> torch.Tensor:
+    """Leave-one-out advantages: each reward minus the mean of the other ``num_generations - 1`` of its prompt.
+
+    rewards (N,) with the completions of a prompt adjacent; NaN marks an unscorable completion (out of its
+    siblings' baselines; advantage 0). ``normalize`` whitens the advantages over the batch (std + 1e-4).
+    """
+    if num_generations < 2:
+        raise ValueError(f"RLOO needs num_generations >= 2 (a leave-one-out baseline), got {num_generations}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
+    grouped = rewards.view(-1, num_generations)  # (P, G)
+    count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)  # (P, 1)
+    total = torch.nansum(grouped, dim=1, keepdim=True)  # (P, 1)
+    baseline = (total - grouped) / (count - 1)  # (P, G)
+    advantages = (grouped - baseline).reshape(-1)  # (N,)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (_nanstd(advantages) + ADVANTAGE_STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def rloo_loss(
+    seq_logprobs: torch.Tensor, old_seq_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+    epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RLOO's clipped sequence-level surrogate, averaged over the B sequences.
+
+    seq_logprobs (B,) with grad (sum of the response's token log-probs); old_seq_logprobs (B,) at sampling
+    time (None: on-policy, ratio exactly 1); advantages (B,).
+    """
+    old = seq_logprobs.detach() if old_seq_logprobs is None else old_seq_logprobs
+    ratio = torch.exp((seq_logprobs - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # (B,)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+    stats = {"clip_ratio/low_mean": low.mean(), "clip_ratio/high_mean": high.mean(),
+             "clip_ratio/region_mean": ((low + high) > 0).float().mean()}
+    return loss, {k: v.detach() for k, v in stats.items()}

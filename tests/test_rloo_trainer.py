@@ -1,0 +1,130 @@
+"""RLOOTrainer on tiny models: TRL 1.16 API and defaults, KL in the reward, leave-one-out advantages, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_core import RLOOConfig, RLOOTrainer
+from rlhf_core.core import sequence_logprobs
+from rlhf_core.losses import rloo_advantages
+from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
+from tests._online_rl import assert_finite_keys, changed, count_e, prompt_dataset, snapshot, train_logs
+
+RLOO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
+             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
+             "clip_ratio/high_mean", "clip_ratio/region_mean", "policy_loss", "entropy", "skipped_updates"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _args(tmp_path, **overrides) -> RLOOConfig:
+    values = dict(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0)
+    values.update(overrides)
+    return RLOOConfig(**values)
+
+
+def test_config_keeps_trl_116_names_and_defaults(tmp_path):
+    args = RLOOConfig(output_dir=str(tmp_path), report_to=[])
+    trl_defaults = dict(beta=0.05, num_generations=2, num_iterations=1, epsilon=0.2, epsilon_high=None,
+                        normalize_advantages=False, reward_clip_range=None, reward_weights=None,
+                        mask_truncated_completions=False, temperature=1.0, top_k=0, top_p=1.0, use_vllm=False)
+    assert {k: getattr(args, k) for k in trl_defaults} == trl_defaults
+    assert args.bf16 is False and args.learning_rate == 5e-5 and args.disable_dropout is True
+    assert not hasattr(args, "loss_type") and not hasattr(args, "scale_rewards")  # GRPO-only fields
+    with pytest.raises(ValueError, match="reward_clip_range"):
+        RLOOConfig(output_dir=str(tmp_path), reward_clip_range=(1.0, -1.0))
+
+
+def test_kl_is_sequence_level_in_the_reward_before_the_leave_one_out_baseline(tok, tmp_path):
+    model = tiny_causal_lm(tok)
+    trainer = RLOOTrainer(model, count_e, args=_args(tmp_path, beta=0.5), train_dataset=prompt_dataset(),
+                          processing_class=tok)
+    with torch.no_grad():  # move the policy away from the reference, so the KL is not zero
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows = [{"prompt": p} for p in ["The film was"] * 4 + ["A good"] * 4]
+    rollout = trainer._generate_and_score(rows, "train")
+    mask = rollout.batch.response_mask
+    kl = sequence_logprobs(rollout.old_logprobs, mask) - sequence_logprobs(rollout.ref_logprobs, mask)  # (B,)
+    assert kl.abs().max() > 1e-3
+    index = rollout.batch.response_index
+    ids = rollout.batch.model_inputs["input_ids"]
+    texts = tok.batch_decode([ids[i][index[i] + 1][mask[i].bool()] for i in range(8)], skip_special_tokens=True)
+    rewards = torch.tensor(count_e(None, texts)) - 0.5 * kl
+    torch.testing.assert_close(rollout.advantages, rloo_advantages(rewards, 4))
+
+
+def test_beta_zero_builds_no_reference(tok, tmp_path):
+    trainer = RLOOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, beta=0.0),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    assert trainer.ref_model is None
+    rollout = trainer._generate_and_score([{"prompt": "A good"}] * 8, "train")
+    assert rollout.ref_logprobs is None and rollout.old_logprobs is None
+
+
+def test_train_moves_policy_keeps_reference_and_logs_every_stat(tok, tmp_path):
+    model = tiny_causal_lm(tok)
+    trainer = RLOOTrainer(model, count_e, args=_args(tmp_path, learning_rate=1e-3), train_dataset=prompt_dataset(),
+                          processing_class=tok)
+    ref_before, before = snapshot(trainer.ref_model), snapshot(model)
+    trainer.train()
+    assert changed(model, before) and not changed(trainer.ref_model, ref_before)
+    logs = train_logs(trainer)
+    assert len(logs) == 2
+    assert_finite_keys(logs, RLOO_KEYS + ["kl"])
+    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] != 0.0
+
+
+def test_trl_116_style_script_runs_unchanged(tok, tmp_path):
+    path = tmp_path / "policy"
+    tiny_causal_lm(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+
+    def reward_num_unique_chars(completions, **kwargs):
+        return [len(set(c)) for c in completions]
+
+    training_args = RLOOConfig(output_dir=str(tmp_path / "Tiny-RLOO"), per_device_train_batch_size=4,
+                               max_completion_length=5, max_steps=2, report_to=[])
+    trainer = RLOOTrainer(model=str(path), reward_funcs=reward_num_unique_chars, args=training_args,
+                          train_dataset=prompt_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert changed(trainer.model, snapshot(AutoModelForCausalLM.from_pretrained(path)))
+
+
+def test_resume_from_checkpoint_equals_a_straight_run(tok, tmp_path):
+    from tests.test_grpo_trainer import _StopAt
+
+    def run(out, stop=None, resume=None):
+        args = _args(tmp_path, output_dir=str(out), max_steps=4, learning_rate=1e-3,
+                     save_strategy="steps" if stop else "no", save_steps=2)
+        trainer = RLOOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(16),
+                              processing_class=tok)
+        if stop:
+            trainer.add_callback(_StopAt(stop))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "interrupted", stop=2)
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "interrupted" / "checkpoint-2"))
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_reward_goes_up_on_a_toy_reward(tok, tmp_path):
+    args = _args(tmp_path, max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16, num_generations=8,
+                 max_completion_length=8, beta=0.0)
+    trainer = RLOOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(64),
+                          processing_class=tok)
+    trainer.train()
+    rewards = [h["reward"] for h in train_logs(trainer)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.5, (first, last)
