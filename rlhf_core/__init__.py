@@ -41,6 +41,8 @@ _EXPORTS = {
     "DefaultDDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
     "DDPOPipelineOutput": "rlhf_core.models.diffusion",
     "DDPOSchedulerOutput": "rlhf_core.models.diffusion",
+    "KTOConfig": "rlhf_core.trainers.kto_config",
+    "KTOTrainer": "rlhf_core.trainers.kto",
 }
 
 __all__ = sorted(_EXPORTS)
