@@ -144,7 +144,7 @@ def prepare_kto_dataset(
         return dataset
     columns = set(dataset.column_names)
     if {"chosen", "rejected"} <= columns:
-        dataset = dataset.map(unpair_rows, batched=True, num_proc=num_proc)
+        dataset = dataset.map(unpair_rows, batched=True, remove_columns=["chosen", "rejected"], num_proc=num_proc)
     _check_columns(dataset, name)
     dataset = dataset.map(tokenize_kto_row, fn_kwargs={"tokenizer": tokenizer}, num_proc=num_proc)
     if max_length is not None:
