@@ -432,7 +432,7 @@ def read_ratings(path: str | Path) -> list[dict]:
     Every row is checked by :func:`check_rating`; errors name the file and line.
     """
     path = Path(path)
-    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     return [check_rating(file, lineno, record) for file in files for lineno, record in _jsonl_records(file)]

@@ -280,6 +280,30 @@ def test_precomputed_reference_needs_no_reference_model(tokenizer, tmp_path):
     assert math.isfinite(trainer.evaluate()["eval_loss"])
 
 
+def test_peft_policy_uses_its_disabled_adapter_as_reference(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    base_model = tiny_causal_lm(tokenizer, seed=0)
+    base_before = state(base_model)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], task_type="CAUSAL_LM", fan_in_fan_out=True)
+    trainer = make_trainer(tokenizer, tmp_path, model=base_model, peft_config=lora)
+    assert trainer.ref_model is None and trainer.use_peft_reference
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[0]["loss"] == pytest.approx(0.5) and logs[-1]["rewards/margins"] != 0.0  # adapter moved
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+    reference, _ = trainer.compute_ref_log_probs(batch)
+    with torch.no_grad():
+        plain = tiny_causal_lm(tokenizer, seed=0).eval()
+        want = completion_logps(plain, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])[0]
+    torch.testing.assert_close(reference, want, rtol=1e-5, atol=1e-5)
+    unwrapped = trainer.model.get_base_model().state_dict()
+    for key, value in base_before.items():  # the frozen base weights did not move
+        peft_key = key.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        got = unwrapped.get(key, unwrapped.get(peft_key))
+        assert got is None or torch.equal(got, value), key
+
+
 def test_apo_zero_unpaired_runs_without_kl_completions(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, args=config(tmp_path, loss_type="apo_zero_unpaired"))
     assert "KL_completion_ids" not in trainer.train_dataset.column_names

@@ -274,6 +274,8 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
         set_seed(args.seed)  # before any adapter is initialised
         tokenizer = base.load_tokenizer_for(model, processing_class)
         model = self._load_model(model, args, quantization_config)
+        if isinstance(ref_model, (str, Path)):  # beyond TRL 1.16 (objects only): a name or path is loaded too
+            ref_model = self._load_model(ref_model, args, quantization_config)
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model is model: pass a separate reference model, or ref_model=None for a frozen copy")
         if tokenizer is None:
