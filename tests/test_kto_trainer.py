@@ -317,6 +317,17 @@ def test_dropout_is_off_in_policy_and_reference(tokenizer, tmp_path):
         assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
+def test_reference_forwards_are_deterministic_even_with_dropout_kept(tokenizer, tmp_path):
+    # disable_dropout=False and the policy itself as the (precomputed) reference: still eval mode for the reference
+    trainer = make_trainer(tokenizer, tmp_path, model=tiny_causal_lm(tokenizer, dropout=0.5, seed=0),
+                           args=config(tmp_path, disable_dropout=False, precompute_ref_log_probs=True))
+    trainer.model.train()
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+    first, second = trainer.compute_ref_log_probs(batch)[0], trainer.compute_ref_log_probs(batch)[0]
+    assert torch.equal(first, second) and torch.allclose(first, batch["ref_logps"])
+    assert trainer.model.training  # mode restored
+
+
 def test_errors_name_the_argument(tokenizer, tmp_path):
     model = tiny_causal_lm(tokenizer, seed=0)
     with pytest.raises(ValueError, match="train_dataset"):

@@ -239,6 +239,17 @@ def completion_logps(
     return sequence_logprobs(token_logps, scored), logits
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """``model`` in eval mode (dropout off whatever ``disable_dropout`` says) for the block, then as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 # --------------------------------------------------------------------------------------------
 # trainer
 # --------------------------------------------------------------------------------------------
@@ -385,7 +396,7 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
                     "starts; pass eval datasets at construction, give ref_model=, or set precompute_ref_log_probs=False"
                 )
             reference = self.model
-        with torch.no_grad(), self._reference_context():
+        with torch.no_grad(), self._reference_context(), eval_mode(reference):
             logps, _ = completion_logps(reference, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
             kl_logps = self._kl_logps(reference, batch)
         return logps, kl_logps
