@@ -284,7 +284,8 @@ def kto_stat_sums(
     zero = torch.zeros_like(rewards)
     return torch.stack([
         torch.where(desirable, rewards, zero).sum(), torch.where(desirable, logps, zero).sum(), desirable.sum().float(),
-        torch.where(desirable, zero, rewards).sum(), torch.where(desirable, zero, logps).sum(), (~desirable).sum().float(),
+        torch.where(desirable, zero, rewards).sum(), torch.where(desirable, zero, logps).sum(),
+        (~desirable).sum().float(),
     ])
 
 

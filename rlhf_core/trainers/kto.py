@@ -29,7 +29,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Trainer, set_seed
 
-from rlhf_core.core import entropy_from_logits, position_ids_from_attention_mask, sequence_logprobs, shifted_token_logprobs
+from rlhf_core.core import (
+    entropy_from_logits, position_ids_from_attention_mask, sequence_logprobs, shifted_token_logprobs,
+)
 from rlhf_core.losses import kto_kl_estimate, kto_loss, kto_reference_point, kto_stat_sums, kto_stats_from_sums
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers import _hf_compat as base
@@ -335,7 +337,9 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
             name = str(model) if isinstance(model, (str, Path)) else (base.base_model_name(model) or "model")
             return KTOConfig(output_dir=f"{Path(name).name}-KTO", report_to="none")
         if not isinstance(args, KTOConfig):
-            raise TypeError(f"KTOTrainer args must be a KTOConfig (it holds beta, loss_type, ...), got {type(args).__name__}")
+            raise TypeError(
+                f"KTOTrainer args must be a KTOConfig (it holds beta, loss_type, ...), got {type(args).__name__}"
+            )
         return args
 
     @staticmethod
@@ -360,7 +364,9 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
     def _prepare(self, dataset: Any, args: KTOConfig, name: str) -> Any:
         """Tokenise one text dataset with this trainer's lengths (see :func:`prepare_kto_dataset`)."""
         kl_batch_size = args.per_device_train_batch_size if self.calculate_KL else None
-        return prepare_kto_dataset(dataset, self._tokenizer, args.max_length, kl_batch_size, args.dataset_num_proc, name)
+        return prepare_kto_dataset(
+            dataset, self._tokenizer, args.max_length, kl_batch_size, args.dataset_num_proc, name
+        )
 
     def _prepare_eval(self, eval_dataset: Any, args: KTOConfig) -> Any:
         if isinstance(eval_dataset, dict):
@@ -397,7 +403,9 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
                 )
             reference = self.model
         with torch.no_grad(), self._reference_context(), eval_mode(reference):
-            logps, _ = completion_logps(reference, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+            logps, _ = completion_logps(
+                reference, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+            )
             kl_logps = self._kl_logps(reference, batch)
         return logps, kl_logps
 
@@ -406,13 +414,16 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
         if not self.calculate_KL:
             return None
         with torch.no_grad():
-            logps, _ = completion_logps(model, batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"])
+            logps, _ = completion_logps(
+                model, batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"]
+            )
         return logps
 
     def _precompute_all_reference_logps(self) -> None:
         """Add ``ref_logps`` (and ``ref_KL_logps``) columns to the train and eval datasets."""
         size = self.args.precompute_ref_batch_size
-        self.train_dataset = self._with_reference_logps(self.train_dataset, size or self.args.per_device_train_batch_size)
+        train_size = size or self.args.per_device_train_batch_size
+        self.train_dataset = self._with_reference_logps(self.train_dataset, train_size)
         eval_size = size or self.args.per_device_eval_batch_size
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: self._with_reference_logps(v, eval_size) for k, v in self.eval_dataset.items()}
@@ -443,7 +454,9 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
 
     # ---- loss and metrics ----------------------------------------------------------------
 
-    def kl_reference_point(self, policy_kl_logps: torch.Tensor | None, ref_kl_logps: torch.Tensor | None) -> torch.Tensor:
+    def kl_reference_point(
+        self, policy_kl_logps: torch.Tensor | None, ref_kl_logps: torch.Tensor | None
+    ) -> torch.Tensor:
         """z0: the batch KL estimate averaged over processes, clamped at 0 (0 for ``apo_zero_unpaired``)."""
         if policy_kl_logps is None or ref_kl_logps is None:
             return torch.zeros((), device=self.args.device)

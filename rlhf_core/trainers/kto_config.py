@@ -68,10 +68,12 @@ class KTOConfig(TrainingArguments):
     """Batch size of that precomputation (None: ``per_device_train_batch_size``, or the eval batch size for eval)."""
 
     # ---- training ----------------------------------------------------------------------------------
-    loss_type: str = field(default="kto", metadata={"help": "kto or apo_zero_unpaired.", "choices": list(KTO_LOSS_TYPES)})
+    loss_type: str = field(
+        default="kto", metadata={"help": "kto or apo_zero_unpaired.", "choices": list(KTO_LOSS_TYPES)}
+    )
     """``kto`` (KTO paper, with the KL reference point) or ``apo_zero_unpaired`` (APO-zero, unpaired, no KL term)."""
     beta: float = field(default=0.1, metadata={"help": "Deviation from the reference (higher: less)."})
-    """Scale of the implicit reward ``beta * log(pi / pi_ref)``; higher beta keeps the policy closer to the reference."""
+    """Scale of the implicit reward ``beta * log(pi / pi_ref)``; higher beta keeps the policy nearer the reference."""
     desirable_weight: float = field(default=1.0, metadata={"help": "Weight of desirable rows' losses."})
     """Weight of the desirable (label True) rows' losses, to balance unequal numbers of good and bad rows."""
     undesirable_weight: float = field(default=1.0, metadata={"help": "Weight of undesirable rows' losses."})
@@ -115,7 +117,8 @@ class KTOConfig(TrainingArguments):
             )
         if self.router_aux_loss_coef:
             raise NotImplementedError(
-                f"KTOConfig.router_aux_loss_coef={self.router_aux_loss_coef}: Mixture-of-Experts losses are not supported"
+                f"KTOConfig.router_aux_loss_coef={self.router_aux_loss_coef}: Mixture-of-Experts losses are not "
+                "supported"
             )
         if self.loss_type != "apo_zero_unpaired" and self.train_sampling_strategy != "sequential":
             raise ValueError(
