@@ -45,6 +45,8 @@ _EXPORTS = {
     "GRPOTrainer": "rlhf_core.trainers.grpo",
     "RLOOConfig": "rlhf_core.trainers.rloo_config",
     "RLOOTrainer": "rlhf_core.trainers.rloo",
+    "KTOConfig": "rlhf_core.trainers.kto_config",
+    "KTOTrainer": "rlhf_core.trainers.kto",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -370,3 +370,69 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
 def read_jsonl(path: str | Path) -> list[dict]:
     """Read JSON lines written by :func:`write_jsonl` (errors name file and line)."""
     return [record for _, record in _jsonl_records(Path(path))]
+
+
+# --------------------------------------------------------------------------------------------
+# unpaired ratings (KTO): prompt, completion, label true/false
+# --------------------------------------------------------------------------------------------
+
+RATING_KEYS = ("prompt", "completion", "label")
+
+
+def make_unpaired_ratings(
+    texts: Sequence[str],
+    judge: Callable[[list[str]], list[float]],
+    min_words: int,
+    max_words: int,
+    threshold: float = 0.0,
+    min_margin: float = 0.0,
+    seed: int = 0,
+) -> list[dict]:
+    """Thumbs-up/down rows from a corpus and a judge (higher = better): one per review with a continuation.
+
+    prompt = the review's first N words (N uniform in [min_words, max_words]), completion = the rest (leading
+    space kept); the judge scores prompt + completion and ``label = score > threshold``. Rows scoring within
+    ``min_margin`` of the threshold (ambiguous ratings) are dropped. Returns dicts with prompt, completion,
+    label (bool) and score (float), in corpus order.
+    Example: judge scores [0.6, -0.4, 0.05] with threshold 0, margin 0.1 -> labels [True, False], third dropped.
+    """
+    rng = random.Random(seed)
+    raw = []
+    for text in texts:
+        if len(text.split()) > 1:
+            prompt, completion = cut_prompt(text, rng.randint(min_words, max_words))
+            if completion.strip():
+                raw.append((prompt, completion))
+    scores = judge([p + c for p, c in raw]) if raw else []
+    return [
+        {"prompt": p, "completion": c, "label": bool(s > threshold), "score": float(s)}
+        for (p, c), s in zip(raw, scores)
+        if abs(s - threshold) >= min_margin and s != threshold
+    ]
+
+
+def check_rating(file: str | Path, lineno: int | None, record: dict) -> dict:
+    """One rating row validated: prompt and completion non-empty strings, label a JSON bool.
+
+    Returns ``{"prompt", "completion", "label"}`` (texts kept as written); a bad row raises
+    :class:`DataFormatError` naming ``file`` and ``lineno``.
+    """
+    row = {key: _require_text(Path(file), lineno, record, key, strip=False) for key in ("prompt", "completion")}
+    if "label" not in record:
+        raise DataFormatError(file, lineno, f"missing field 'label' (fields: {', '.join(map(str, record)) or 'none'})")
+    if not isinstance(record["label"], bool):
+        raise DataFormatError(file, lineno, f"field 'label' must be true or false, got {record['label']!r}")
+    row["label"] = record["label"]
+    return row
+
+
+def read_ratings(path: str | Path) -> list[dict]:
+    """Unpaired ratings from a JSON-lines file (or a directory of them): prompt, completion, label per row.
+
+    Every row is checked by :func:`check_rating`; errors name the file and line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    return [check_rating(file, lineno, record) for file in files for lineno, record in _jsonl_records(file)]

@@ -383,3 +383,98 @@ def rloo_loss(
     stats = {"clip_ratio/low_mean": low.mean(), "clip_ratio/high_mean": high.mean(),
              "clip_ratio/region_mean": ((low + high) > 0).float().mean()}
     return loss, {k: v.detach() for k, v in stats.items()}
+# ---- KTO
+# Kahneman-Tversky Optimisation on unpaired (prompt, completion, label) rows, TRL 1.16's formulation.
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def kto_kl_estimate(policy_kl_logps: torch.Tensor, reference_kl_logps: torch.Tensor) -> torch.Tensor:
+    """One process's estimate of KL(policy || reference): mean of the log-ratios of mismatched pairs, detached.
+
+    ``*_kl_logps`` (B,) are summed log-probs of completions paired with another row's prompt (the completion of
+    row ``i - 1`` after the prompt of row ``i``), so they estimate the KL over the batch's prompts without being
+    the rows being learned from. -> () scalar.
+    Example: policy [-3, -5], reference [-4, -4] -> mean(1, -1) = 0.
+    """
+    return (policy_kl_logps - reference_kl_logps).detach().mean()
+
+
+def kto_reference_point(process_kl_estimates: torch.Tensor) -> torch.Tensor:
+    """The KTO reference point z0: the mean of every process's KL estimate (P,), clamped at 0, detached. -> ()
+
+    Example: estimates [0.3, -0.5] -> mean -0.1 -> clamped 0.0; [0.3, 0.1] -> 0.2.
+    """
+    return process_kl_estimates.detach().float().mean().clamp(min=0)
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    reference_logps: torch.Tensor,
+    labels: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KTO losses (B,) (weights applied) and implicit rewards ``beta * (policy - reference)`` (B,), detached.
+
+    policy/reference logps (B,): summed completion log-probs; labels (B,) bool, True = desirable; kl: z0.
+    ``kto``: desirable ``w_d * (1 - sigmoid(beta * (r - z0)))``, undesirable ``w_u * (1 - sigmoid(beta * (z0 - r)))``
+    with ``r`` the log-ratio; ``apo_zero_unpaired``: ``w_d * (1 - sigmoid(beta * r))`` and ``w_u * sigmoid(beta * r)``
+    (no KL term). The batch loss is the mean of the returned losses.
+    Example: beta 1, z0 0, r = [0, ln 3], labels [True, False] -> [1 - 1/2, 1 - sigmoid(-ln 3)] = [0.5, 0.75].
+    """
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {KTO_LOSS_TYPES}, got {loss_type!r}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    desirable = labels.to(torch.bool)  # (B,)
+    logratios = policy_logps - reference_logps  # (B,)
+    if loss_type == "kto":
+        kl = torch.as_tensor(kl, dtype=logratios.dtype, device=logratios.device).detach()
+        desirable_losses = 1 - torch.sigmoid(beta * (logratios - kl))
+        undesirable_losses = 1 - torch.sigmoid(beta * (kl - logratios))
+    else:
+        desirable_losses = 1 - torch.sigmoid(beta * logratios)
+        undesirable_losses = torch.sigmoid(beta * logratios)
+    losses = torch.where(
+        desirable, desirable_weight * desirable_losses, undesirable_weight * undesirable_losses
+    )  # (B,)
+    return losses, beta * logratios.detach()
+
+
+def kto_stat_sums(
+    rewards: torch.Tensor, policy_logps: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Sums to average over desirable/undesirable rows across processes: rewards, logps, labels (B,) -> (6,).
+
+    [sum reward desirable, sum logps desirable, n desirable, sum reward undesirable, sum logps undesirable,
+    n undesirable]; add these over processes, then :func:`kto_stats_from_sums` divides.
+    """
+    desirable = labels.to(torch.bool)
+    rewards, logps = rewards.detach().float(), policy_logps.detach().float()
+    zero = torch.zeros_like(rewards)
+    return torch.stack([
+        torch.where(desirable, rewards, zero).sum(), torch.where(desirable, logps, zero).sum(), desirable.sum().float(),
+        torch.where(desirable, zero, rewards).sum(), torch.where(desirable, zero, logps).sum(),
+        (~desirable).sum().float(),
+    ])
+
+
+def kto_stats_from_sums(sums: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``rewards/chosen``, ``logps/chosen`` (desirable rows), ``.../rejected`` (undesirable), ``rewards/margins``.
+
+    ``sums`` (6,) from :func:`kto_stat_sums` (possibly summed over processes). A side with no rows is left out,
+    and the margin needs both sides (as TRL 1.16 logs them).
+    """
+    stats: dict[str, torch.Tensor] = {}
+    for offset, side in ((0, "chosen"), (3, "rejected")):
+        count = sums[offset + 2]
+        if count > 0:
+            stats[f"rewards/{side}"] = sums[offset] / count
+            stats[f"logps/{side}"] = sums[offset + 1] / count
+    if "rewards/chosen" in stats and "rewards/rejected" in stats:
+        stats["rewards/margins"] = stats["rewards/chosen"] - stats["rewards/rejected"]
+    return stats
