@@ -53,8 +53,9 @@ clean:
 # One thread per process: on a shared 2-core machine two threads per process made PPO ~10x slower.
 .PHONY: run pipeline repro mlflow-ui prefect-ui retrain serve-retrain
 
-run: setup
+run: setup remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
+	$(MAKE) --no-print-directory push
 	@echo ""
 	@echo "Where to look:"
 	@echo "  MLflow UI:  make mlflow-ui   -> http://127.0.0.1:5000 (experiment rlhf-pipeline, registered model rlhf-policy)"
@@ -86,3 +87,33 @@ serve-retrain: setup
 .PHONY: tracking-upload
 tracking-upload: setup
 	$(PY) -m rlhf_core.tracking upload tracking-spool --tracking-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}"
+
+# The DVC remote (docs/lifecycle.md). Default: ~/.cache/rlhf-pipeline/dvc-remote, named in .dvc/config.
+# `make remote DVC_REMOTE=/shared/store` (or s3://..., gs://..., azure://..., ssh://...) writes the URL to the
+# git-ignored .dvc/config.local, per user; so does a set XDG_CACHE_HOME ($XDG_CACHE_HOME/rlhf-pipeline/dvc-remote)
+# unless .dvc/config.local already names a URL. DVC itself expands `~` but not environment variables.
+DVC := $(VENV)/bin/dvc
+.PHONY: remote push intake
+remote: setup
+	@if [ -n "$(DVC_REMOTE)" ]; then $(DVC) remote modify --local shared url "$(DVC_REMOTE)"; \
+	elif [ -n "$$XDG_CACHE_HOME" ] && ! $(DVC) config --local remote.shared.url >/dev/null 2>&1; then \
+	  $(DVC) remote modify --local shared url "$$XDG_CACHE_HOME/rlhf-pipeline/dvc-remote"; fi
+	@echo "DVC remote: $$($(DVC) config remote.shared.url)"
+
+# Data, models and feedback batches to the remote: a teammate's `git clone` + `dvc pull` restores them.
+push: setup
+	$(DVC) push
+
+# Versioned feedback: `make intake FILE="new_pairs.jsonl more.csv"` (see incoming/README.md).
+intake: setup remote
+	@test -n "$(FILE)" || { echo "usage: make intake FILE=path/to/feedback.jsonl [FILE=...]" >&2; exit 2; }
+	$(PY) -m flows.intake $(FILE)
+
+# Team mode on 127.0.0.1: Prefect server + process work pool + worker, MLflow server, prefect.yaml deployed.
+# PIDs and logs in .serve/; `make serve-stop` stops exactly those PIDs.
+.PHONY: serve serve-stop
+serve: setup remote
+	$(PY) -m flows.serve start
+
+serve-stop:
+	$(PY) -m flows.serve stop
