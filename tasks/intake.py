@@ -50,10 +50,16 @@ def _git(root: Path, *args: str) -> str:
     return out.stdout.strip()
 
 
-def _rollback(written: list[Path]) -> None:
+def _rollback(written: list[Path], created_dirs: list[Path]) -> None:
+    """Remove the batches, their .dvc files and the kind directories this intake created (with the
+    .gitignore DVC wrote there)."""
     for data in written:
         data.unlink(missing_ok=True)
         data.with_name(data.name + ".dvc").unlink(missing_ok=True)
+    for folder in created_dirs:
+        (folder / ".gitignore").unlink(missing_ok=True)
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _record(batch: Batch, store: Path, now: str, user: str) -> dict:
@@ -74,6 +80,7 @@ def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     user = os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()
     records = [_record(b, store, now, user) for b in batches]
+    created_dirs = sorted({store / b.kind for b in batches if not (store / b.kind).exists()})
     written = [_write_batch(store, b) for b in batches]
     try:
         with _repo(root) as repo:
@@ -81,7 +88,7 @@ def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming
             if push:
                 repo.push(targets=[str(p) for p in written], remote=remote)
     except Exception as err:  # noqa: BLE001 - any DVC failure undoes the intake
-        _rollback(written)
+        _rollback(written, created_dirs)
         raise IntakeError(f"intake: versioning {', '.join(map(str, written))} failed, nothing ingested: {err}") from err
     with open(store / MANIFEST, "a", encoding="utf-8") as fh:
         fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
