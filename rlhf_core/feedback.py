@@ -203,11 +203,12 @@ def read_manifest(store: Path) -> list[dict]:
 
 
 def check_no_loose_files(store: Path) -> None:
-    """Files dropped straight into the store are not versioned: refuse them with the command to use."""
+    """Files dropped straight into the store are not versioned: refuse the first with the command to use."""
     loose = sorted(p.name for p in store.iterdir() if p.name not in STORE_ENTRIES) if store.is_dir() else []
     if loose:
-        raise ValueError(f"{store}: unversioned file(s) {', '.join(loose)}: ingest them with "
-                         f"`python -m flows.intake FILE...` (or `make intake FILE=...`), then remove them here")
+        raise DataFormatError(store / loose[0], None, "not ingested (unversioned): feedback enters through "
+                              "`python -m flows.intake FILE...` (or `make intake FILE=...`); move this file out of "
+                              f"{store.name}/ and ingest it" + (f" (also loose here: {', '.join(loose[1:])})" if loose[1:] else ""))
 
 
 def read_feedback_pairs(store: str | Path) -> list[dict]:

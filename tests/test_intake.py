@@ -122,7 +122,7 @@ def test_prepare_reads_ingested_pairs_only(tmp_path):
     with pytest.raises(FileNotFoundError, match="run `dvc pull`"):
         read_feedback_pairs(store)
     (store / "loose.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match=r"unversioned file\(s\) loose\.jsonl: ingest them with `python -m flows.intake"):
+    with pytest.raises(DataFormatError, match=r"incoming/loose\.jsonl: not ingested \(unversioned\): .*`python -m flows.intake"):
         check_no_loose_files(store)
 
 
