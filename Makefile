@@ -55,6 +55,7 @@ clean:
 
 run: setup remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
+	$(PY) -m flows.report readme
 	$(MAKE) --no-print-directory push
 	@echo ""
 	@echo "Where to look:"

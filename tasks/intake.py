@@ -62,7 +62,7 @@ def _rollback(written: list[Path], created_dirs: list[Path]) -> None:
             folder.rmdir()
 
 
-def _record(batch: Batch, store: Path, now: str, user: str) -> dict:
+def _record(batch: Batch, now: str, user: str) -> dict:
     return {"sha256": batch.sha256, "kind": batch.kind, "file": f"{batch.kind}/{batch.sha256}.jsonl",
             "rows": len(batch.rows), "source": str(batch.source.resolve()), "ingested_at": now, "user": user}
 
@@ -79,7 +79,7 @@ def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming
     batches = validate_files(files, stored_keys(store), limits)  # everything checked before anything is written
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     user = os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()
-    records = [_record(b, store, now, user) for b in batches]
+    records = [_record(b, now, user) for b in batches]
     created_dirs = sorted({store / b.kind for b in batches if not (store / b.kind).exists()})
     written = [_write_batch(store, b) for b in batches]
     try:
@@ -113,7 +113,9 @@ def _commit_message(records: list[dict]) -> str:
 def emit_ingested(records: list[dict]) -> int:
     """Emit ``rlhf.feedback.ingested`` per batch to the Prefect server of ``PREFECT_API_URL``; returns how many
     were sent. Without a server configured there is nobody to trigger: nothing is sent (the cron still runs)."""
-    if not os.environ.get("PREFECT_API_URL"):
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # the environment variable or the active Prefect profile
         get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (retraining runs on its cron)", EVENT)
         return 0
     from prefect.events import emit_event

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +180,29 @@ def test_failed_push_ingests_nothing(tmp_path, monkeypatch):
     assert main([str(good), "--root", str(root), "--remote", "broken"]) == EXIT_NOT_VERSIONED
     assert _git(root, "rev-parse", "HEAD") == head
     assert [p.name for p in (root / "incoming").rglob("*")] == ["README.md"]
+
+
+@pytest.mark.slow
+def test_intake_event_reaches_the_prefect_server(monkeypatch):
+    """The event the retraining deployment's trigger waits for arrives at the server, with the batch hash."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.intake import EVENT, emit_ingested
+
+    record = {"sha256": "ab" * 32, "kind": "pairs", "file": f"pairs/{'ab' * 32}.jsonl", "rows": 3,
+              "source": "/data/new.jsonl", "user": "alice"}
+    assert emit_ingested([record]) == 0  # no server configured: nothing to trigger, nothing sent
+    with prefect_test_harness(server_startup_timeout=120):
+        assert emit_ingested([record]) == 1
+        events = []
+        for _ in range(60):  # the server persists events asynchronously
+            with get_client(sync_client=True) as client:
+                events = client.read_events(EventFilter(event=EventNameFilter(name=[EVENT]))).events
+            if events:
+                break
+            time.sleep(0.5)
+    assert len(events) == 1
+    assert events[0].resource.id == f"rlhf.feedback.{record['sha256']}"
+    assert events[0].payload["sha256"] == record["sha256"] and events[0].payload["rows"] == 3

@@ -27,11 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict) -> list:
+def _post(url: str, body: dict) -> list | None:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+        body = response.read()
+    return json.loads(body) if body else None
 
 
 def _alive(pid: int) -> bool:
@@ -49,9 +50,9 @@ def test_worker_runs_scheduled_retraining(tmp_path, monkeypatch):
     root = make_project(tmp_path / "proj")
     config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     retrain = next(d for d in config["deployments"] if d["name"] == "rlhf-retrain")
-    # an hourly interval anchored so that its next run is 20 s from now: exactly one run in this test
-    anchor = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=20) - dt.timedelta(hours=1)
-    retrain["schedules"] = [{"interval": 3600, "anchor_date": anchor.isoformat(), "timezone": "UTC", "active": True}]
+    # every 20 s (whenever the deployment is ready); paused once the first run starts: one run in this test
+    anchor = dt.datetime.now(dt.timezone.utc)
+    retrain["schedules"] = [{"interval": 20, "anchor_date": anchor.isoformat(), "timezone": "UTC", "active": True}]
     retrain["concurrency_limit"] = 1
     config["deployments"] = [retrain]
     (root / "prefect.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -75,13 +76,17 @@ def test_worker_runs_scheduled_retraining(tmp_path, monkeypatch):
         automations = _post(f"{api}/automations/filter", {})
         assert any(a["trigger"].get("expect") == ["rlhf.feedback.ingested"] for a in automations)
 
-        state = None
+        state, paused = None, False
         while time.monotonic() - started < DEADLINE_S:
             runs = _post(f"{api}/flow_runs/filter", {})
             states = {r["state_type"] for r in runs}
+            if not paused and states - {"SCHEDULED"}:  # the first run started: no further runs
+                _post(f"{api}/deployments/{deployments[0]['id']}/pause_deployment", {})
+                paused = True
             if states & {"FAILED", "CRASHED"}:
                 pytest.fail(f"retraining run failed: {runs}\n" + (root / ".serve" / "prefect-worker.log").read_text()[-4000:])
             if "COMPLETED" in states:
+                assert sum(r["state_type"] == "COMPLETED" for r in runs) == 1
                 state = "COMPLETED"
                 break
             time.sleep(5)
