@@ -50,14 +50,23 @@ def _git(root: Path, *args: str) -> str:
     return out.stdout.strip()
 
 
-def _rollback(written: list[Path], created_dirs: list[Path]) -> None:
-    """Remove the batches, their .dvc files and the kind directories this intake created (with the
-    .gitignore DVC wrote there)."""
+def _snapshot(store: Path, batches: list[Batch]) -> dict[Path, bytes | None]:
+    """What an intake may change besides its new files: each kind's .gitignore and the manifest."""
+    paths = {store / b.kind / ".gitignore" for b in batches} | {store / MANIFEST}
+    return {p: p.read_bytes() if p.is_file() else None for p in paths}
+
+
+def _rollback(written: list[Path], before: dict[Path, bytes | None]) -> None:
+    """Remove the batches and their .dvc files; put .gitignore files and the manifest back as they were."""
     for data in written:
         data.unlink(missing_ok=True)
         data.with_name(data.name + ".dvc").unlink(missing_ok=True)
-    for folder in created_dirs:
-        (folder / ".gitignore").unlink(missing_ok=True)
+    for path, content in before.items():
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(content)
+    for folder in {p.parent for p in written}:
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
 
@@ -67,38 +76,53 @@ def _record(batch: Batch, now: str, user: str) -> dict:
             "rows": len(batch.rows), "source": str(batch.source.resolve()), "ingested_at": now, "user": user}
 
 
-def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming", push: bool = True,
-           commit: bool = True, emit: bool = True, remote: str | None = None,
-           limits: IntakeLimits = IntakeLimits()) -> list[dict]:
-    """Validate ``files`` and add each as one batch to the store; returns the manifest records added.
-
-    Raises :class:`~rlhf_core.data.DataFormatError` (bad input: nothing written) or :class:`IntakeError`."""
-    root = Path(root).resolve()
-    store = root / store_dir
-    log = get_logger()
-    batches = validate_files(files, stored_keys(store), limits)  # everything checked before anything is written
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    user = os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()
-    records = [_record(b, now, user) for b in batches]
-    created_dirs = sorted({store / b.kind for b in batches if not (store / b.kind).exists()})
-    written = [_write_batch(store, b) for b in batches]
+def _version(root: Path, written: list[Path], push: bool, remote: str | None) -> None:
+    """``dvc add`` the batches (cache + .dvc files) and push them to the remote."""
     try:
         with _repo(root) as repo:
             repo.add([str(p) for p in written])
             if push:
                 repo.push(targets=[str(p) for p in written], remote=remote)
     except Exception as err:  # noqa: BLE001 - any DVC failure undoes the intake
-        _rollback(written, created_dirs)
         raise IntakeError(f"intake: versioning {', '.join(map(str, written))} failed, nothing ingested: {err}") from err
-    with open(store / MANIFEST, "a", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if commit:
-        paths = [str(store / MANIFEST)] + [str(p) + ".dvc" for p in written] + [str(p.parent / ".gitignore") for p in written]
-        paths = sorted(set(paths))
-        _git(root, "add", "--", *paths)
+
+
+def _commit(root: Path, store: Path, written: list[Path], records: list[dict]) -> None:
+    """Commit the manifest, the .dvc files and DVC's .gitignore entries (only those paths)."""
+    paths = sorted({str(store / MANIFEST)} | {f"{p}.dvc" for p in written} | {str(p.parent / ".gitignore") for p in written})
+    _git(root, "add", "--", *paths)
+    try:
         _git(root, "commit", "-q", "-m", _commit_message(records), "--", *paths)
+    except IntakeError:
+        subprocess.run(["git", "reset", "-q", "--", *paths], cwd=root, capture_output=True)
+        raise
+
+
+def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming", push: bool = True,
+           commit: bool = True, emit: bool = True, remote: str | None = None,
+           limits: IntakeLimits = IntakeLimits()) -> list[dict]:
+    """Validate ``files`` and add each as one batch to the store; returns the manifest records added.
+
+    Raises :class:`~rlhf_core.data.DataFormatError` (bad input: nothing written) or :class:`IntakeError`
+    (DVC or git failed: what was written is undone)."""
+    root = Path(root).resolve()
+    store = root / store_dir
+    batches = validate_files(files, stored_keys(store), limits)  # everything checked before anything is written
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    records = [_record(b, now, os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()) for b in batches]
+    before = _snapshot(store, batches)
+    written = [_write_batch(store, b) for b in batches]
+    try:
+        _version(root, written, push, remote)
+        with open(store / MANIFEST, "a", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        if commit:
+            _commit(root, store, written, records)
+    except BaseException:
+        _rollback(written, before)
+        raise
     for r in records:
-        log.info("intake: %s batch %s (%d rows) from %s", r["kind"], r["sha256"], r["rows"], r["source"])
+        get_logger().info("intake: %s batch %s (%d rows) from %s", r["kind"], r["sha256"], r["rows"], r["source"])
     if emit:
         emit_ingested(records)
     return records

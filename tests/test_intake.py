@@ -132,6 +132,7 @@ def _git(root: Path, *args: str) -> str:
 
 def test_intake_versions_records_commits_and_refuses_atomically(tmp_path, monkeypatch):
     from flows.intake import EXIT_BAD_INPUT, main
+
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("RLHF_INTAKE_USER", "alice")
     root = make_project(tmp_path / "proj")
@@ -206,3 +207,17 @@ def test_intake_event_reaches_the_prefect_server(monkeypatch):
     assert len(events) == 1
     assert events[0].resource.id == f"rlhf.feedback.{record['sha256']}"
     assert events[0].payload["sha256"] == record["sha256"] and events[0].payload["rows"] == 3
+
+
+def test_failed_commit_ingests_nothing(tmp_path, monkeypatch):
+    from flows.intake import EXIT_NOT_VERSIONED, main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    root = make_project(tmp_path / "proj")
+    hook = root / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\necho 'refused by hook' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    good = _jsonl(tmp_path / "good.jsonl", [PAIR])
+    assert main([str(good), "--root", str(root), "--no-push"]) == EXIT_NOT_VERSIONED
+    assert [p.name for p in (root / "incoming").rglob("*")] == ["README.md"]
+    assert _git(root, "status", "--porcelain") == ""
