@@ -200,7 +200,7 @@ def test_intake_event_reaches_the_prefect_server(monkeypatch):
         events = []
         for _ in range(60):  # the server persists events asynchronously
             with get_client(sync_client=True) as client:
-                events = client.read_events(EventFilter(event=EventNameFilter(name=[EVENT]))).events
+                events = client.read_events(EventFilter(event=EventNameFilter(name=[EVENT])), limit=50).events
             if events:
                 break
             time.sleep(0.5)
