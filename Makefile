@@ -57,8 +57,10 @@ clean: ## remove .venv and pytest caches
 # One thread per process: on a shared 2-core machine two threads per process made PPO ~10x slower.
 .PHONY: run pipeline repro mlflow-ui prefect-ui retrain serve-retrain
 
-run: setup ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> ppo/dpo -> evaluate -> registry)
+run: setup remote ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
+	$(PY) -m flows.report readme
+	$(MAKE) --no-print-directory push
 	@echo ""
 	@echo "Where to look:"
 	@echo "  MLflow UI:  make mlflow-ui   -> http://127.0.0.1:5000 (experiment rlhf-pipeline, registered model rlhf-policy)"
@@ -100,3 +102,33 @@ plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inl
 # `dvc exp show` with only the headline columns, so it fits a terminal.
 exps: setup ## dvc exp show, headline columns only (gold reward, KL, win rate per policy)
 	$(VENV)/bin/dvc exp show --drop '.*' --keep '(Experiment|Created|.*\.(gold_reward|kl|win_rate))$$' --md
+
+# The DVC remote (docs/lifecycle.md). Default: ~/.cache/rlhf-pipeline/dvc-remote, named in .dvc/config.
+# `make remote DVC_REMOTE=/shared/store` (or s3://..., gs://..., azure://..., ssh://...) writes the URL to the
+# git-ignored .dvc/config.local, per user; so does a set XDG_CACHE_HOME ($XDG_CACHE_HOME/rlhf-pipeline/dvc-remote)
+# unless .dvc/config.local already names a URL. DVC itself expands `~` but not environment variables.
+DVC := $(VENV)/bin/dvc
+.PHONY: remote push intake
+remote: setup ## show the DVC remote; DVC_REMOTE=<path or URL> sets it for you (.dvc/config.local)
+	@if [ -n "$(DVC_REMOTE)" ]; then $(DVC) remote modify --local shared url "$(DVC_REMOTE)"; \
+	elif [ -n "$$XDG_CACHE_HOME" ] && ! $(DVC) config --local remote.shared.url >/dev/null 2>&1; then \
+	  $(DVC) remote modify --local shared url "$$XDG_CACHE_HOME/rlhf-pipeline/dvc-remote"; fi
+	@echo "DVC remote: $$($(DVC) config remote.shared.url)"
+
+# Data, models and feedback batches to the remote: a teammate's `git clone` + `dvc pull` restores them.
+push: setup ## dvc push: data, models and feedback batches to the remote
+	$(DVC) push
+
+# Versioned feedback: `make intake FILE="new_pairs.jsonl more.csv"` (see incoming/README.md).
+intake: setup remote ## validate, version and push new feedback: make intake FILE=pairs.jsonl
+	@test -n "$(FILE)" || { echo "usage: make intake FILE=path/to/feedback.jsonl [FILE=...]" >&2; exit 2; }
+	$(PY) -m flows.intake $(FILE)
+
+# Team mode on 127.0.0.1: Prefect server + process work pool + worker, MLflow server, prefect.yaml deployed.
+# PIDs and logs in .serve/; `make serve-stop` stops exactly those PIDs.
+.PHONY: serve serve-stop
+serve: setup remote ## team mode on 127.0.0.1: Prefect server + worker, MLflow server, deployments
+	$(PY) -m flows.serve start
+
+serve-stop: ## stop what make serve started (by PID)
+	$(PY) -m flows.serve stop

@@ -1,16 +1,26 @@
-"""Scheduled retraining: ``python -m flows.retrain`` (one run) or ``--serve`` (on a cron schedule).
+"""Retraining: ``python -m flows.retrain`` (one run), ``--serve`` (on a cron), or the ``rlhf-retrain``
+deployment of prefect.yaml (on its cron and on every ``rlhf.feedback.ingested`` event of the intake).
 
-A retraining run picks up new data (files dropped in ``incoming/``, or a new ``prepare.source_revision``
-for a hub dataset), re-runs what changed through the pipeline flow, evaluates, registers (the champion
-moves only if the new policy wins), and pushes DVC data and models to the configured remote
-(``.dvc-remote/`` by default). ``--serve`` needs a Prefect server (``prefect server start --host 127.0.0.1``
-with ``PREFECT_API_URL=http://127.0.0.1:4200/api``); no Prefect Cloud.
+A retraining run works from the committed state, never from someone's working copy: it checks out the
+branch's last commit in a temporary ``git worktree`` (sharing the checkout's DVC cache and remotes, so
+unchanged stages are restored, not retrained), re-runs what changed through the pipeline flow (new
+feedback batches in ``incoming/``, a new ``prepare.source_revision``, code or params), evaluates,
+registers (``champion`` moves only on a win), pushes data and models to the DVC remote and commits
+``dvc.lock``, ``metrics/`` and ``plots/`` on a branch ``retrain/<UTC stamp>``, with a tag
+``rlhf-policy-v<N>`` per registered version: ``git checkout <ref> && dvc pull`` restores that version's
+data and weights. The MLflow store is the checkout's (``$MLFLOW_TRACKING_URI`` when set).
+``--serve`` needs a Prefect server (``make serve``, or ``prefect server start --host 127.0.0.1`` with
+``PREFECT_API_URL=http://127.0.0.1:4200/api``); no Prefect Cloud.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime as dt
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import flows  # noqa: F401  (environment defaults)
@@ -19,17 +29,47 @@ from prefect import flow
 from flows.pipeline import pipeline
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import push_outputs
+from tasks.tracking import mlflow_setup, tracking_uri
+from tasks.worktree import close_worktree, current_branch, open_worktree, record_result
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
 
 
+@contextlib.contextmanager
+def _tracking_of(root: str) -> Iterator[None]:
+    """Stages in the worktree log to the checkout's MLflow store (its registry holds the champion)."""
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri(root)
+    mlflow_setup(root)  # creates the experiment with the checkout's artifact folder, not the worktree's
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
 @flow(name="rlhf-retrain", log_prints=False)  # see flows/__init__.py
-def retrain(root: str = ".", push: bool = True, remote: str | None = None) -> dict:
-    """Re-run what changed, evaluate, register, push to the DVC remote."""
+def retrain(root: str = ".", branch: str | None = None, push: bool = True, remote: str | None = None,
+            record: bool = True) -> dict:
+    """Retrain ``branch`` (default: the one checked out in ``root``) from its last commit; record the result."""
     root = str(Path(root).resolve())
-    summary = pipeline(root)
-    if push:
-        summary["pushed"] = push_outputs(root, remote)
+    branch = branch or current_branch(root)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    # When tasks/locking.py lands: hold the checkout's lock (root) from here to the end, so a `make run` in
+    # the same checkout waits for (or refuses with the name of) this run while it registers and pushes.
+    worktree = open_worktree(root, branch, stamp)
+    try:
+        with _tracking_of(root):
+            summary = pipeline(worktree)
+        summary["branch"] = branch
+        if push:
+            summary["pushed"] = push_outputs(worktree, remote)
+        if record:
+            summary["git"] = record_result(worktree, branch, stamp, summary["registry"])
+    finally:
+        close_worktree(root, worktree)
     return summary
 
 
@@ -37,20 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 75 (``EXIT_PREEMPTED``) when SIGTERM/SIGINT stopped a training stage after saving its state."""
     parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
+    parser.add_argument("--branch", default=None, help="branch to retrain (default: the one checked out)")
     parser.add_argument("--serve", action="store_true", help="serve the retraining deployment on a cron schedule")
     parser.add_argument("--cron", default=DEFAULT_CRON, help=f"schedule for --serve (default: {DEFAULT_CRON!r})")
     parser.add_argument("--no-push", action="store_true", help="do not push to the DVC remote")
+    parser.add_argument("--no-record", action="store_true", help="do not commit the result on a retrain/ branch")
     args = parser.parse_args(argv)
     if args.serve:
         retrain.serve(name="rlhf-retrain-local", cron=args.cron,
-                      parameters={"root": str(Path(args.root).resolve()), "push": not args.no_push})
+                      parameters={"root": str(Path(args.root).resolve()), "branch": args.branch,
+                                  "push": not args.no_push, "record": not args.no_record})
         return 0
     install_stop_handlers()  # one run (not --serve: there SIGTERM must stop the server)
     try:
-        retrain(args.root, push=not args.no_push)
-    except Preempted as stopped:  # a stage saved its state on SIGTERM: the next run resumes it
+        summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record)
+    except Preempted as stopped:  # the worktree (and a stage's saved state in it) is gone: the next run re-runs it
         print(f"retrain stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
+    if "git" in summary:
+        git = summary["git"]
+        print(f"Recorded on {git['branch']} ({git['commit'][:12]})" + (f", tag {git['tag']}" if git["tag"] else "")
+              + f"; restore with: git checkout {git['tag'] or git['branch']} && dvc pull")
     return 0
 
 

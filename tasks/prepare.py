@@ -1,8 +1,8 @@
 """Stage ``prepare``: reviews -> SFT corpus, held-out text, prompts, gold-labelled preference pairs.
 
 Reads ``params.yaml:prepare`` and the source it names (the synthetic default, local files or a hub dataset)
-plus any new data under ``paths.incoming``; writes ``data/*.jsonl``, ``metrics/prepare.json`` and
-``plots/prepare.csv``. Everything is read and validated before anything is written.
+plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
+``data/*.jsonl``, ``metrics/prepare.json`` and ``plots/prepare.csv``. Everything is read and validated before anything is written.
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import (
     DataFormatError,
+    IncomingData,
     clean_text,
     generate_reviews,
     load_hub_texts,
     make_preference_pairs,
     make_prompts,
-    read_incoming,
     read_text_records,
     split_train_eval,
     write_jsonl,
 )
+from rlhf_core.feedback import read_feedback_pairs
 from rlhf_core.rewards import GoldJudge
 from tasks.distributed import LauncherError, require_single_process
 from tasks.logs import get_logger
@@ -109,7 +110,7 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     # read and validate everything first
     reviews = load_source(p, root)
-    incoming = read_incoming(root / paths.incoming, text_field=p.text_field)
+    incoming = IncomingData(reviews=[], pairs=read_feedback_pairs(root / paths.incoming))  # versioned by the intake
     log.info("prepare: %d reviews from %s, %d new reviews and %d new pairs from %s", len(reviews), p.source,
              len(incoming.reviews), len(incoming.pairs), paths.incoming)
     judge = GoldJudge()

@@ -120,7 +120,7 @@ def test_pipeline_end_to_end(harness, project, monkeypatch):
     bad.write_text('{"prompt": "This film", "chosen": " was fine.", "rejected": " was bad."}\n{"prompt": oops}\n')
     from rlhf_core.data import DataFormatError
 
-    with pytest.raises(DataFormatError, match=r"bad.jsonl:2: invalid JSON"):
+    with pytest.raises(DataFormatError, match=r"bad.jsonl: not ingested"):  # loose files are refused
         pipeline(str(project))
     assert (project / "dvc.lock").read_text() == lock_before
     assert (project / "data" / "preferences.jsonl").read_bytes() == data_before

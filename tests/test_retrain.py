@@ -1,29 +1,64 @@
-"""One scheduled-retraining run with new data: re-runs what changed, registers a new version, moves the
-champion only if it won, pushes DVC outputs to the local remote. Plus the prefect.yaml deployments."""
+"""Retraining from the committed state, triggered by data, leaving a trace in git.
+
+Slow: two retraining runs of a tiny project (a clean worktree of ``main`` each time; the second after a
+feedback intake re-runs only what the new pairs feed), then a fresh clone at the tag of a registered
+version restores its data and weights with ``dvc pull`` and ``dvc status`` is clean. Fast: prefect.yaml's
+deployments (cron + event trigger) validate against Prefect's own schemas."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from _pipeline_project import ROOT, make_project, mlflow_client, write_params
+from _pipeline_project import ROOT, make_project, mlflow_client, run, write_params
 
-pytestmark = pytest.mark.slow
+DVC = str(ROOT / ".venv" / "bin" / "dvc")
 
 
-def test_prefect_yaml_defines_pipeline_and_scheduled_retraining():
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_prefect_yaml_defines_pipeline_and_retraining_on_cron_and_feedback_event():
+    from pydantic import TypeAdapter
+
+    from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
+    from tasks.intake import EVENT
+
     config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in config["deployments"]}
     assert deployments["rlhf-pipeline"]["entrypoint"] == "flows/pipeline.py:pipeline"
     retrain = deployments["rlhf-retrain"]
     assert retrain["entrypoint"] == "flows/retrain.py:retrain"
-    cron = retrain["schedules"][0]["cron"]
-    assert len(cron.split()) == 5
+    assert len(retrain["schedules"][0]["cron"].split()) == 5
+    triggers = [TypeAdapter(DeploymentTriggerTypes).validate_python(t) for t in retrain["triggers"]]
+    assert [t.expect for t in triggers] == [{EVENT}]
+    assert triggers[0].match.root == {"prefect.resource.id": "rlhf.feedback.*"}
+    assert triggers[0].posture == "Reactive" and triggers[0].threshold == 1
     for d in deployments.values():
         path, func = d["entrypoint"].split(":")
         assert f"def {func}(" in (ROOT / path).read_text()
+        assert set(d.get("parameters", {})) <= set(_flow_parameters(path, func))
+
+
+def _flow_parameters(path: str, func: str) -> list[str]:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    return list(inspect.signature(getattr(module, func).fn).parameters)
+
+
+def test_retrain_cli_documents_serve():
+    from flows.retrain import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert Path(ROOT / "flows" / "retrain.py").read_text().count("retrain.serve(") == 1
 
 
 @pytest.fixture(scope="module")
@@ -34,41 +69,54 @@ def harness():
         yield
 
 
-def test_retraining_run_with_new_data(harness, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_retraining_from_committed_state_records_and_restores(harness, tmp_path, monkeypatch):
     from flows.retrain import retrain
+    from tasks.intake import ingest
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
     root = make_project(tmp_path / "proj")
+    remote = tmp_path / "shared-remote"  # outside the working copy, as the project's default is
+    run([DVC, "remote", "modify", "local", "url", str(remote)], root)
+    _git(root, "commit", "-qam", "remote outside the working copy")
+    (root / "uncommitted.txt").write_text("someone's edit in progress\n")  # the retrain must not see or touch it
+
     first = retrain(str(root))
     assert first["registry"]["decision"] == "promote"
-    remote = root / ".dvc-remote"
     assert first["pushed"] > 0 and any(p.is_file() for p in remote.rglob("*"))
-    client = mlflow_client(root)
-    v1 = client.get_model_version_by_alias("rlhf-policy", "champion").version
+    v1 = first["registry"]["version"]
+    assert first["git"]["tag"] == f"rlhf-policy-v{v1}" and first["git"]["branch"].startswith("retrain/")
+    assert _git(root, "status", "--porcelain") == "?? uncommitted.txt"  # the checkout is untouched
+    assert not (root / "dvc.lock").exists() and _git(root, "worktree", "list").count("\n") == 0
+    assert set(_git(root, "show", "--name-only", "--format=", first["git"]["branch"]).split()) >= {
+        "dvc.lock", "metrics/evaluate.json", "plots/ppo.csv"}
 
-    # new preference data arrives; this time the challenger cannot win (min_improvement is out of reach)
+    # new feedback is ingested (committed on main); this time the challenger cannot win
     pairs = [{"prompt": "This movie was", "chosen": f" wonderful, truly {w}.", "rejected": f" awful and {w}."}
              for w in ("fun", "sweet", "smart", "lovely")]
-    (root / "incoming" / "2026-11-batch.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    batch = tmp_path / "2026-11-batch.jsonl"
+    batch.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    ingest(root, [batch], emit=False)
     write_params(root, {"registry.min_improvement": 10.0})
+    _git(root, "commit", "-qam", "registry: a margin out of reach")
     second = retrain(str(root))
     assert "prepare" in second["ran"] and "reward_model" in second["ran"] and "dpo" in second["ran"]
     assert "evaluate" in second["ran"]
-    assert "sft" not in second["ran"]  # the SFT corpus did not change: only what depends on the pairs re-ran
+    assert "sft" not in second["ran"]  # restored from the first run's record: only what the pairs feed re-ran
     record = second["registry"]
     assert record["registered"] and record["version"] != v1
     assert record["decision"] == "keep" and "min_improvement" in record["reason"]
-    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == v1  # did not win: unchanged
-    assert client.get_model_version_by_alias("rlhf-policy", "challenger").version == record["version"]
-    assert json.loads((root / "metrics" / "prepare.json").read_text())["num_incoming_pairs"] == 4
-    assert second["pushed"] > 0
+    client = mlflow_client(root)
+    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == v1
+    metrics = json.loads(_git(root, "show", f"{second['git']['tag']}:metrics/prepare.json"))
+    assert metrics["num_incoming_pairs"] == 4
 
-
-def test_retrain_cli_documents_serve():
-    from flows.retrain import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
-    assert Path(ROOT / "flows" / "retrain.py").read_text().count("retrain.serve(") == 1
+    # a teammate: fresh clone at the champion's tag + dvc pull restores it; nothing needs training
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(root), str(clone)], tmp_path)
+    run(["git", "checkout", "-q", first["git"]["tag"]], clone)
+    run([DVC, "pull", "-q"], clone)
+    assert json.loads(run([DVC, "status", "--json"], clone)) == {}
+    assert (clone / "models" / "ppo").is_dir() and (clone / "data" / "preferences.jsonl").is_file()

@@ -48,10 +48,17 @@ def test_prepare_synthetic(project):
 
 
 def test_prepare_merges_incoming_pairs(project):
+    from rlhf_core.feedback import canonical_bytes, validate_batch
     from tasks.prepare import prepare_task
 
     new = {"prompt": "The new film", "chosen": " was a delight.", "rejected": " was a bore."}
-    (project / "incoming" / "batch1.jsonl").write_text(json.dumps(new) + "\n")
+    source = project / "batch1.jsonl"
+    source.write_text(json.dumps(new) + "\n")
+    batch = validate_batch(source)  # what `python -m flows.intake` stores (without its DVC and git steps)
+    (project / "incoming" / "pairs").mkdir()
+    (project / "incoming" / "pairs" / f"{batch.sha256}.jsonl").write_bytes(canonical_bytes(batch.rows))
+    (project / "incoming" / "manifest.jsonl").write_text(
+        json.dumps({"sha256": batch.sha256, "kind": "pairs", "file": f"pairs/{batch.sha256}.jsonl"}) + "\n")
     metrics = prepare_task.fn(str(project))
     assert metrics["num_incoming_pairs"] == 1
     pairs = _lines(project / "data" / "preferences.jsonl")
@@ -64,11 +71,11 @@ def test_malformed_input_stops_prepare_and_writes_nothing(project):
     prepare_task.fn(str(project))
     before = {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES}
     metrics_before = (project / "metrics" / "prepare.json").read_bytes()
-    bad = project / "incoming" / "broken.jsonl"
+    bad = project / "incoming" / "broken.jsonl"  # dropped by hand instead of ingested
     bad.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": \n')
     with pytest.raises(DataFormatError) as err:
         prepare_task.fn(str(project))
-    assert str(err.value).startswith(f"{bad}:2: invalid JSON")
+    assert str(err.value).startswith(f"{bad}: not ingested")
     assert {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES} == before
     assert (project / "metrics" / "prepare.json").read_bytes() == metrics_before
 

@@ -1,0 +1,62 @@
+"""Ingest new feedback: ``python -m flows.intake FILE...`` (or ``make intake FILE=...``).
+
+Each FILE (``.jsonl``, ``.csv`` or ``.parquet``) holds preference pairs (prompt, chosen, rejected) or
+unpaired ratings (prompt, completion, label true/false). All files are validated first (schema, UTF-8,
+empty or identical pairs, duplicates within and across batches, size limits); the first problem stops
+the intake with ``file:line: message`` and nothing is ingested. Then each file becomes one batch
+``incoming/<kind>/<sha256>.jsonl`` tracked by DVC, pushed to the DVC remote, listed in
+``incoming/manifest.jsonl`` (source, time, user, hash, rows) and committed to git; with ``PREFECT_API_URL``
+set, the event ``rlhf.feedback.ingested`` triggers the retraining deployment (prefect.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+from rlhf_core.data import DataFormatError
+from rlhf_core.feedback import IntakeLimits
+from tasks.intake import IntakeError, ingest
+from tasks.params import PARAMS_FILE, load_params
+
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # a CLI, not a flow run
+
+EXIT_BAD_INPUT = 65  # EX_DATAERR
+EXIT_NOT_VERSIONED = 74  # EX_IOERR
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.intake", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", metavar="FILE", help="feedback files (.jsonl, .csv, .parquet)")
+    parser.add_argument("--root", default=".", help="project directory (default: current)")
+    parser.add_argument("--no-push", action="store_true", help="do not push the batches to the DVC remote")
+    parser.add_argument("--no-commit", action="store_true", help="do not commit the manifest and .dvc files")
+    parser.add_argument("--no-event", action="store_true", help="do not emit the rlhf.feedback.ingested event")
+    parser.add_argument("--remote", default=None, help="DVC remote to push to (default: the configured default)")
+    parser.add_argument("--max-rows", type=int, default=IntakeLimits.max_rows, help="most records per file")
+    parser.add_argument("--max-file-bytes", type=int, default=IntakeLimits.max_file_bytes, help="largest file")
+    parser.add_argument("--max-field-chars", type=int, default=IntakeLimits.max_field_chars, help="longest text")
+    args = parser.parse_args(argv)
+    root = Path(args.root).resolve()
+    store = load_params(root / PARAMS_FILE).paths.incoming
+    limits = IntakeLimits(max_file_bytes=args.max_file_bytes, max_rows=args.max_rows,
+                          max_field_chars=args.max_field_chars)
+    try:
+        records = ingest(root, args.files, store_dir=store, push=not args.no_push, commit=not args.no_commit,
+                         emit=not args.no_event, remote=args.remote, limits=limits)
+    except DataFormatError as err:
+        print(f"intake refused (nothing ingested): {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except IntakeError as err:
+        print(str(err), file=sys.stderr)
+        return EXIT_NOT_VERSIONED
+    for r in records:
+        print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} rows) from {r['source']} -> {store}/{r['file']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Validation of new human feedback before it is versioned: preference pairs and unpaired ratings.
+
+Two kinds of batch, one kind per file:
+
+- ``pairs``: records with ``prompt``, ``chosen``, ``rejected`` (strings), the preference data of reward
+  modelling and DPO;
+- ``ratings``: records with ``prompt``, ``completion`` (strings) and ``label`` (true = desirable), the
+  unpaired data of KTO.
+
+:func:`validate_batch` reads one ``.jsonl``/``.csv``/``.parquet`` file and returns its rows in a canonical
+form (:func:`canonical_bytes` of which gives the batch's SHA-256, its name in the store) or raises
+:class:`~rlhf_core.data.DataFormatError` naming the file and line of the first problem: schema, UTF-8,
+empty fields, identical pair, a duplicate inside the batch or of a row already stored, size limits.
+Pure apart from reading the file; nothing here writes, and nothing imports Prefect, MLflow or DVC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf_core.data import DataFormatError, iter_records
+
+KIND_FIELDS = {"pairs": ("prompt", "chosen", "rejected"), "ratings": ("prompt", "completion", "label")}
+SUFFIXES = (".jsonl", ".csv", ".parquet")
+MANIFEST = "manifest.jsonl"
+STORE_ENTRIES = {"README.md", MANIFEST, ".gitignore", *KIND_FIELDS}
+_TRUE = {"true", "1", "yes"}
+_FALSE = {"false", "0", "no"}
+
+
+@dataclass(frozen=True)
+class IntakeLimits:
+    """Size limits of one feedback file; a file over any of them is refused whole."""
+
+    max_file_bytes: int = 64 * 1024 * 1024
+    """Largest accepted file on disk, in bytes."""
+    max_rows: int = 200_000
+    """Most records in one file."""
+    max_field_chars: int = 20_000
+    """Longest accepted prompt/chosen/rejected/completion, in characters."""
+
+
+@dataclass
+class Batch:
+    """One validated file: its kind, canonical rows and the line each row came from."""
+
+    source: Path
+    """The file as given to the intake."""
+    kind: str
+    """``pairs`` or ``ratings``."""
+    rows: list[dict] = field(default_factory=list)
+    """Canonical rows: exactly the fields of ``KIND_FIELDS[kind]``, in that order."""
+    lines: list[int] = field(default_factory=list)
+    """1-based line (CSV/JSONL) or row (parquet) of each row in ``source``."""
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(canonical_bytes(self.rows)).hexdigest()
+
+
+def row_key(kind: str, row: Mapping) -> str:
+    """What makes two rows duplicates: the same texts (a rating's label is not part of it, so a
+    contradicting second label for the same completion is a duplicate too)."""
+    texts = [row[k] for k in KIND_FIELDS[kind] if k != "label"]
+    return hashlib.sha256(json.dumps([kind, *texts], ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def canonical_bytes(rows: Iterable[Mapping]) -> bytes:
+    """The stored form of a batch: one JSON object per line, UTF-8, keys in schema order."""
+    return "".join(json.dumps(dict(r), ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+
+
+def detect_kind(path: Path, line: int, record: Mapping) -> str:
+    """``pairs`` or ``ratings`` from a record's keys; any other key set is a schema error."""
+    keys = set(record)
+    for kind, fields in KIND_FIELDS.items():
+        if keys == set(fields):
+            return kind
+    expected = " or ".join("{" + ", ".join(f) + "}" for f in KIND_FIELDS.values())
+    raise DataFormatError(path, line, f"fields {sorted(keys)} match no feedback schema (expected {expected})")
+
+
+def _text(path: Path, line: int, record: Mapping, key: str, limits: IntakeLimits) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataFormatError(path, line, f"field {key!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataFormatError(path, line, f"field {key!r} is empty")
+    if len(value) > limits.max_field_chars:
+        raise DataFormatError(path, line, f"field {key!r} has {len(value)} characters (limit {limits.max_field_chars})")
+    if "\x00" in value:
+        raise DataFormatError(path, line, f"field {key!r} contains a NUL character")
+    return value
+
+
+def _label(path: Path, line: int, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise DataFormatError(path, line, f"field 'label' must be true or false, got {value!r}")
+
+
+def canonical_row(path: Path, line: int, kind: str, record: Mapping, limits: IntakeLimits) -> dict:
+    """Check one record's fields and return it with exactly the schema's keys (prompt stripped)."""
+    row = {}
+    for key in KIND_FIELDS[kind]:
+        if key == "label":
+            row[key] = _label(path, line, record[key])
+        else:
+            text = _text(path, line, record, key, limits)
+            row[key] = text.strip() if key == "prompt" else text
+    if kind == "pairs" and row["chosen"].strip() == row["rejected"].strip():
+        raise DataFormatError(path, line, "'chosen' and 'rejected' are identical: the pair states no preference")
+    return row
+
+
+def validate_batch(path: str | Path, seen: Mapping[str, str] | None = None,
+                   limits: IntakeLimits = IntakeLimits()) -> Batch:
+    """Read and check one feedback file; ``seen`` maps :func:`row_key` of rows already stored (or in
+    earlier files of the same intake) to where they are, so cross-batch duplicates are named."""
+    path = Path(path)
+    seen = seen or {}
+    if path.suffix.lower() not in SUFFIXES:
+        raise DataFormatError(path, None, f"unsupported file type {path.suffix!r} (use {', '.join(SUFFIXES)})")
+    if not path.is_file():
+        raise DataFormatError(path, None, "no such file")
+    size = path.stat().st_size
+    if size > limits.max_file_bytes:
+        raise DataFormatError(path, None, f"file has {size} bytes (limit {limits.max_file_bytes})")
+    batch: Batch | None = None
+    first_line: dict[str, int] = {}
+    for _, line, record in iter_records(path):
+        kind = detect_kind(path, line, record)
+        if batch is None:
+            batch = Batch(path, kind)
+        elif kind != batch.kind:
+            raise DataFormatError(path, line, f"a {kind} record in a file of {batch.kind} (one kind per file)")
+        if len(batch.rows) >= limits.max_rows:
+            raise DataFormatError(path, line, f"more than {limits.max_rows} records (limit max_rows)")
+        row = canonical_row(path, line, kind, record, limits)
+        key = row_key(kind, row)
+        if key in first_line:
+            raise DataFormatError(path, line, f"duplicate of line {first_line[key]}")
+        if key in seen:
+            raise DataFormatError(path, line, f"duplicate of a row already ingested ({seen[key]})")
+        first_line[key] = line
+        batch.rows.append(row)
+        batch.lines.append(line)
+    if batch is None:
+        raise DataFormatError(path, None, "no records")
+    return batch
+
+
+def validate_files(paths: Iterable[str | Path], seen: Mapping[str, str] | None = None,
+                   limits: IntakeLimits = IntakeLimits()) -> list[Batch]:
+    """Validate several files as one intake: a row repeated in a later file is a duplicate too."""
+    known = dict(seen or {})
+    batches = []
+    for path in paths:
+        batch = validate_batch(path, known, limits)
+        known.update({row_key(batch.kind, row): f"{path}:{line}" for row, line in zip(batch.rows, batch.lines)})
+        batches.append(batch)
+    return batches
+
+
+def stored_keys(store: str | Path) -> dict[str, str]:
+    """``row_key -> "<batch file>:<line>"`` for every row under ``store/<kind>/<sha256>.jsonl``."""
+    store = Path(store)
+    keys: dict[str, str] = {}
+    for kind in KIND_FIELDS:
+        for file in sorted((store / kind).glob("*.jsonl")):
+            for _, line, record in iter_records(file):
+                keys[row_key(kind, record)] = f"{file}:{line}"
+    return keys
+
+
+def read_stored_pairs(store: str | Path, batch_files: Iterable[str]) -> list[dict]:
+    """The preference pairs of the stored batches named (paths relative to ``store``), in that order."""
+    store = Path(store)
+    pairs = []
+    for name in batch_files:
+        file = store / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: a batch in the feedback manifest is missing (run `dvc pull`)")
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        if file.stem != digest:
+            raise DataFormatError(file, None, f"content hash {digest} does not match the batch name (file edited?)")
+        pairs += [dict(r) for _, _, r in iter_records(file)]
+    return pairs
+
+
+def read_manifest(store: Path) -> list[dict]:
+    """The manifest's records, oldest first (empty when nothing was ingested yet)."""
+    path = store / MANIFEST
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def check_no_loose_files(store: Path) -> None:
+    """Files dropped straight into the store are not versioned: refuse the first with the command to use."""
+    loose = sorted(p.name for p in store.iterdir() if p.name not in STORE_ENTRIES) if store.is_dir() else []
+    if loose:
+        raise DataFormatError(store / loose[0], None, "not ingested (unversioned): feedback enters through "
+                              "`python -m flows.intake FILE...` (or `make intake FILE=...`); move this file out of "
+                              f"{store.name}/ and ingest it" + (f" (also loose here: {', '.join(loose[1:])})" if loose[1:] else ""))
+
+
+def read_feedback_pairs(store: str | Path) -> list[dict]:
+    """Every ingested preference pair, in manifest order (what ``prepare`` reads)."""
+    store = Path(store)
+    check_no_loose_files(store)
+    files = [r["file"] for r in read_manifest(store) if r["kind"] == "pairs"]
+    return read_stored_pairs(store, files)

@@ -1,0 +1,155 @@
+"""Feedback intake: validate new feedback files, version them with DVC, record them, announce them.
+
+The store is ``paths.incoming`` (``incoming/``), a git-tracked directory:
+
+    incoming/manifest.jsonl            one line per batch: sha256, kind, file, rows, source, ingested_at, user
+    incoming/pairs/<sha256>.jsonl      a preference batch (DVC-tracked: <sha256>.jsonl.dvc beside it)
+    incoming/ratings/<sha256>.jsonl    an unpaired-ratings batch (KTO data), stored apart from the pairs
+
+A batch is named by the SHA-256 of its canonical bytes, so every batch is recoverable by hash (``git
+checkout <ref> && dvc pull``). ``prepare`` reads the pair batches the manifest lists, never loose files.
+An intake is all or nothing: every file is validated first; if writing, ``dvc add`` or ``dvc push`` fails,
+what was written is removed. Then the manifest and ``.dvc`` files are committed to git (only those paths)
+and, with a Prefect server configured, the event ``rlhf.feedback.ingested`` is emitted (the retraining
+deployment's trigger in prefect.yaml).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from rlhf_core.feedback import MANIFEST, Batch, IntakeLimits, canonical_bytes, stored_keys, validate_files
+from tasks.dvc_ops import _repo
+from tasks.tracking import get_logger
+
+EVENT = "rlhf.feedback.ingested"
+
+
+class IntakeError(RuntimeError):
+    """The intake could not version a validated batch (DVC or git failed); nothing was ingested."""
+
+
+def _write_batch(store: Path, batch: Batch) -> Path:
+    target = store / batch.kind / f"{batch.sha256}.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(canonical_bytes(batch.rows))
+    os.replace(tmp, target)
+    return target
+
+
+def _git(root: Path, *args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise IntakeError(f"git {' '.join(args)} failed in {root}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def _snapshot(store: Path, batches: list[Batch]) -> dict[Path, bytes | None]:
+    """What an intake may change besides its new files: each kind's .gitignore and the manifest."""
+    paths = {store / b.kind / ".gitignore" for b in batches} | {store / MANIFEST}
+    return {p: p.read_bytes() if p.is_file() else None for p in paths}
+
+
+def _rollback(written: list[Path], before: dict[Path, bytes | None]) -> None:
+    """Remove the batches and their .dvc files; put .gitignore files and the manifest back as they were."""
+    for data in written:
+        data.unlink(missing_ok=True)
+        data.with_name(data.name + ".dvc").unlink(missing_ok=True)
+    for path, content in before.items():
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(content)
+    for folder in {p.parent for p in written}:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _record(batch: Batch, now: str, user: str) -> dict:
+    return {"sha256": batch.sha256, "kind": batch.kind, "file": f"{batch.kind}/{batch.sha256}.jsonl",
+            "rows": len(batch.rows), "source": str(batch.source.resolve()), "ingested_at": now, "user": user}
+
+
+def _version(root: Path, written: list[Path], push: bool, remote: str | None) -> None:
+    """``dvc add`` the batches (cache + .dvc files) and push them to the remote."""
+    try:
+        with _repo(root) as repo:
+            repo.add([str(p) for p in written])
+            if push:
+                repo.push(targets=[str(p) for p in written], remote=remote)
+    except Exception as err:  # noqa: BLE001 - any DVC failure undoes the intake
+        raise IntakeError(f"intake: versioning {', '.join(map(str, written))} failed, nothing ingested: {err}") from err
+
+
+def _commit(root: Path, store: Path, written: list[Path], records: list[dict]) -> None:
+    """Commit the manifest, the .dvc files and DVC's .gitignore entries (only those paths)."""
+    paths = sorted({str(store / MANIFEST)} | {f"{p}.dvc" for p in written} | {str(p.parent / ".gitignore") for p in written})
+    _git(root, "add", "--", *paths)
+    try:
+        _git(root, "commit", "-q", "-m", _commit_message(records), "--", *paths)
+    except IntakeError:
+        subprocess.run(["git", "reset", "-q", "--", *paths], cwd=root, capture_output=True)
+        raise
+
+
+def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming", push: bool = True,
+           commit: bool = True, emit: bool = True, remote: str | None = None,
+           limits: IntakeLimits = IntakeLimits()) -> list[dict]:
+    """Validate ``files`` and add each as one batch to the store; returns the manifest records added.
+
+    Raises :class:`~rlhf_core.data.DataFormatError` (bad input: nothing written) or :class:`IntakeError`
+    (DVC or git failed: what was written is undone)."""
+    root = Path(root).resolve()
+    store = root / store_dir
+    batches = validate_files(files, stored_keys(store), limits)  # everything checked before anything is written
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    records = [_record(b, now, os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()) for b in batches]
+    before = _snapshot(store, batches)
+    written = [_write_batch(store, b) for b in batches]
+    try:
+        _version(root, written, push, remote)
+        with open(store / MANIFEST, "a", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        if commit:
+            _commit(root, store, written, records)
+    except BaseException:
+        _rollback(written, before)
+        raise
+    for r in records:
+        get_logger().info("intake: %s batch %s (%d rows) from %s", r["kind"], r["sha256"], r["rows"], r["source"])
+    if emit:
+        emit_ingested(records)
+    return records
+
+
+def _commit_message(records: list[dict]) -> str:
+    lines = [f"feedback: ingest {len(records)} batch(es)", ""]
+    lines += [f"- {r['kind']} {r['sha256'][:12]} ({r['rows']} rows) from {r['source']}" for r in records]
+    return "\n".join(lines)
+
+
+def emit_ingested(records: list[dict]) -> int:
+    """Emit ``rlhf.feedback.ingested`` per batch to the Prefect server of ``PREFECT_API_URL``; returns how many
+    were sent. Without a server configured there is nobody to trigger: nothing is sent (the cron still runs)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # the environment variable or the active Prefect profile
+        get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (retraining runs on its cron)", EVENT)
+        return 0
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    sent = 0
+    for r in records:
+        event = emit_event(event=EVENT, resource={"prefect.resource.id": f"rlhf.feedback.{r['sha256']}",
+                                                  "prefect.resource.name": r["file"]},
+                           payload={k: r[k] for k in ("sha256", "kind", "file", "rows", "source", "user")})
+        sent += event is not None
+    EventsWorker.drain_all()
+    return sent

@@ -1,0 +1,136 @@
+"""Git side of a retraining run: a clean worktree of the committed branch in, a commit (and tag) out.
+
+A retraining run never works in someone's checkout (no uncommitted edits, no ``dvc exp`` applied there):
+:func:`open_worktree` checks out the branch's last commit in a temporary ``git worktree`` that shares the
+checkout's DVC cache and remotes (so unchanged stages are restored, not retrained). :func:`record_result`
+commits ``dvc.lock``, ``metrics/`` and ``plots/`` on a new branch ``retrain/<stamp>`` and tags a registered
+version ``<model>-v<N>``: ``git checkout <ref> && dvc pull`` restores exactly its data and weights. The next
+retraining of the same branch starts from that record (:func:`previous_result`), so only what changed since
+re-runs, while the branch itself (checked out in someone's working copy) is never moved.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.tracking import get_logger
+
+RECORDED = ("dvc.lock", "metrics", "plots")
+TRAILER = "Retrained-branch"
+
+
+class GitError(RuntimeError):
+    """A git command of the retraining run failed; the message has the command and git's stderr."""
+
+
+def git(cwd: str | Path, *args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise GitError(f"git {' '.join(args)} (in {cwd}) failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip()
+
+
+def current_branch(root: str | Path) -> str:
+    """The branch checked out in ``root`` (a detached HEAD has none: name the branch explicitly)."""
+    name = git(root, "rev-parse", "--abbrev-ref", "HEAD")
+    if name == "HEAD":
+        raise GitError(f"{root}: HEAD is detached; pass the branch to retrain (retrain(branch=...))")
+    return name
+
+
+def _share_dvc(root: Path, worktree: Path) -> None:
+    """The worktree uses the checkout's DVC cache and its remotes (relative URLs resolved from the checkout;
+    per-user URLs in .dvc/config.local included)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as main:
+        cache_dir = main.cache.local_cache_dir
+        remotes = {name: dict(conf) for name, conf in main.config["remote"].items()}
+    with Repo(str(worktree)) as repo:
+        with repo.config.edit("local") as conf:
+            conf["cache"]["dir"] = str(cache_dir)
+            for name, options in remotes.items():
+                conf["remote"][name] = {**options, "url": str(options["url"])}
+
+
+@task(name="git-worktree", cache_policy=NO_CACHE)
+def open_worktree(root: str, branch: str, stamp: str) -> str:
+    """Check out ``branch``'s last commit (detached) in a fresh temporary worktree; restore the outputs its
+    dvc.lock names from the shared cache (or the remote) where they are available."""
+    root_path = Path(root)
+    path = Path(tempfile.mkdtemp(prefix=f"rlhf-retrain-{stamp}-"))
+    path.rmdir()  # git creates it
+    git(root_path, "worktree", "add", "--detach", str(path), branch)
+    previous = previous_result(root_path, branch)
+    if previous:  # start from the last retraining's record: what it trained is restored, not retrained
+        git(path, "checkout", previous, "--", *[p for p in RECORDED if _in_commit(path, previous, p)])
+        get_logger().info("retrain: starting from the record of %s", previous)
+    _share_dvc(root_path, path)
+    _restore_outputs(path)
+    get_logger().info("retrain: worktree of %s@%s at %s", branch, git(path, "rev-parse", "--short", "HEAD"), path)
+    return str(path)
+
+
+def _in_commit(cwd: Path, ref: str, path: str) -> bool:
+    return bool(git(cwd, "ls-tree", "--name-only", ref, "--", path))
+
+
+def previous_result(root: Path, branch: str) -> str | None:
+    """The newest ``retrain/*`` record made from ``branch``, if the branch has not committed new records
+    (dvc.lock, metrics, plots) of its own since; else None (the branch's own records are newer)."""
+    refs = git(root, "for-each-ref", "--sort=-creatordate", "--format=%(refname:short)", "refs/heads/retrain/")
+    for ref in refs.splitlines():
+        if git(root, "log", "-1", f"--format=%(trailers:key={TRAILER},valueonly)", ref).strip() != branch:
+            continue
+        changed = git(root, "diff", "--name-only", f"{ref}^", branch, "--", *RECORDED)
+        return None if changed else ref
+    return None
+
+
+def _restore_outputs(worktree: Path) -> None:
+    """``dvc pull`` what the lock names; whatever cannot be restored is simply re-run by the pipeline."""
+    from tasks.dvc_ops import _repo
+
+    log = get_logger()
+    try:
+        with _repo(worktree) as repo:
+            repo.pull(allow_missing=True)
+    except Exception as err:  # noqa: BLE001 - a missing output only means that stage re-runs
+        log.warning("retrain: could not restore every output (%s); stale stages will re-run", err)
+
+
+@task(name="git-record", cache_policy=NO_CACHE)
+def record_result(worktree: str, branch: str, stamp: str, registry: dict, model_name: str = "rlhf-policy") -> dict:
+    """Commit dvc.lock, metrics/ and plots/ on ``retrain/<stamp>``; tag a newly registered version."""
+    log = get_logger()
+    result = f"retrain/{stamp}"
+    git(worktree, "switch", "-q", "-c", result)
+    git(worktree, "add", "--", *[p for p in RECORDED if (Path(worktree) / p).exists()])
+    record = {"branch": result, "commit": None, "tag": None}
+    message = (f"retrain {stamp} of {branch}: dvc.lock, metrics and plots\n\nregistry: {registry.get('reason')}\n"
+               f"version: {registry.get('version')} decision: {registry.get('decision')}\n\n{TRAILER}: {branch}")
+    git(worktree, "commit", "-q", "--allow-empty", "-m", message)
+    record["commit"] = git(worktree, "rev-parse", "HEAD")
+    if registry.get("registered") and registry.get("version"):
+        tag = f"{registry.get('model', model_name)}-v{registry['version']}"
+        git(worktree, "tag", "-a", tag, "-m", f"{tag}: {registry.get('decision')} ({registry.get('reason')})")
+        record["tag"] = tag
+    log.info("retrain: recorded %s at %s%s", branch, record["commit"][:12],
+             f", tag {record['tag']}" if record["tag"] else "")
+    return record
+
+
+@task(name="git-worktree-remove", cache_policy=NO_CACHE)
+def close_worktree(root: str, worktree: str) -> None:
+    """Remove the temporary worktree (its branch and tag stay in the repository)."""
+    try:
+        git(root, "worktree", "remove", "--force", worktree)
+    except GitError:
+        shutil.rmtree(worktree, ignore_errors=True)
+        git(root, "worktree", "prune")
