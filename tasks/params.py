@@ -130,7 +130,7 @@ class RewardModelParams:
 @dataclass(frozen=True)
 class PPOParams:
     """PPO against the reward with a KL penalty to the SFT reference. Names match ``PPOConfig`` fields
-    except the stage-only ones at the end (``total_steps``, ``max_new_tokens``, ``reward``)."""
+    except the stage-only ones at the end (``total_steps``, ``max_new_tokens``, ``reward``, ``save_steps``)."""
 
     learning_rate: float = 5e-4
     """Adam learning rate (PPOConfig.learning_rate)."""
@@ -178,6 +178,8 @@ class PPOParams:
     """Stage-only: tokens sampled per response."""
     reward: str = "reward_model"
     """Stage-only: ``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
+    save_steps: int = 5
+    """Stage-only: write the resumable PPO checkpoint every this many steps (0: only on SIGTERM/SIGINT)."""
 
 
 @dataclass(frozen=True)
