@@ -217,3 +217,104 @@ def test_generate_refuses_a_query_that_cannot_fit_max_new_tokens(tokenizer):
         trainer.generate(long_query, max_new_tokens=8, do_sample=False)
     out = trainer.generate([long_query], max_new_tokens=4, do_sample=False, return_prompt=False)
     assert len(out[0]) <= 4
+
+
+# ---------------------------------------------------------------------------- tracking, hub, device cache
+
+
+class _FakeWandb:
+    """Stands in for the wandb package: records init kwargs and logged rows."""
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    def __init__(self):
+        self.inits, self.logged, self.config = [], [], {}
+        outer = self
+
+        class Run:
+            config = type("Config", (), {"update": lambda self, d, allow_val_change=False: outer.config.update(d)})()
+
+            def log(self, row, step=None):
+                outer.logged.append((step, row))
+
+            def finish(self):
+                pass
+
+        self._run = Run()
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self._run
+
+
+def test_log_with_wandb_is_lazy_offline_and_honours_logging_dir(tokenizer, monkeypatch, tmp_path):
+    import sys
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    trainer = make_trainer(tokenizer, log_with="wandb", tracker_project_name="proj",
+                           project_kwargs={"logging_dir": str(tmp_path / "logs")})
+    assert fake.inits == [{"project": "proj", "mode": "offline", "dir": str(tmp_path / "logs")}]
+    assert fake.config["batch_size"] == 4
+    queries, responses = batch_of(tokenizer)
+    stats = trainer.step(queries, responses, [torch.tensor(1.0)] * 4)
+    trainer.log_stats(stats, {"query": ["a"] * 4, "response": ["b"] * 4}, [torch.tensor(1.0)] * 4)
+    scalars = [row for _, row in fake.logged if "env/reward_mean" in row]
+    assert scalars and scalars[0]["env/reward_mean"] == 1.0
+    assert any(isinstance(row.get("game_log"), _FakeWandb.Table) for _, row in fake.logged)
+
+
+def test_log_with_wandb_without_the_package_names_the_extra(tokenizer, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(ImportError, match=r"rlhf-core\[wandb\]"):
+        make_trainer(tokenizer, log_with="wandb")
+
+
+def test_project_kwargs_logging_dir_is_where_tensorboard_writes(tokenizer, tmp_path):
+    pytest.importorskip("tensorboard")
+    trainer = make_trainer(tokenizer, log_with="tensorboard", tracker_project_name="tb",
+                           project_kwargs={"logging_dir": str(tmp_path / "tblogs")})
+    trainer.tracker.log({"x": 1.0}, step=0)
+    trainer.tracker.finish()
+    assert list((tmp_path / "tblogs" / "tb").iterdir())
+    assert trainer.accelerator.project_configuration.logging_dir == str(tmp_path / "tblogs")
+
+
+def test_push_to_hub_if_best_pushes_on_a_new_best_every_compare_steps(tokenizer, monkeypatch):
+    trainer = make_trainer(tokenizer, push_to_hub_if_best_kwargs={"repo_id": "me/ppo"}, compare_steps=2)
+    pushed = []
+    monkeypatch.setattr(trainer, "push_to_hub", lambda **kw: pushed.append((trainer.compare_step, kw)))
+    queries, responses = batch_of(tokenizer)
+    for mean in (1.0, 5.0, 0.5, 2.0, 3.0):  # compared at steps 0, 2, 4: 1.0 (best), 0.5 (no), 3.0 (best)
+        trainer.step(queries, responses, [torch.tensor(mean)] * 4)
+    assert pushed == [(0, {"repo_id": "me/ppo"}), (4, {"repo_id": "me/ppo"})]
+    with pytest.raises(ValueError, match="repo_id"):
+        make_trainer(tokenizer, push_to_hub_if_best_kwargs={"private": True})
+
+
+def test_push_to_hub_offline_is_a_clear_error_before_any_weight_change(tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = make_trainer(tokenizer, push_to_hub_if_best_kwargs={"repo_id": "me/ppo"})
+    before = weights(trainer.model)
+    queries, responses = batch_of(tokenizer)
+    with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE"):
+        trainer.step(queries, responses, [torch.tensor(1.0)] * 4)
+    assert all(torch.equal(before[k], weights(trainer.model)[k]) for k in before)
+
+
+def test_optimize_device_cache_empties_the_cache_after_each_step(tokenizer, monkeypatch):
+    from rlhf_core.trainers import ppo_trainer
+
+    calls = []
+    monkeypatch.setattr(ppo_trainer, "_empty_device_cache", lambda: calls.append(1))
+    queries, responses = batch_of(tokenizer)
+    make_trainer(tokenizer).step(queries, responses, [torch.tensor(1.0)] * 4)
+    assert calls == []
+    make_trainer(tokenizer, optimize_device_cache=True).step(queries, responses, [torch.tensor(1.0)] * 4)
+    assert calls == [1]

@@ -11,7 +11,9 @@ the first mini-batch's probability ratio is exactly 1 and rollout and learning s
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, ProjectConfiguration
 from torch.utils.data import DataLoader, default_collate
 
 from rlhf_core.core import (
@@ -100,6 +102,37 @@ def _accepts_logits_to_keep(model) -> bool:
 _LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
+def _empty_device_cache() -> None:
+    """``optimize_device_cache``: collect garbage and return the accelerator's cached blocks after a step."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif hasattr(torch, "xpu") and torch.xpu.is_available():
+        torch.xpu.empty_cache()
+    elif torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+
+
+def _build_tracker(config: PPOConfig):
+    """The tracker ``log_with`` names (or the ``Tracker`` it holds), as classic TRL configures it.
+
+    ``tracker_kwargs`` may be flat or accelerate's ``{"wandb": {...}}`` form; ``project_kwargs["logging_dir"]``
+    is where TensorBoard and wandb write. ``wandb`` is imported only when asked for.
+    """
+    name = config.log_with if isinstance(config.log_with, str) else None
+    kwargs = dict(config.tracker_kwargs)
+    if name is not None and isinstance(kwargs.get(name), Mapping):
+        kwargs = dict(kwargs[name])
+    logging_dir = config.project_kwargs.get("logging_dir")
+    if logging_dir is not None and name in ("tensorboard", "wandb"):
+        kwargs.setdefault("logging_dir", str(logging_dir))
+    if name == "wandb":
+        from rlhf_core.wandb_tracker import WandbTracker
+
+        return WandbTracker(config.tracker_project_name, **kwargs)
+    return make_tracker(config.log_with, config.tracker_project_name, **kwargs)
+
+
 def _default_adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """Adam with torch's fused kernel when the parameters allow it (same update, one kernel per step).
 
@@ -134,7 +167,8 @@ class PPOTrainer:
         self.config = config
         set_seed(config.seed)
         self.accelerator = Accelerator(
-            gradient_accumulation_steps=config.gradient_accumulation_steps, **config.accelerator_kwargs
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            project_config=ProjectConfiguration(**config.project_kwargs), **config.accelerator_kwargs,
         )
         self.tokenizer = tokenizer
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
@@ -164,10 +198,10 @@ class PPOTrainer:
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
         self.running = RunningMoments(self.accelerator)
-        self.tracker = make_tracker(config.log_with, config.tracker_project_name, **config.tracker_kwargs) \
-            if self.accelerator.is_main_process else make_tracker(None)
+        self.tracker = _build_tracker(config) if self.accelerator.is_main_process else make_tracker(None)
         if self.accelerator.is_main_process:
             self.tracker.log_params(config.to_dict())
+        self._init_push_if_best(config)
         self.current_step = 0
         self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
         self._nonfinite_this_step = 0
@@ -295,6 +329,7 @@ class PPOTrainer:
                 self.config.batch_size, queries, responses, scores, response_masks)
             self._check_sequence_lengths(queries, responses)
             scores = self._process_scores(scores)  # (B,)
+            self._push_if_best(scores)
             batch = self.prepare_model_inputs(queries, responses, response_masks)
             with phase_timer(timing, "forward_pass"):
                 old = self._rollout_forward(batch)
@@ -314,6 +349,8 @@ class PPOTrainer:
             self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
             self._advance_schedule()
         stats.update(timing)
+        if self.config.optimize_device_cache:
+            _empty_device_cache()
         return convert_to_scalar(stats)
 
     def _step_stats(self, batch: ModelBatch, experience: Experience, scores, queries, responses, train_stats):
@@ -627,6 +664,37 @@ class PPOTrainer:
         self.tracker.log(logs, step=self.current_step)
         rows = [[*(batch[c][i] for c in columns_to_log), float(rewards[i])] for i in range(len(batch[columns_to_log[0]]))]
         self.tracker.log_table("game_log", [*columns_to_log, "reward"], rows, step=self.current_step)
+
+    # ------------------------------------------------------------------ pushing the best model (classic TRL)
+
+    def _init_push_if_best(self, config: PPOConfig) -> None:
+        """With ``push_to_hub_if_best_kwargs``: push whenever a step's mean score beats the best so far."""
+        self.push_to_hub_kwargs = dict(config.push_to_hub_if_best_kwargs)
+        if self.push_to_hub_kwargs and "repo_id" not in self.push_to_hub_kwargs:
+            raise ValueError("push_to_hub_if_best_kwargs must name the repo_id to push the best model to")
+        self.compare_step = 0
+        self.highest_reward = torch.tensor(-float("inf"))
+
+    def _push_if_best(self, scores: torch.Tensor) -> None:
+        """Every ``compare_steps`` steps, push the model if the batch's mean (processed) score is the best yet."""
+        if not self.push_to_hub_kwargs:
+            return
+        if self.compare_step % self.config.compare_steps == 0:
+            mean = scores.mean().cpu()
+            if mean > self.highest_reward:
+                self.highest_reward = mean
+                self.push_to_hub(**self.push_to_hub_kwargs)
+        self.compare_step += 1
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> Any:
+        """Push the policy (value head included) and tokenizer to the Hub repo ``repo_id`` (needs a network)."""
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+            raise RuntimeError(f"cannot push to the Hub repo {repo_id!r}: HF_HUB_OFFLINE is set (no network). Unset "
+                               "it, or drop push_to_hub_if_best_kwargs from the PPOConfig")
+        if not self.accelerator.is_main_process:
+            return None
+        self.tokenizer.push_to_hub(repo_id, **kwargs)
+        return self.accelerator.unwrap_model(self.model).push_to_hub(repo_id, **kwargs)
 
     # ------------------------------------------------------------------ saving
 
