@@ -160,6 +160,8 @@ def test_objective_logprobs_have_classic_trls_padded_shape(tokenizer):
     assert stats["objective/logprobs"].shape == stats["objective/ref_logprobs"].shape == (4, width)
     assert np.allclose(stats["objective/logprobs"], expected.numpy(), atol=1e-5)  # rollout = pre-update policy
     assert stats["objective/kl_dist"].shape == (4,)
+    n = trainer.config.ppo_epochs * 4 * width  # every mini-batch's (b, T-1) values, flattened
+    assert stats["ppo/policy/advantages"].shape == stats["ppo/policy/ratio"].shape == (n,)
 
 
 def test_experience_and_model_batch_are_keyword_only():

@@ -519,8 +519,11 @@ class PPOTrainer:
         """Forward the mini-batch with gradients, then ``train_minibatch`` (inside gradient accumulation)."""
         with self.accelerator.accumulate(self.model):
             logprobs, vpreds, logits = self._forward_batch(self.model, batch, return_logits=True)  # (b, A), (b, A), (b, A, V)
-            return self.train_minibatch(old.logprobs, old.values, logprobs, logits, vpreds, batch.response_mask,
-                                        old.advantages, old.returns)
+            stats = self.train_minibatch(old.logprobs, old.values, logprobs, logits, vpreds, batch.response_mask,
+                                         old.advantages, old.returns)
+        for key in ("policy/advantages", "policy/ratio"):  # per-token stats in classic TRL's (b, T-1) layout
+            stats[key] = batch.scatter_to_sequence(stats[key])
+        return stats
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
         """Loss, backward and (at accumulation boundaries) an optimizer step for one mini-batch (classic signature).
