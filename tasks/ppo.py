@@ -83,7 +83,8 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             result = run_ppo(trainer, reward, total_steps=p.total_steps,
                              generation_kwargs=generation_kwargs(tokenizer, p.max_new_tokens), checkpoint_dir=state,
                              save_every=p.save_steps, should_stop=lambda: stop.requested,
-                             stop_reason=lambda: stop.signal_name, on_step=_step_logger(log, p.total_steps, bar))
+                             stop_reason=lambda: stop.signal_name, on_step=_step_logger(log, p.total_steps, bar),
+                             on_resume=lambda step, path: log.info("ppo: resuming at step %d from %s", step, path))
         if result.resumed_at is not None:
             run.summary["resumed_at_step"] = result.resumed_at
         bar.close()

@@ -58,9 +58,10 @@ def test_stop_request_saves_and_resume_equals_a_straight_run(tokenizer, straight
         run_ppo(make_trainer(tokenizer), reward, total_steps=5, generation_kwargs=GEN, checkpoint_dir=tmp_path / "c",
                 should_stop=lambda: calls.append(1) or len(calls) == 2, stop_reason=lambda: "SIGTERM")
     assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
-    trainer = make_trainer(tokenizer)
-    resumed = run_ppo(trainer, reward, total_steps=5, generation_kwargs=GEN, checkpoint_dir=tmp_path / "c")
-    assert resumed.resumed_at == 2 and resumed.curve == expected.curve
+    trainer, seen = make_trainer(tokenizer), []
+    resumed = run_ppo(trainer, reward, total_steps=5, generation_kwargs=GEN, checkpoint_dir=tmp_path / "c",
+                      on_resume=lambda step, path: seen.append((step, path)))
+    assert resumed.resumed_at == 2 and resumed.curve == expected.curve and seen == [(2, tmp_path / "c")]
     got = final_weights(trainer)
     assert all(torch.equal(got[k], expected_weights[k]) for k in got)
 

@@ -51,17 +51,20 @@ def run_ppo(
     should_stop: Callable[[], bool] | None = None,
     stop_reason: Callable[[], str | None] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    on_resume: Callable[[int, Path], None] | None = None,
 ) -> PPORunResult:
     """Train ``trainer`` for ``total_steps`` PPO steps; resume from ``checkpoint_dir`` when it holds a checkpoint.
 
     ``save_every`` > 0 writes ``checkpoint_dir`` every that many steps (a hard kill loses at most that many);
     ``should_stop()`` true on any process after a step saves it and raises ``checkpointing.Preempted``.
-    ``on_step(row)`` sees each step's metrics row (progress logs). The checkpoint is left in place: delete it
-    once the outputs are written.
+    ``on_step(row)`` sees each step's metrics row (progress logs); ``on_resume(step, path)`` is called once when
+    the run continues from a checkpoint. The checkpoint is left in place: delete it once the outputs are written.
     """
     _check_loop_arguments(trainer, total_steps, save_every, checkpoint_dir, should_stop)
     result = PPORunResult()
     start = _resume(trainer, checkpoint_dir, result)
+    if result.resumed_at is not None and on_resume is not None:
+        on_resume(start, Path(checkpoint_dir))
     rank = trainer.accelerator.process_index
     if rank:  # independent sampling per process (the data shards already differ)
         set_seed(trainer.config.seed + rank)
