@@ -59,7 +59,7 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     after the same step. Resuming a multi-process run continues from that state, but not bit for bit: the saved
     RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
     """
-    from rlhf_core.checkpointing import GracefulStop, stage_checkpoint_dir
+    from rlhf_core.checkpointing import GracefulStop, Preempted, stage_checkpoint_dir
     from rlhf_core.trainers.ppo_loop import run_ppo
 
     root, params, p, io = load_stage(root, "ppo")
@@ -79,14 +79,21 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         log.info("ppo: %d steps of %d rollouts (%d per process x %d), reward=%s", p.total_steps, p.batch_size * world,
                  p.batch_size, world, p.reward)
         bar = progress(range(p.total_steps), desc="ppo", unit="step")
+        def resuming(step: int, path) -> None:
+            log.info("ppo: resuming at step %d from %s", step, path)
+            run.summary["resumed_at_step"] = step
+
         with GracefulStop() as stop:
-            result = run_ppo(trainer, reward, total_steps=p.total_steps,
-                             generation_kwargs=generation_kwargs(tokenizer, p.max_new_tokens), checkpoint_dir=state,
-                             save_every=p.save_steps, should_stop=lambda: stop.requested,
-                             stop_reason=lambda: stop.signal_name, on_step=_step_logger(log, p.total_steps, bar),
-                             on_resume=lambda step, path: log.info("ppo: resuming at step %d from %s", step, path))
-        if result.resumed_at is not None:
-            run.summary["resumed_at_step"] = result.resumed_at
+            try:
+                result = run_ppo(trainer, reward, total_steps=p.total_steps,
+                                 generation_kwargs=generation_kwargs(tokenizer, p.max_new_tokens), checkpoint_dir=state,
+                                 save_every=p.save_steps, should_stop=lambda: stop.requested,
+                                 stop_reason=lambda: stop.signal_name, on_step=_step_logger(log, p.total_steps, bar),
+                                 on_resume=resuming)
+            except Preempted as stopped:
+                log.warning("ppo: %s at step %d; state saved in %s; run the stage again to resume",
+                            stopped.signal_name or "stop request from another process", stopped.step, state)
+                raise
         bar.close()
         curve = result.curve
         check_replicas_identical(trainer.accelerator, trainer.accelerator.unwrap_model(trainer.model), "ppo")
