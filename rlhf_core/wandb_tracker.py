@@ -1,4 +1,4 @@
-"""``log_with="wandb"``: a tracker on Weights & Biases, imported lazily (``pip install rlhf-core[wandb]``).
+"""``log_with="wandb"``: a tracker on Weights & Biases, imported lazily (``pip install wandb``; not in the lock).
 
 Offline by default where no network is expected: unless ``WANDB_MODE`` is set, the run is ``offline`` when
 ``HF_HUB_OFFLINE``/``WANDB_OFFLINE`` is set or no ``WANDB_API_KEY`` is configured (``wandb sync`` uploads it
@@ -31,7 +31,8 @@ class WandbTracker(Tracker):
         try:
             import wandb
         except ImportError as err:
-            raise ImportError("log_with='wandb' needs the wandb package: pip install 'rlhf-core[wandb]'") from err
+            raise ImportError("log_with='wandb' needs the wandb package (pip install wandb); it is not part of "
+                              "requirements.lock") from err
         self._wandb = wandb
         init_kwargs.setdefault("mode", wandb_mode())
         if logging_dir is not None:

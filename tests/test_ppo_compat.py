@@ -274,7 +274,7 @@ def test_log_with_wandb_without_the_package_names_the_extra(tokenizer, monkeypat
     import sys
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
-    with pytest.raises(ImportError, match=r"rlhf-core\[wandb\]"):
+    with pytest.raises(ImportError, match=r"pip install wandb"):
         make_trainer(tokenizer, log_with="wandb")
 
 

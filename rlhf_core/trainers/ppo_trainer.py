@@ -13,6 +13,7 @@ the first mini-batch's probability ratio is exactly 1 and rollout and learning s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import inspect
 import os
@@ -115,6 +116,12 @@ def _empty_device_cache() -> None:
         torch.mps.empty_cache()
 
 
+def _project_configuration(project_kwargs: dict[str, Any]) -> ProjectConfiguration:
+    """accelerate's ``ProjectConfiguration`` from the ``project_kwargs`` it knows (``logging_dir``, ``project_dir``...)."""
+    known = {f.name for f in dataclasses.fields(ProjectConfiguration)}
+    return ProjectConfiguration(**{k: v for k, v in project_kwargs.items() if k in known})
+
+
 def _build_tracker(config: PPOConfig):
     """The tracker ``log_with`` names (or the ``Tracker`` it holds), as classic TRL configures it.
 
@@ -170,7 +177,7 @@ class PPOTrainer:
         set_seed(config.seed)
         self.accelerator = Accelerator(
             gradient_accumulation_steps=config.gradient_accumulation_steps,
-            project_config=ProjectConfiguration(**config.project_kwargs), **config.accelerator_kwargs,
+            project_config=_project_configuration(config.project_kwargs), **config.accelerator_kwargs,
         )
         self.tokenizer = tokenizer
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
