@@ -320,3 +320,29 @@ def test_optimize_device_cache_empties_the_cache_after_each_step(tokenizer, monk
     assert calls == []
     make_trainer(tokenizer, optimize_device_cache=True).step(queries, responses, [torch.tensor(1.0)] * 4)
     assert calls == [1]
+
+
+def test_training_data_collator_pads_the_model_inputs_and_changes_no_value(tokenizer):
+    def pad_left_to_multiple_of_8(rows):
+        width = -(-max(len(r["input_ids"]) for r in rows) // 8) * 8
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r["input_ids"]):], mask[i, width - len(r["input_ids"]):] = r["input_ids"], 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+
+    queries, responses = batch_of(tokenizer)
+    plain = make_trainer(tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        custom = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2), make_policy(tokenizer), None, tokenizer,
+                            training_data_collator=pad_left_to_multiple_of_8)
+    batch = custom.prepare_model_inputs(queries, responses)
+    assert batch.model_inputs["input_ids"].shape[1] % 8 == 0 and "labels" not in batch.model_inputs
+    with torch.no_grad():
+        lp_plain, v_plain, _ = plain._forward_batch(plain.model, plain.prepare_model_inputs(queries, responses))
+        lp_custom, v_custom, _ = custom._forward_batch(custom.model, batch)
+    real = batch.response_mask.bool()  # padding slots of short responses hold no value
+    assert torch.equal(real, plain.prepare_model_inputs(queries, responses).response_mask.bool())
+    assert torch.allclose(lp_plain[real], lp_custom[real], atol=1e-5)
+    assert torch.allclose(v_plain[real], v_custom[real], atol=1e-5)

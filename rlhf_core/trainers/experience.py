@@ -140,20 +140,26 @@ def _apply_user_masks(mask: torch.Tensor, user_masks: list[torch.Tensor] | None)
 
 def build_causal_batch(
     queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int, left_pad: bool,
-    response_masks: list[torch.Tensor] | None = None,
+    response_masks: list[torch.Tensor] | None = None, collate=None,
 ) -> ModelBatch:
     """Concatenate each query and response, pad, and locate the response tokens.
 
-    Position ids count real tokens only, so left padding leaves every sequence's positions as if
-    it were alone in the batch.
+    ``collate`` (classic TRL's ``training_data_collator``), if given, pads the rows
+    ``{"input_ids", "attention_mask"}`` itself (any side, any width); the responses are located from
+    its attention mask. Position ids count real tokens only, so padding leaves every sequence's
+    positions as if it were alone in the batch.
     """
     device = queries[0].device
     sequences = [torch.cat([q, r]) for q, r in zip(queries, responses)]
-    input_ids = _pad(sequences, pad_token_id, left_pad)  # (B, T)
-    attention_mask = _pad([torch.ones_like(s) for s in sequences], 0, left_pad)  # (B, T)
-    seq_lens = torch.tensor([len(s) for s in sequences], device=device)
+    if collate is None:
+        input_ids = _pad(sequences, pad_token_id, left_pad)  # (B, T)
+        attention_mask = _pad([torch.ones_like(s) for s in sequences], 0, left_pad)  # (B, T)
+    else:
+        padded = collate([{"input_ids": s, "attention_mask": torch.ones_like(s)} for s in sequences])
+        input_ids = torch.as_tensor(padded["input_ids"]).to(device)  # (B, T)
+        attention_mask = torch.as_tensor(padded["attention_mask"]).to(device)  # (B, T)
     query_lens = torch.tensor([len(q) for q in queries], device=device)
-    pad_before = input_ids.shape[1] - seq_lens if left_pad else torch.zeros_like(seq_lens)
+    pad_before = attention_mask.int().argmax(dim=1)  # (B,) first real column: the padding in front of the row
     # Shifted position t scores token t+1, so the first response token is scored at query_len - 1.
     starts = pad_before + query_lens - 1
     lengths = torch.tensor([len(r) for r in responses], device=device)

@@ -186,6 +186,7 @@ class PPOTrainer:
         self.ref_model = self._resolve_reference(model, ref_model, num_shared_layers)
         self.model = model
         self.data_collator = data_collator
+        self.training_data_collator = training_data_collator  # pads the model inputs (causal LMs), as in classic TRL
         if dataset is None:
             warnings.warn("No dataset is provided. Make sure to set config.batch_size to the correct value before "
                           "training.", UserWarning, stacklevel=2)
@@ -415,10 +416,12 @@ class PPOTrainer:
         return scores
 
     def prepare_model_inputs(self, queries, responses, response_masks=None) -> ModelBatch:
-        """Pad the pairs into model inputs (honouring the tokenizer's padding side)."""
-        build = build_seq2seq_batch if self.is_encoder_decoder else build_causal_batch
-        return build(queries, responses, pad_id_of(self.tokenizer), self.tokenizer.padding_side == "left",
-                     response_masks)
+        """Pad the pairs into model inputs: the tokenizer's padding side, or ``training_data_collator`` if given."""
+        left = self.tokenizer.padding_side == "left"
+        if self.is_encoder_decoder:
+            return build_seq2seq_batch(queries, responses, pad_id_of(self.tokenizer), left, response_masks)
+        return build_causal_batch(queries, responses, pad_id_of(self.tokenizer), left, response_masks,
+                                  collate=self.training_data_collator)
 
     # ------------------------------------------------------------------ forward passes
 
