@@ -157,6 +157,8 @@ class PPOStageParams:
     """Tokens sampled per response."""
     reward: str
     """``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
+    save_steps: int
+    """Write the resumable PPO checkpoint every this many steps (0: only on SIGTERM/SIGINT)."""
 
 
 @dataclass(frozen=True)

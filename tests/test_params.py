@@ -27,7 +27,7 @@ from tasks.params import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-PPO_STAGE_ONLY = {"total_steps", "max_new_tokens", "reward"}
+PPO_STAGE_ONLY = {"total_steps", "max_new_tokens", "reward", "save_steps"}
 
 
 @pytest.fixture(scope="module")

@@ -167,10 +167,10 @@ def test_padded_batch_matches_single_sequences(padding_side, arch):
     queries, responses = batch_of(tok)
     batch = trainer.prepare_model_inputs(queries, responses)
     with torch.no_grad():
-        logprobs, values, _ = trainer.batched_forward_pass(trainer.model, batch)
+        logprobs, values, _ = trainer._forward_batch(trainer.model, batch)
         for i in range(4):
             single = trainer.prepare_model_inputs([queries[i]], [responses[i]])
-            lp, v, _ = trainer.batched_forward_pass(trainer.model, single)
+            lp, v, _ = trainer._forward_batch(trainer.model, single)
             n = len(responses[i])
             assert torch.allclose(logprobs[i, :n], lp[0, :n], atol=1e-4)
             assert torch.allclose(values[i, :n], v[0, :n], atol=1e-4)
@@ -181,7 +181,7 @@ def test_forward_logprobs_match_a_manual_computation(tokenizer):
     trainer = make_trainer(tokenizer)
     q, r = torch.tensor([5, 6, 7]), torch.tensor([8, 9])
     with torch.no_grad():
-        lp, _, _ = trainer.batched_forward_pass(trainer.model, trainer.prepare_model_inputs([q], [r]))
+        lp, _, _ = trainer._forward_batch(trainer.model, trainer.prepare_model_inputs([q], [r]))
         logits = trainer.model.pretrained_model(torch.cat([q, r])[None]).logits[0]
     expected = torch.log_softmax(logits, -1)[[2, 3], [8, 9]]  # token 8 scored at position 2, token 9 at 3
     assert torch.allclose(lp[0], expected, atol=1e-5)

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 from rlhf_core.core import position_ids_from_attention_mask
 
 
-@dataclass
+@dataclass(kw_only=True)  # built by keyword only: same-shape tensors cannot be swapped silently
 class ModelBatch:
     """Padded model inputs for B query/response pairs, and the response positions inside them."""
 
@@ -60,6 +60,22 @@ class ModelBatch:
                 index = (index - first).clamp(0, max(last - first - 2, 0))
         return replace(self, model_inputs=inputs, response_index=index)
 
+    def scatter_to_sequence(self, values: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """Response-token values (B, A) or (B, A, V) placed in classic TRL's padded layout (B, T-1[, V]).
+
+        Column t of the result belongs to token t+1 of the padded sequence (``width`` defaults to T-1 of
+        ``token_ids_key``); everything but the response tokens the mask keeps is 0.
+        """
+        if width is None:
+            width = self.model_inputs[self.token_ids_key].shape[1] - 1
+        mask = self.response_mask.to(values.dtype)  # (B, A)
+        index = self.response_index  # (B, A)
+        if values.dim() == 3:
+            mask, index = mask[..., None], index[..., None].expand(-1, -1, values.shape[-1])  # (B, A, V)
+        out = values.new_zeros((values.shape[0], width, *values.shape[2:]))  # (B, T-1[, V])
+        # Padding slots were clamped onto the last column: adding their zeros leaves it unchanged.
+        return out.scatter_add(1, index, values * mask)
+
     def __len__(self) -> int:
         return self.response_index.shape[0]
 
@@ -71,7 +87,7 @@ _PADDED_GROUPS = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)  # eight (B, A) tensors: by keyword only
 class Experience:
     """What one PPO step computes before optimising: all tensors (B, A) and detached."""
 
@@ -124,20 +140,26 @@ def _apply_user_masks(mask: torch.Tensor, user_masks: list[torch.Tensor] | None)
 
 def build_causal_batch(
     queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int, left_pad: bool,
-    response_masks: list[torch.Tensor] | None = None,
+    response_masks: list[torch.Tensor] | None = None, collate=None,
 ) -> ModelBatch:
     """Concatenate each query and response, pad, and locate the response tokens.
 
-    Position ids count real tokens only, so left padding leaves every sequence's positions as if
-    it were alone in the batch.
+    ``collate`` (classic TRL's ``training_data_collator``), if given, pads the rows
+    ``{"input_ids", "attention_mask"}`` itself (any side, any width); the responses are located from
+    its attention mask. Position ids count real tokens only, so padding leaves every sequence's
+    positions as if it were alone in the batch.
     """
     device = queries[0].device
     sequences = [torch.cat([q, r]) for q, r in zip(queries, responses)]
-    input_ids = _pad(sequences, pad_token_id, left_pad)  # (B, T)
-    attention_mask = _pad([torch.ones_like(s) for s in sequences], 0, left_pad)  # (B, T)
-    seq_lens = torch.tensor([len(s) for s in sequences], device=device)
+    if collate is None:
+        input_ids = _pad(sequences, pad_token_id, left_pad)  # (B, T)
+        attention_mask = _pad([torch.ones_like(s) for s in sequences], 0, left_pad)  # (B, T)
+    else:
+        padded = collate([{"input_ids": s, "attention_mask": torch.ones_like(s)} for s in sequences])
+        input_ids = torch.as_tensor(padded["input_ids"]).to(device)  # (B, T)
+        attention_mask = torch.as_tensor(padded["attention_mask"]).to(device)  # (B, T)
     query_lens = torch.tensor([len(q) for q in queries], device=device)
-    pad_before = input_ids.shape[1] - seq_lens if left_pad else torch.zeros_like(seq_lens)
+    pad_before = attention_mask.int().argmax(dim=1)  # (B,) first real column: the padding in front of the row
     # Shifted position t scores token t+1, so the first response token is scored at query_len - 1.
     starts = pad_before + query_lens - 1
     lengths = torch.tensor([len(r) for r in responses], device=device)
@@ -147,7 +169,8 @@ def build_causal_batch(
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_attention_mask(attention_mask),
     }
-    return ModelBatch(model_inputs, index, _apply_user_masks(mask, response_masks), "input_ids")
+    return ModelBatch(model_inputs=model_inputs, response_index=index,
+                      response_mask=_apply_user_masks(mask, response_masks), token_ids_key="input_ids")
 
 
 def build_seq2seq_batch(
@@ -172,4 +195,5 @@ def build_seq2seq_batch(
         "decoder_attention_mask": decoder_attention_mask,
     }
     user = None if response_masks is None else [m[1:] for m in response_masks]
-    return ModelBatch(model_inputs, index, _apply_user_masks(mask, user), "decoder_input_ids")
+    return ModelBatch(model_inputs=model_inputs, response_index=index, response_mask=_apply_user_masks(mask, user),
+                      token_ids_key="decoder_input_ids")

@@ -2,7 +2,9 @@
 
 ``step`` reads like the algorithm: validate -> score processing -> forward passes -> rewards
 (per-token KL + score on the last real token) -> GAE -> minibatch epochs -> stats -> KL update.
-The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it.
+The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Neighbours:
+``generation`` (sampling), ``ppo_validation`` (step/generate input checks), ``ppo_state`` (exact resume),
+``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader).
 
 As in classic TRL, every forward pass of ``step`` runs with dropout disabled (``model.eval()``), so
 the first mini-batch's probability ratio is exactly 1 and rollout and learning see the same model.
@@ -11,19 +13,20 @@ the first mini-batch's probability ratio is exactly 1 and rollout and learning s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import inspect
-import json
-import math
+import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
-from torch.utils.data import DataLoader
+from accelerate.utils import DistributedType, ProjectConfiguration
+from torch.utils.data import DataLoader, default_collate
 
 from rlhf_core.core import (
     WANDB_PADDING,
@@ -39,19 +42,44 @@ from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.tracking import Tracker, make_tracker
-from rlhf_core.trainers.generation import DEFAULT_GENERATION_BATCH_SIZE, generate_batched, generate_single
+from rlhf_core.trainers import ppo_state
+from rlhf_core.trainers.generation import (
+    DEFAULT_GENERATION_BATCH_SIZE,
+    generate_batched,
+    generate_single,
+    pad_id_of,
+)
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
 from rlhf_core.trainers.ppo_config import PPOConfig
+from rlhf_core.trainers.ppo_validation import (
+    check_generation_lengths,
+    check_sequence_lengths,
+    check_step_inputs,
+    position_limit,
+)
 
 
 # Where every process holds whole, already-synchronised gradients, so a local norm is the global one.
 _PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-def _list_collator(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """Default collator: a dict of lists (queries have different lengths)."""
-    return {key: [row[key] for row in rows] for key in rows[0]}
+def _list_collator(rows: list[Any]) -> Any:
+    """Default collator: dict rows become a dict of lists (queries have different lengths); any other rows
+    (tuples of tensors, as classic TRL's tests use) go through torch's ``default_collate``, as in classic TRL."""
+    if isinstance(rows[0], Mapping):
+        return {key: [row[key] for row in rows] for key in rows[0]}
+    return default_collate(rows)
+
+
+@contextlib.contextmanager
+def phase_timer(timing: dict[str, float], phase: str) -> Iterator[None]:
+    """Record the wall time of the block as ``timing["time/ppo/<phase>"]`` (seconds)."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        timing[f"time/ppo/{phase}"] = time.time() - start
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -75,6 +103,43 @@ def _accepts_logits_to_keep(model) -> bool:
 
 
 _LOGITS_TO_KEEP: dict[type, bool] = {}
+
+
+def _empty_device_cache() -> None:
+    """``optimize_device_cache``: collect garbage and return the accelerator's cached blocks after a step."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif hasattr(torch, "xpu") and torch.xpu.is_available():
+        torch.xpu.empty_cache()
+    elif torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+
+
+def _project_configuration(project_kwargs: dict[str, Any]) -> ProjectConfiguration:
+    """accelerate's ``ProjectConfiguration`` from the ``project_kwargs`` it knows (``logging_dir``, ``project_dir``...)."""
+    known = {f.name for f in dataclasses.fields(ProjectConfiguration)}
+    return ProjectConfiguration(**{k: v for k, v in project_kwargs.items() if k in known})
+
+
+def _build_tracker(config: PPOConfig):
+    """The tracker ``log_with`` names (or the ``Tracker`` it holds), as classic TRL configures it.
+
+    ``tracker_kwargs`` may be flat or accelerate's ``{"wandb": {...}}`` form; ``project_kwargs["logging_dir"]``
+    is where TensorBoard and wandb write. ``wandb`` is imported only when asked for.
+    """
+    name = config.log_with if isinstance(config.log_with, str) else None
+    kwargs = dict(config.tracker_kwargs)
+    if name is not None and isinstance(kwargs.get(name), Mapping):
+        kwargs = dict(kwargs[name])
+    logging_dir = config.project_kwargs.get("logging_dir")
+    if logging_dir is not None and name in ("tensorboard", "wandb"):
+        kwargs.setdefault("logging_dir", str(logging_dir))
+    if name == "wandb":
+        from rlhf_core.wandb_tracker import WandbTracker
+
+        return WandbTracker(config.tracker_project_name, **kwargs)
+    return make_tracker(config.log_with, config.tracker_project_name, **kwargs)
 
 
 def _default_adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -112,14 +177,21 @@ class PPOTrainer:
         self.config = config
         set_seed(config.seed)
         self.accelerator = Accelerator(
-            gradient_accumulation_steps=config.gradient_accumulation_steps, **config.accelerator_kwargs
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            project_config=_project_configuration(config.project_kwargs), **config.accelerator_kwargs,
         )
         self.tokenizer = tokenizer
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.is_peft_model = bool(getattr(model, "is_peft_model", False))
+        config.is_encoder_decoder, config.is_peft_model = self.is_encoder_decoder, self.is_peft_model  # as classic TRL
         self.ref_model = self._resolve_reference(model, ref_model, num_shared_layers)
         self.model = model
         self.data_collator = data_collator
+        self.training_data_collator = training_data_collator  # pads the model inputs (causal LMs), as in classic TRL
+        if dataset is None:
+            warnings.warn("No dataset is provided. Make sure to set config.batch_size to the correct value before "
+                          "training.", UserWarning, stacklevel=2)
+        self.dataset = dataset
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, data_collator)
         if optimizer is None:
             optimizer = _default_adam([p for p in model.parameters() if p.requires_grad], config.learning_rate)
@@ -132,17 +204,19 @@ class PPOTrainer:
             model.gradient_checkpointing_enable()
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
         if self.dataloader is not None:
-            self.dataloader = self._track_data_position(self.accelerator.prepare(self.dataloader))
+            self.dataloader = ppo_state.track_data_position(
+                self.accelerator.prepare(self.dataloader), config.batch_size * self.accelerator.num_processes)
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
         self.running = RunningMoments(self.accelerator)
         if not self.accelerator.is_main_process:
             tracker = make_tracker(None)
         elif tracker is None:  # ``tracker=``: a ready Tracker; else the one ``config.log_with`` names
-            tracker = make_tracker(config.log_with, config.tracker_project_name, **config.tracker_kwargs)
+            tracker = _build_tracker(config)
         self.tracker = tracker
         if self.accelerator.is_main_process:
             self.tracker.log_params(config.to_dict())
+        self._init_push_if_best(config)
         self.current_step = 0
         self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
         self._nonfinite_this_step = 0
@@ -233,11 +307,20 @@ class PPOTrainer:
             run = lambda model: generate_single(  # noqa: E731
                 self.accelerator.unwrap_model(model), self.tokenizer, query_tensor, device=self.accelerator.device,
                 return_prompt=return_prompt, is_encoder_decoder=self.is_encoder_decoder, **generation_kwargs)
+        self._check_generation_lengths(query_tensor, generation_kwargs)
         response = run(self.model)
         if not generate_ref_response:
             return response
         with self._reference_context():
             return response, run(ref_model)
+
+    def _check_generation_lengths(self, query_tensor, generation_kwargs) -> None:
+        """Refuse queries that cannot fit ``max_new_tokens`` more tokens in the model's positions (as ``step`` does).
+
+        Without ``max_new_tokens`` (a per-chunk ``length_sampler``, or ``max_length``) the queries alone must fit."""
+        queries = list(query_tensor) if isinstance(query_tensor, (list, tuple)) else [query_tensor]
+        check_generation_lengths(queries, generation_kwargs.get("max_new_tokens"), self._position_limit(),
+                                 self.is_encoder_decoder)
 
     def _reference_context(self):
         """Inside: the reference model's weights are active (adapter disabled for PEFT)."""
@@ -255,105 +338,77 @@ class PPOTrainer:
         response_masks: list[torch.LongTensor] | None = None,
     ) -> dict[str, Any]:
         """Run one PPO optimisation step on a batch of queries, responses and scalar scores."""
-        t_start = time.time()
         timing: dict[str, float] = {}
-        queries, responses, scores, response_masks = self._step_safety_checker(
-            self.config.batch_size, queries, responses, scores, response_masks
-        )
-        self._check_sequence_lengths(queries, responses)
-        scores = self._process_scores(scores)
-        batch = self.prepare_model_inputs(queries, responses, response_masks)
+        with phase_timer(timing, "total"):
+            queries, responses, scores, response_masks = self._step_safety_checker(
+                self.config.batch_size, queries, responses, scores, response_masks)
+            self._check_sequence_lengths(queries, responses)
+            scores = self._process_scores(scores)  # (B,)
+            self._push_if_best(scores)
+            batch = self.prepare_model_inputs(queries, responses, response_masks)
+            with phase_timer(timing, "forward_pass"):
+                old = self._rollout_forward(batch)
+            with phase_timer(timing, "compute_rewards"):
+                rewards, non_score, kls = self.compute_rewards(
+                    scores, old["logprobs"], old["ref_logprobs"], batch.response_mask,
+                    old.get("full_logprobs"), old.get("ref_full_logprobs"))
+            with phase_timer(timing, "compute_advantages"):
+                values, advantages, returns = self.compute_advantages(old["values"], rewards, batch.response_mask)
+            experience = Experience(
+                logprobs=old["logprobs"], ref_logprobs=old["ref_logprobs"], values=values, rewards=rewards,
+                non_score_rewards=non_score, kls=kls, advantages=advantages, returns=returns)
+            with phase_timer(timing, "optimize_step"):
+                train_stats = self._optimise(batch, experience)
+            with phase_timer(timing, "calc_stats"):
+                stats = self._step_stats(batch, experience, scores, queries, responses, train_stats)
+            self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
+            self._advance_schedule()
+        stats.update(timing)
+        if self.config.optimize_device_cache:
+            _empty_device_cache()
+        return convert_to_scalar(stats)
 
-        t = time.time()
-        old = self._rollout_forward(batch)
-        timing["time/ppo/forward_pass"] = time.time() - t
-
-        t = time.time()
-        rewards, non_score, kls = self.compute_rewards(scores, old["logprobs"], old["ref_logprobs"], batch.response_mask,
-                                                       old.get("full_logprobs"), old.get("ref_full_logprobs"))
-        timing["time/ppo/compute_rewards"] = time.time() - t
-        t = time.time()
-        values, advantages, returns = self.compute_advantages(old["values"], rewards, batch.response_mask)
-        timing["time/ppo/compute_advantages"] = time.time() - t
-        experience = Experience(old["logprobs"], old["ref_logprobs"], values, rewards, non_score, kls, advantages, returns)
-
-        t = time.time()
-        self._nonfinite_this_step = 0
-        train_stats = self._optimise(batch, experience)
-        timing["time/ppo/optimize_step"] = time.time() - t
-
-        t = time.time()
+    def _step_stats(self, batch: ModelBatch, experience: Experience, scores, queries, responses, train_stats):
+        """The step's stats as numpy: ``record_step_stats`` gathered over processes, plus lr and skip count."""
         stats = self.record_step_stats(
-            kl_coef=self.kl_ctl.value, scores=scores, logprobs=experience.logprobs, ref_logprobs=experience.ref_logprobs,
-            non_score_reward=non_score, train_stats=train_stats, masks=batch.response_mask, queries=queries,
-            responses=responses, kls=kls,
-        )
+            kl_coef=self.kl_ctl.value, scores=scores, logprobs=experience.logprobs,
+            ref_logprobs=experience.ref_logprobs, non_score_reward=experience.non_score_rewards,
+            train_stats=train_stats, masks=batch.response_mask, queries=queries, responses=responses,
+            kls=experience.kls)
+        # Classic TRL's layout for the two log-prob arrays: (B, T-1), where T is the padded model sequence.
+        stats["objective/logprobs"] = batch.scatter_to_sequence(experience.logprobs)
+        stats["objective/ref_logprobs"] = batch.scatter_to_sequence(experience.ref_logprobs)
         stats = stats_to_np(self.gather_stats(stats))
-        timing["time/ppo/calc_stats"] = time.time() - t
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         stats["ppo/skipped_updates"] = float(self._nonfinite_this_step)
-        self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
-        timing["time/ppo/total"] = time.time() - t_start
-        stats.update(timing)
+        return stats
+
+    def _advance_schedule(self) -> None:
+        """After a step: the lr scheduler steps once and the step counter moves on."""
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.current_step += 1
-        return convert_to_scalar(stats)
+
+    # ------------------------------------------------------------------ input checks (rlhf_core.trainers.ppo_validation)
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, response_masks=None):
         """Check the step inputs and move them to the device; raise ``ValueError`` on bad input."""
-        for name, value in (("queries", queries), ("responses", responses), ("scores", scores)):
-            if not isinstance(value, (list, tuple)):
-                raise ValueError(f"{name} must be a list of tensors, got {type(value).__name__}")
-            if len(value) != batch_size:
-                raise ValueError(f"Batch size ({batch_size}) does not match number of examples - but got {len(value)} for: {name}")
-        if response_masks is not None and len(response_masks) != batch_size:
-            raise ValueError(f"response_masks has {len(response_masks)} entries, expected batch_size={batch_size}")
-        device = self.accelerator.device
+        return check_step_inputs(batch_size, queries, responses, scores, response_masks, vocab=self._vocab_size(),
+                                 device=self.accelerator.device, is_encoder_decoder=self.is_encoder_decoder)
+
+    def _vocab_size(self) -> int:
         # Looked up once per step: unwrap_model probes installed packages on every call (~1 ms each,
         # 7% of a tiny-model step when done per tensor; bench/profile_step.py).
-        vocab = self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
-        queries = [self._check_token_tensor(q, "queries", i, vocab) for i, q in enumerate(queries)]
-        responses = [self._check_token_tensor(r, "responses", i, vocab) for i, r in enumerate(responses)]
-        scores = torch.stack([self._check_score(s, i) for i, s in enumerate(scores)]).to(device)
-        if response_masks is not None:
-            response_masks = [self._check_response_mask(m, r, i) for i, (m, r) in enumerate(zip(response_masks, responses))]
-        return queries, responses, scores, response_masks
+        return self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
 
-    def _check_token_tensor(self, tensor, name: str, i: int, vocab: int | None = None) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name}[{i}] must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 1:
-            raise ValueError(f"{name}[{i}] must be 1-d (seq_len,), got shape {tuple(tensor.shape)}")
-        if tensor.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise ValueError(f"{name}[{i}] must hold integer token ids, got dtype {tensor.dtype}")
-        min_len = 2 if (name == "responses" and self.is_encoder_decoder) else 1
-        if len(tensor) < min_len:
-            raise ValueError(f"{name}[{i}] is empty: every query and response needs at least one token")
-        if vocab is None:
-            vocab = self.accelerator.unwrap_model(self.model).pretrained_model.get_input_embeddings().num_embeddings
-        if int(tensor.min()) < 0 or int(tensor.max()) >= vocab:
-            raise ValueError(f"{name}[{i}] holds token ids outside [0, {vocab})")
-        return tensor.long().to(self.accelerator.device)
+    def _check_sequence_lengths(self, queries, responses) -> None:
+        """Raise ``ValueError`` when a query + response exceeds the model's position limit."""
+        check_sequence_lengths(queries, responses, self._position_limit(), self.is_encoder_decoder)
 
-    @staticmethod
-    def _check_score(score, i: int) -> torch.Tensor:
-        if not isinstance(score, (torch.Tensor, int, float, np.number)) or isinstance(score, bool):
-            raise ValueError(f"scores[{i}] must be a number or a scalar tensor, got {type(score).__name__}")
-        score = torch.as_tensor(score) if not isinstance(score, torch.Tensor) else score
-        if score.dim() > 1 or score.numel() != 1:
-            raise ValueError(f"scores[{i}] must be a scalar (0-d or one-element 1-d tensor), got shape {tuple(score.shape)}")
-        if not torch.is_floating_point(score) and score.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"scores[{i}] must be numeric, got dtype {score.dtype}")
-        score = score.reshape(()).float()
-        if not torch.isfinite(score):
-            raise ValueError(f"scores[{i}] is not finite ({float(score)}): fix the reward function before stepping")
-        return score
+    def _position_limit(self) -> int | None:
+        return position_limit(self.accelerator.unwrap_model(self.model).pretrained_model)
 
-    def _check_response_mask(self, mask, response, i: int) -> torch.Tensor:
-        if not isinstance(mask, torch.Tensor) or mask.shape != response.shape:
-            raise ValueError(f"response_masks[{i}] must be a tensor shaped like responses[{i}] {tuple(response.shape)}")
-        return mask.to(self.accelerator.device)
+    # ------------------------------------------------------------------ score processing, model inputs
 
     def _process_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Optional running-moment scaling/normalisation, then optional clipping."""
@@ -366,26 +421,49 @@ class PPOTrainer:
         return scores
 
     def prepare_model_inputs(self, queries, responses, response_masks=None) -> ModelBatch:
-        """Pad the pairs into model inputs (honouring the tokenizer's padding side)."""
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        build = build_seq2seq_batch if self.is_encoder_decoder else build_causal_batch
-        return build(queries, responses, pad_id, self.tokenizer.padding_side == "left", response_masks)
+        """Pad the pairs into model inputs: the tokenizer's padding side, or ``training_data_collator`` if given."""
+        left = self.tokenizer.padding_side == "left"
+        if self.is_encoder_decoder:
+            return build_seq2seq_batch(queries, responses, pad_id_of(self.tokenizer), left, response_masks)
+        return build_causal_batch(queries, responses, pad_id_of(self.tokenizer), left, response_masks,
+                                  collate=self.training_data_collator)
+
+    # ------------------------------------------------------------------ forward passes
 
     @torch.no_grad()
     def _rollout_forward(self, batch: ModelBatch) -> dict[str, torch.Tensor]:
         """Old log-probs and values from the policy, reference log-probs from the reference."""
         full = self.config.kl_penalty == "full"
-        logprobs, values, logits = self.batched_forward_pass(self.model, batch, return_logits=full)
+        logprobs, values, logits = self._forward_batch(self.model, batch, return_logits=full)
         with self._reference_context():
             ref_model = self.model if self.is_peft_model else self.ref_model
-            ref_logprobs, _, ref_logits = self.batched_forward_pass(ref_model, batch, return_logits=full)
+            ref_logprobs, _, ref_logits = self._forward_batch(ref_model, batch, return_logits=full)
         out = {"logprobs": logprobs, "values": values, "ref_logprobs": ref_logprobs}
         if full:
             out["full_logprobs"] = logprobs_from_logits(logits, None, gather=False)
             out["ref_full_logprobs"] = logprobs_from_logits(ref_logits, None, gather=False)
         return out
 
-    def batched_forward_pass(self, model, batch: ModelBatch, return_logits: bool = False):
+    def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
+                             response_masks=None):
+        """Classic TRL's forward pass: ``(logprobs, logits, values, masks)`` in the padded layout.
+
+        logprobs, values and masks are (B, T-1) and logits (B, T-1, V) (``None`` unless ``return_logits``),
+        where column t scores token t+1 of the padded sequence (the decoder sequence for encoder-decoders);
+        masks is 1 on the (unmasked) response tokens. ``model_inputs`` is accepted for the classic signature
+        (a ``ModelBatch`` from ``prepare_model_inputs`` is used as is; anything else is rebuilt from
+        ``queries``/``responses`` so inputs and tokens always agree). Runs in ``mini_batch_size`` chunks;
+        gradients flow unless called under ``torch.no_grad()``, as in classic TRL.
+        """
+        batch = model_inputs if isinstance(model_inputs, ModelBatch) else \
+            self.prepare_model_inputs(list(queries), list(responses), response_masks)
+        logprobs, values, logits = self._forward_batch(model, batch, return_logits=return_logits)
+        width = batch.model_inputs[batch.token_ids_key].shape[1] - 1  # T-1
+        scatter = batch.scatter_to_sequence
+        padded_logits = scatter(logits, width) if return_logits else None
+        return scatter(logprobs, width), padded_logits, scatter(values, width), scatter(batch.response_mask, width)
+
+    def _forward_batch(self, model, batch: ModelBatch, return_logits: bool = False):
         """Log-probs (B, A), values (B, A) and optionally logits (B, A, V) in ``mini_batch_size`` chunks."""
         chunk = self.config.mini_batch_size
         model.eval()  # classic TRL semantics: no dropout in PPO forward passes
@@ -413,12 +491,21 @@ class PPOTrainer:
         values = torch.gather(values[:, :-1].float(), 1, index) * batch.response_mask  # (b, A)
         return logprobs, values, (logits if return_logits else None)
 
+    # ------------------------------------------------------------------ rewards and advantages
+
+    def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        """Per-token KL estimate of the configured ``kl_penalty`` (classic TRL's private name).
+
+        ``kl``/``abs``/``mse``: gathered log-probs (B, A) -> (B, A); ``full``: log-softmax (B, A, V) -> (B, A).
+        """
+        return kl_penalty(logprob, ref_logprob, self.config.kl_penalty)
+
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_logprobs=None, ref_full_logprobs=None):
         """Per-token rewards, the KL part alone, and the per-token KL: all (B, A)."""
         if self.config.kl_penalty == "full":
-            kls = kl_penalty(full_logprobs, ref_full_logprobs, "full")
+            kls = self._kl_penalty(full_logprobs, ref_full_logprobs)
         else:
-            kls = kl_penalty(logprobs, ref_logprobs, self.config.kl_penalty)
+            kls = self._kl_penalty(logprobs, ref_logprobs)
         rewards, non_score = per_token_rewards(scores, kls, masks, self.kl_ctl.value)
         return rewards, non_score, kls
 
@@ -426,17 +513,18 @@ class PPOTrainer:
         """GAE advantages (whitened), returns and masked values: all (B, A)."""
         return gae_advantages(values, rewards, mask, self.config.gamma, self.config.lam, self.config.whiten_rewards)
 
+    # ------------------------------------------------------------------ minibatch epochs
+
     def _optimise(self, batch: ModelBatch, experience: Experience) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats."""
+        self._nonfinite_this_step = 0
         all_stats: list[dict[str, torch.Tensor]] = []
         cfg = self.config
         for _ in range(cfg.ppo_epochs):
             order = torch.from_numpy(np.random.permutation(cfg.batch_size))
             for start in range(0, cfg.batch_size, cfg.mini_batch_size):
                 rows = order[start:start + cfg.mini_batch_size]
-                with self.accelerator.accumulate(self.model):
-                    train_stats = self.train_minibatch(batch.rows(rows), experience.rows(rows))
-                all_stats.append(train_stats)
+                all_stats.append(self._minibatch_update(batch.rows(rows), experience.rows(rows)))
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
         stacked = stack_dicts(all_stats)
@@ -444,15 +532,25 @@ class PPOTrainer:
             stacked[key] = torch.nan_to_num(torch.flatten(stacked[key]).unsqueeze(0), WANDB_PADDING)
         return stacked
 
-    def train_minibatch(self, batch: ModelBatch, old: Experience) -> dict[str, torch.Tensor]:
-        """One forward/backward pass on a mini-batch; steps the optimizer at accumulation boundaries.
+    def _minibatch_update(self, batch: ModelBatch, old: Experience) -> dict[str, torch.Tensor]:
+        """Forward the mini-batch with gradients, then ``train_minibatch`` (inside gradient accumulation)."""
+        with self.accelerator.accumulate(self.model):
+            logprobs, vpreds, logits = self._forward_batch(self.model, batch, return_logits=True)  # (b, A), (b, A), (b, A, V)
+            stats = self.train_minibatch(old.logprobs, old.values, logprobs, logits, vpreds, batch.response_mask,
+                                         old.advantages, old.returns)
+        for key in ("policy/advantages", "policy/ratio"):  # per-token stats in classic TRL's (b, T-1) layout
+            stats[key] = batch.scatter_to_sequence(stats[key])
+        return stats
 
-        A non-finite loss or gradient norm skips the update (weights and optimizer state untouched)
-        and is counted; ``max_nonfinite_updates`` skips in a row stop the run with an error.
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
+        """Loss, backward and (at accumulation boundaries) an optimizer step for one mini-batch (classic signature).
+
+        ``logprobs``/``logits``/``vpreds`` come from a forward pass with gradients; every argument shares
+        one layout, (b, A) here or classic TRL's (b, T-1) (logits with a trailing V). A non-finite loss or
+        gradient norm skips the update (weights and optimizer state untouched) and is counted;
+        ``max_nonfinite_updates`` skips in a row stop the run with an error.
         """
-        logprobs, vpreds, logits = self.batched_forward_pass(self.model, batch, return_logits=True)
-        loss_p, loss_v, stats = self.loss(old.logprobs, old.values, logits, vpreds, logprobs,
-                                          batch.response_mask, old.advantages, old.returns)
+        loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
         loss = loss_p + loss_v
         if not torch.isfinite(loss):
             return self._skip_update(stats, f"non-finite loss ({float(loss.detach())})")
@@ -587,6 +685,37 @@ class PPOTrainer:
         rows = [[*(batch[c][i] for c in columns_to_log), float(rewards[i])] for i in range(len(batch[columns_to_log[0]]))]
         self.tracker.log_table("game_log", [*columns_to_log, "reward"], rows, step=self.current_step)
 
+    # ------------------------------------------------------------------ pushing the best model (classic TRL)
+
+    def _init_push_if_best(self, config: PPOConfig) -> None:
+        """With ``push_to_hub_if_best_kwargs``: push whenever a step's mean score beats the best so far."""
+        self.push_to_hub_kwargs = dict(config.push_to_hub_if_best_kwargs)
+        if self.push_to_hub_kwargs and "repo_id" not in self.push_to_hub_kwargs:
+            raise ValueError("push_to_hub_if_best_kwargs must name the repo_id to push the best model to")
+        self.compare_step = 0
+        self.highest_reward = torch.tensor(-float("inf"))
+
+    def _push_if_best(self, scores: torch.Tensor) -> None:
+        """Every ``compare_steps`` steps, push the model if the batch's mean (processed) score is the best yet."""
+        if not self.push_to_hub_kwargs:
+            return
+        if self.compare_step % self.config.compare_steps == 0:
+            mean = scores.mean().cpu()
+            if mean > self.highest_reward:
+                self.highest_reward = mean
+                self.push_to_hub(**self.push_to_hub_kwargs)
+        self.compare_step += 1
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> Any:
+        """Push the policy (value head included) and tokenizer to the Hub repo ``repo_id`` (needs a network)."""
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+            raise RuntimeError(f"cannot push to the Hub repo {repo_id!r}: HF_HUB_OFFLINE is set (no network). Unset "
+                               "it, or drop push_to_hub_if_best_kwargs from the PPOConfig")
+        if not self.accelerator.is_main_process:
+            return None
+        self.tokenizer.push_to_hub(repo_id, **kwargs)
+        return self.accelerator.unwrap_model(self.model).push_to_hub(repo_id, **kwargs)
+
     # ------------------------------------------------------------------ saving
 
     def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
@@ -611,14 +740,7 @@ class PPOTrainer:
         """Alias kept for classic-TRL compatibility."""
         self.save_pretrained(save_directory)
 
-    # ------------------------------------------------------------------ exact resume (rlhf_core.checkpointing)
-
-    def _track_data_position(self, loader):
-        """Wrap the prepared dataloader so its position (epoch, samples delivered) can be checkpointed."""
-        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-        if isinstance(sampler, ckpt.ResumableRandomSampler):
-            return ckpt.PositionTrackingLoader(loader, sampler, self.config.batch_size * self.accelerator.num_processes)
-        return loader
+    # ------------------------------------------------------------------ exact resume (rlhf_core.trainers.ppo_state)
 
     def save_state(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write everything a run needs to continue exactly, atomically, into the directory ``path``.
@@ -627,67 +749,8 @@ class PPOTrainer:
         ``weights_only=True``), RNG states, KL-controller value, running score moments, step counter,
         dataloader position and ``extra`` (JSON-able state of the caller's loop) in ``trainer_state.json``.
         """
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            state = {
-                "format": ckpt.CHECKPOINT_FORMAT, "kind": "ppo", "step": self.current_step,
-                "kl_ctl": {"class": type(self.kl_ctl).__name__, **self.kl_ctl.state_dict()},
-                "running": self.running.state_dict(), "nonfinite_in_a_row": self._nonfinite_in_a_row,
-                "accelerator_step": int(getattr(self.accelerator, "step", 0)),
-                "data": self.dataloader.state_dict() if isinstance(self.dataloader, ckpt.PositionTrackingLoader) else None,
-                "config": json.loads(json.dumps(self.config.to_dict(), default=str)), "extra": extra or {},
-            }
-            with ckpt.atomic_directory(path) as tmp:
-                ckpt.save_module_weights(self.accelerator.unwrap_model(self.model), tmp / "model.safetensors")
-                ckpt.save_torch(self.optimizer.state_dict(), tmp / "optimizer.pt")
-                if self.lr_scheduler is not None:
-                    ckpt.save_torch(self.lr_scheduler.state_dict(), tmp / "scheduler.pt")
-                ckpt.save_torch(ckpt.capture_rng_state(), tmp / "rng_state.pt")
-                ckpt.write_json(tmp / ckpt.STATE_FILE, state)
-        self.accelerator.wait_for_everyone()
+        ppo_state.save_state(self, path, extra)
 
     def load_state(self, path: str) -> dict[str, Any]:
         """Restore a ``save_state`` checkpoint into this trainer (built with the same arguments); returns ``extra``."""
-        path = ckpt.checkpoint_dir(path)
-        state = ckpt.read_json(path / ckpt.STATE_FILE)
-        if state.get("kind") != "ppo" or state.get("format") != ckpt.CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not a PPOTrainer checkpoint (kind={state.get('kind')!r}, format={state.get('format')!r})")
-        kl_state = dict(state["kl_ctl"])
-        if kl_state.pop("class") != type(self.kl_ctl).__name__:
-            raise ValueError(f"{path}: checkpoint KL controller differs from this trainer's ({type(self.kl_ctl).__name__}); "
-                             "build the trainer with the same adap_kl_ctrl")
-        cosmetic = {"exp_name", "log_with", "tracker_project_name", "tracker_kwargs", "project_kwargs"}
-        changed = sorted(k for k, v in json.loads(json.dumps(self.config.to_dict(), default=str)).items()
-                         if k in state["config"] and k not in cosmetic and state["config"][k] != v)
-        if changed:
-            warnings.warn(f"resuming {path} with a different PPOConfig ({', '.join(changed)}): the run is not exact",
-                          stacklevel=2)
-        if (self.lr_scheduler is None) != (not (path / "scheduler.pt").exists()):
-            raise ValueError(f"{path}: the checkpoint and this trainer disagree on having an lr_scheduler")
-        ckpt.load_module_weights(self.accelerator.unwrap_model(self.model), path / "model.safetensors")
-        self.optimizer.load_state_dict(ckpt.load_torch(path / "optimizer.pt"))
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(ckpt.load_torch(path / "scheduler.pt"))
-        self.kl_ctl.load_state_dict(kl_state)
-        self.running.load_state_dict(state["running"])
-        self.current_step, self._nonfinite_in_a_row = int(state["step"]), int(state["nonfinite_in_a_row"])
-        if hasattr(self.accelerator, "step"):
-            self.accelerator.step = int(state["accelerator_step"])
-        if state["data"] is not None and isinstance(self.dataloader, ckpt.PositionTrackingLoader):
-            self.dataloader.load_state_dict(state["data"])
-        elif state["data"] is not None:
-            warnings.warn(f"{path} holds a dataloader position but this trainer has no dataset", stacklevel=2)
-        ckpt.restore_rng_state(ckpt.load_torch(path / "rng_state.pt"))
-        return state["extra"]
-
-    def _check_sequence_lengths(self, queries, responses) -> None:
-        """Raise ``ValueError`` when a query + response exceeds the model's position limit."""
-        config = getattr(self.accelerator.unwrap_model(self.model).pretrained_model, "config", None)
-        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-        if not isinstance(limit, int) or limit <= 0:
-            return
-        for i, (query, response) in enumerate(zip(queries, responses)):
-            lengths = (len(query), len(response)) if self.is_encoder_decoder else (len(query) + len(response),)
-            if max(lengths) > limit:
-                raise ValueError(f"queries[{i}] + responses[{i}] ({len(query)} + {len(response)} tokens) are longer "
-                                 f"than the model's {limit} positions: truncate the query or lower max_new_tokens")
+        return ppo_state.load_state(self, path)
