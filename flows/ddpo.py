@@ -19,14 +19,14 @@ import flows  # noqa: E402,F401  (environment defaults)
 import mlflow  # noqa: E402
 from prefect import flow, task  # noqa: E402
 
-from rlhf_core.models.diffusion import (  # noqa: E402
+from rlhf_core.ddpo.pipeline import (  # noqa: E402
     ANIMAL_PROMPTS,
     DefaultDDPOStableDiffusionPipeline,
     tiny_stable_diffusion_pipeline,
 )
-from rlhf_core.rewards_image import image_grid, jpeg_compressibility, jpeg_incompressibility  # noqa: E402
-from rlhf_core.trainers.ddpo_config import DDPOConfig  # noqa: E402
-from rlhf_core.trainers.ddpo_trainer import DDPOTrainer  # noqa: E402
+from rlhf_core.ddpo.rewards import image_grid, jpeg_compressibility, jpeg_incompressibility  # noqa: E402
+from rlhf_core.ddpo.config import DDPOConfig  # noqa: E402
+from rlhf_core.ddpo.trainer import DDPOTrainer  # noqa: E402
 
 REWARDS = {"compressibility": jpeg_compressibility, "incompressibility": jpeg_incompressibility}
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"

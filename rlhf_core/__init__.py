@@ -35,12 +35,12 @@ _EXPORTS = {
     "RewardConfig": "rlhf_core.trainers.reward",
     "DPOTrainer": "rlhf_core.trainers.dpo",
     "DPODataCollatorWithPadding": "rlhf_core.trainers.collators",
-    "DDPOConfig": "rlhf_core.trainers.ddpo_config",
-    "DDPOTrainer": "rlhf_core.trainers.ddpo_trainer",
-    "DDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
-    "DefaultDDPOStableDiffusionPipeline": "rlhf_core.models.diffusion",
-    "DDPOPipelineOutput": "rlhf_core.models.diffusion",
-    "DDPOSchedulerOutput": "rlhf_core.models.diffusion",
+    "DDPOConfig": "rlhf_core.ddpo.config",
+    "DDPOTrainer": "rlhf_core.ddpo.trainer",
+    "DDPOStableDiffusionPipeline": "rlhf_core.ddpo.pipeline",
+    "DefaultDDPOStableDiffusionPipeline": "rlhf_core.ddpo.pipeline",
+    "DDPOPipelineOutput": "rlhf_core.ddpo.pipeline",
+    "DDPOSchedulerOutput": "rlhf_core.ddpo.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -579,7 +579,7 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
     restart from the seed; rank 0's, the weights, the optimizer, the scheduler and the data position are exact).
     """
     from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint, stage_checkpoint_dir
-    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+    from rlhf_core.trainers.base import GracefulStopCallback
 
     from tasks.distributed import any_process, check_replicas_identical
 

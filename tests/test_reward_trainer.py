@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
+from rlhf_core.models.reward_model import sequence_rewards
 from rlhf_core.models.tiny import build_tokenizer, tiny_reward_model
 from rlhf_core.trainers.collators import RewardDataCollatorWithPadding
 from rlhf_core.trainers.reward import (
     RewardConfig,
     RewardTrainer,
     compute_accuracy,
-    sequence_rewards,
     tokenize_pair,
 )
 

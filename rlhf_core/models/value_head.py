@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
+from rlhf_core.models.peft_support import is_peft_model
+
 logger = logging.getLogger(__name__)
 
 V_HEAD_PREFIX = "v_head."
@@ -173,15 +175,6 @@ def load_v_head_state(name_or_path: str, hub_kwargs: Mapping[str, Any] | None = 
 # --------------------------------------------------------------------------------------------
 
 
-def _is_peft_model(model: nn.Module) -> bool:
-    """True for a ``peft.PeftModel`` (peft is only imported when installed)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency, but keep the wrapper usable without it
-        return False
-    return isinstance(model, PeftModel)
-
-
 def _nest_transformer_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """Load pre-hook: map the TRL layout (unprefixed transformer keys) back onto ``pretrained_model.*``."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -208,7 +201,7 @@ class PreTrainedModelWrapper(nn.Module):
         super().__init__()
         self.pretrained_model = pretrained_model
         self.config = pretrained_model.config
-        self.is_peft_model = _is_peft_model(pretrained_model)
+        self.is_peft_model = is_peft_model(pretrained_model)
         self.v_head = ValueHead(self.config, summary_dropout_prob=summary_dropout_prob)
         init_value_head(self.v_head, v_head_init_strategy, v_head_initializer_range)
         self.v_head.to(self._output_device())
@@ -240,7 +233,7 @@ class PreTrainedModelWrapper(nn.Module):
         source = pretrained_model_name_or_path
         if isinstance(source, (str, os.PathLike)):
             model = cls._load_transformer(os.fspath(source), model_args, kwargs)
-        elif isinstance(source, PreTrainedModel) or _is_peft_model(source):
+        elif isinstance(source, PreTrainedModel) or is_peft_model(source):
             if model_args or kwargs:
                 raise ValueError(f"loading arguments {sorted(kwargs)} only apply to a name or path, not a model")
             model = source
@@ -381,7 +374,7 @@ def _apply_peft_config(model: nn.Module, peft_config: Any) -> nn.Module:
     """Wrap ``model`` with ``peft.get_peft_model`` when a config is given."""
     if peft_config is None:
         return model
-    if _is_peft_model(model):
+    if is_peft_model(model):
         raise ValueError("peft_config was given but the model already is a PeftModel; pass only one of them")
     from peft import get_peft_model
 

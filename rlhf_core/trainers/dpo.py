@@ -23,12 +23,12 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from rlhf_core.core import masked_mean, sequence_logprobs, shifted_token_logprobs
 from rlhf_core.losses import DPO_LOSS_TYPES, dpo_loss
+from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.reference import create_reference_model
-from rlhf_core.trainers._hf_compat import (
+from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     default_training_args,
     disable_dropout as disable_dropout_in_model,
-    is_peft_model,
     load_model,
     resolve_processing_class,
     wrap_peft,

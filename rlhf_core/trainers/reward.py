@@ -14,16 +14,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
-from rlhf_core.core import gather_last_token, position_ids_from_attention_mask
 from rlhf_core.losses import pairwise_reward_loss
-from rlhf_core.trainers._hf_compat import (
+from rlhf_core.models.reward_model import sequence_rewards
+from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     default_training_args,
-    is_peft_model,
     load_model,
     resolve_processing_class,
     wrap_peft,
@@ -51,39 +49,6 @@ def compute_accuracy(eval_pred: Any) -> dict[str, float]:
     """Fraction of pairs whose chosen reward is strictly above the rejected one: predictions (N, 2)."""
     predictions = np.asarray(eval_pred.predictions if hasattr(eval_pred, "predictions") else eval_pred[0])
     return {"accuracy": float(np.mean(predictions[:, 0] > predictions[:, 1]))}
-
-
-def sequence_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward (B,) of each sequence: the score head at its last real token, whatever the padding side.
-
-    Sequence classifiers with a token-level ``score`` head (GPT-2, Llama, ...) are run as backbone + head so
-    the score is read with ``gather_last_token``; other models fall back to their pooled logits (B, 1).
-
-    ``model`` may be a parallel wrapper (DDP, FSDP, DeepSpeed: what ``Trainer`` hands ``compute_loss`` under
-    ``accelerate launch``). Calling its submodules directly would bypass the wrapper's forward (no gradient
-    sync), and treating the wrapper as a plain model would take the pooled-logits fallback (another reward
-    with left padding). So the wrapper's own forward runs, with the same position ids, and the head's token
-    scores are captured with a forward hook: the same rewards as the unwrapped model.
-    """
-    unwrapped = extract_model_from_parallel(model)
-    inner = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-    backbone = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
-    head = getattr(inner, "score", None)
-    if backbone is None or head is None or backbone is inner:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]  # (B,)
-    position_ids = position_ids_from_attention_mask(attention_mask)  # (B, T)
-    if unwrapped is model:
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        token_scores = head(hidden.last_hidden_state)[..., 0]  # (B, T)
-    else:  # wrapped: the full forward through the wrapper (needs config.pad_token_id for B > 1, like any HF classifier)
-        captured: list[torch.Tensor] = []
-        handle = head.register_forward_hook(lambda _module, _args, output: captured.append(output))
-        try:
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        finally:
-            handle.remove()
-        token_scores = captured[-1][..., 0]  # (B, T)
-    return gather_last_token(token_scores, attention_mask)  # (B,)
 
 
 def tokenize_pair(example: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:

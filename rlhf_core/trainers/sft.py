@@ -14,7 +14,7 @@ from typing import Any
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 from transformers.data.data_collator import default_data_collator
 
-from rlhf_core.trainers._hf_compat import (
+from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     default_training_args,
     load_model,

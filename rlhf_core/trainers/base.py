@@ -1,4 +1,4 @@
-"""Glue shared by the ``transformers.Trainer`` subclasses (SFT, reward, DPO).
+"""The base of the `transformers.Trainer` subclasses (SFT, reward, DPO): `RlhfTrainerMixin` and its glue.
 
 - the spec's ``tokenizer=`` argument, which transformers 5 calls ``processing_class``;
 - loading a model given as a name or path, and wrapping it with PEFT;
@@ -27,6 +27,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.model_card import write_model_card
+from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.tracking import Tracker, make_tracker
 
 logger = logging.getLogger(__name__)
@@ -71,15 +72,6 @@ def load_tokenizer_for(model: Any, tokenizer: Any) -> Any:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def is_peft_model(model: Any) -> bool:
-    """True for a ``peft.PeftModel`` (peft is optional)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def wrap_peft(model: Any, peft_config: Any) -> Any:
@@ -333,5 +325,5 @@ class RlhfTrainerMixin:
 __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
     "default_training_args",
-    "disable_dropout", "is_peft_model", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
+    "disable_dropout", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
 ]

@@ -9,7 +9,7 @@ One epoch (``step``) reads like the algorithm:
        recompute the step's log-prob and take the clipped PPO loss; accumulate; clip; optimizer step
     -> stats, image hook, checkpoint.
 
-The math lives in ``rlhf_core.ddpo_math``; the model calls in ``rlhf_core.models.diffusion``.
+The math lives in ``rlhf_core.ddpo.math``; the model calls in ``rlhf_core.ddpo.pipeline``.
 Checkpoints are safetensors (weights, optimizer tensors, RNG states) plus JSON (counters, buffers).
 """
 
@@ -34,10 +34,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf_core.core import set_seed
-from rlhf_core.ddpo_math import PerPromptStatTracker, ddpo_clipped_loss, normalize_rewards
-from rlhf_core.models.diffusion import DDPOStableDiffusionPipeline
+from rlhf_core.ddpo.math import PerPromptStatTracker, ddpo_clipped_loss, normalize_rewards
+from rlhf_core.ddpo.pipeline import DDPOStableDiffusionPipeline
 from rlhf_core.tracking import make_tracker
-from rlhf_core.trainers.ddpo_config import DDPOConfig
+from rlhf_core.ddpo.config import DDPOConfig
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint_(\d+)$")
 # Per-trajectory tensors of a sample dict, and those indexed by timestep (N, S, ...).
