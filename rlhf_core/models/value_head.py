@@ -386,6 +386,8 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForCausalLM
     is_encoder_decoder = False
+    lm_head_namings = ("lm_head", "embed_out", "output_layer")
+    """Attribute names a causal LM's output projection goes by (TRL 0.11 API, read by tests and subclasses)."""
 
 
 class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
@@ -393,6 +395,8 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForSeq2SeqLM
     is_encoder_decoder = True
+    lm_head_namings = ("lm_head", "embed_out", "output_projection")
+    """Attribute names a seq2seq LM's output projection goes by (TRL 0.11 API, read by tests and subclasses)."""
 
     def _last_hidden_state(self, outputs: Any) -> torch.Tensor:
         """The decoder's last hidden state (B, T_dec, H)."""

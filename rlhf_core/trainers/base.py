@@ -13,11 +13,12 @@ Trainers never import MLflow here: the tracker object from ``rlhf_core.tracking`
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,44 @@ def resolve_processing_class(tokenizer: Any = None, processing_class: Any = None
     return processing_class if processing_class is not None else tokenizer
 
 
-def default_training_args(args: TrainingArguments | None, trainer_name: str) -> TrainingArguments:
-    """The user's arguments, or small defaults that report nowhere (``output_dir=tmp_<trainer>``)."""
+def default_training_args(
+    args: TrainingArguments | None, trainer_name: str, config_class: type = TrainingArguments
+) -> TrainingArguments:
+    """The user's arguments, or small defaults of ``config_class`` that report nowhere (``output_dir=tmp_<trainer>``)."""
     if args is not None:
         return args
-    return TrainingArguments(output_dir=f"tmp_{trainer_name}", report_to=[])
+    return config_class(output_dir=f"tmp_{trainer_name}", report_to=[])
+
+
+def keyword_defaults(function: Callable, names: Sequence[str]) -> dict[str, Any]:
+    """Default value of each named keyword parameter of ``function``."""
+    parameters = inspect.signature(function).parameters
+    return {name: parameters[name].default for name in names}
+
+
+def merge_config_fields(
+    args: Any, config_class: type, keywords: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The value of each trainer option, from a keyword or from a TRL 0.11 config (``SFTConfig``, ``DPOConfig``...).
+
+    A keyword left at its default takes the field of the same name when ``args`` is a ``config_class``; a
+    keyword given explicitly wins (as in TRL 0.11) and a warning names both values when the config disagrees.
+    """
+    merged = dict(keywords)
+    if not isinstance(args, config_class):
+        return merged
+    for name, value in keywords.items():
+        if not hasattr(args, name):
+            continue
+        from_config = getattr(args, name)
+        if value == defaults[name]:
+            merged[name] = from_config
+        elif from_config != value and from_config != defaults[name]:
+            warnings.warn(
+                f"{name}={value!r} passed to the trainer overrides {config_class.__name__}.{name}={from_config!r}",
+                UserWarning, stacklevel=3,
+            )
+    return merged
 
 
 def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -324,6 +358,6 @@ class RlhfTrainerMixin:
 
 __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
-    "default_training_args",
+    "default_training_args", "keyword_defaults", "merge_config_fields",
     "disable_dropout", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
 ]
