@@ -1,0 +1,141 @@
+"""Build the hub ids TRL 0.11.4's tests load as local folders of random-weight models (never downloads).
+
+``python fixtures.py DIR`` writes ``DIR/<org>/<name>`` for every id below; run the tests with ``DIR`` as
+the working directory and ``from_pretrained("trl-internal-testing/...")`` / ``load_dataset(...)`` read
+the local folder of that relative path. Ids not listed here are not served: those tests need a download.
+Only transformers, tokenizers and datasets are used, so the same script serves both venvs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+ZEN = [
+    "Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
+    "Complex is better than complicated.", "Flat is better than nested.", "Sparse is better than dense.",
+    "Readability counts.", "Special cases aren't special enough to break the rules.",
+    "Although practicality beats purity.", "Errors should never pass silently.",
+    "Unless explicitly silenced.", "In the face of ambiguity, refuse the temptation to guess.",
+    "There should be one-- and preferably only one --obvious way to do it.",
+    "Although that way may not be obvious at first unless you're Dutch.", "Now is better than never.",
+    "Although never is often better than *right* now.",
+    "If the implementation is hard to explain, it's a bad idea.",
+    "If the implementation is easy to explain, it may be a good idea.",
+    "Namespaces are one honking great idea -- let's do more of those!",
+]
+# causal LM ids -> transformers model_type (small random configs)
+CAUSAL = {
+    "trl-internal-testing/dummy-GPT2-correct-vocab": "gpt2",
+    "trl-internal-testing/tiny-random-GPT2LMHeadModel": "gpt2",
+    "trl-internal-testing/tiny-random-GPTNeoXForCausalLM": "gpt_neox",
+    "trl-internal-testing/tiny-random-GPTNeoXForCausalLM-safetensors": "gpt_neox",
+    "trl-internal-testing/tiny-random-GPTNeoXForCausalLM-safetensors-sharded": "gpt_neox",
+    "trl-internal-testing/tiny-random-GPTNeoForCausalLM": "gpt_neo",
+    "trl-internal-testing/tiny-random-CodeGenForCausalLM": "codegen",
+    "trl-internal-testing/tiny-random-CodeGenForCausalLM-sharded": "codegen",
+    "trl-internal-testing/tiny-random-GPTJForCausalLM": "gptj",
+    "trl-internal-testing/tiny-random-BloomForCausalLM": "bloom",
+    "trl-internal-testing/tiny-BloomForCausalLM-correct-vocab": "bloom",
+    "trl-internal-testing/tiny-random-OPTForCausalLM": "opt",
+    "trl-internal-testing/tiny-random-LlamaForCausalLM": "llama",
+}
+SEQ2SEQ = {
+    "trl-internal-testing/tiny-random-T5ForConditionalGeneration": "t5",
+    "trl-internal-testing/tiny-T5ForConditionalGeneration-correct-vocab": "t5",
+    "trl-internal-testing/T5ForConditionalGeneration-correct-vocab-calibrated": "t5",
+    "trl-internal-testing/tiny-random-BartForConditionalGeneration": "bart",
+}
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+PER_TYPE = {
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
+    "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                    max_position_embeddings=256),
+    "codegen": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, rotary_dim=4),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, rotary_dim=4),
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4),
+    "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32,
+                max_position_embeddings=256),
+    "llama": dict(SMALL, num_key_value_heads=4, max_position_embeddings=256),
+    "gpt_neox": dict(SMALL, max_position_embeddings=256),
+    "t5": dict(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=1),
+    "bart": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256),
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the Zen of Python (EOS = BOS = ``<|endoftext|>``, no pad token)."""
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(ZEN, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", model_max_length=256)
+
+
+def save_model(root: Path, name: str, model_type: str, auto_class, tokenizer) -> None:
+    """A random ``model_type`` model sized to ``tokenizer`` (pad = eos id), saved with the tokenizer."""
+    ids = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.eos_token_id)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **PER_TYPE[model_type], **ids)
+    torch.manual_seed(0)
+    model = auto_class.from_config(config)
+    shard = "10KB" if name.endswith("sharded") else "5GB"
+    model.save_pretrained(root / name, max_shard_size=shard)
+    tokenizer.save_pretrained(root / name)
+
+
+def save_zen(root: Path) -> None:
+    """``trl-internal-testing/zen`` with the configs the tests load (README ``configs`` metadata)."""
+    folder = root / "trl-internal-testing" / "zen"
+    rows = {
+        "standard_preference": [
+            {"prompt": line.split(" is ")[0] + " is", "chosen": " better.", "rejected": " worse."} for line in ZEN
+        ],
+        "conversational_language_modeling": [
+            {"messages": [{"role": "user", "content": "What is better?"}, {"role": "assistant", "content": line}]}
+            for line in ZEN
+        ],
+        "standard_prompt_completion": [{"prompt": line[:10], "completion": line[10:]} for line in ZEN],
+        "standard_language_modeling": [{"text": line} for line in ZEN],
+    }
+    yaml = ["---", "configs:"]
+    for config, data in rows.items():
+        (folder / config).mkdir(parents=True, exist_ok=True)
+        yaml += [f"- config_name: {config}", "  data_files:"]
+        for split, part in (("train", data[:-2]), ("test", data[-2:])):
+            (folder / config / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+            yaml += [f"  - split: {split}", f"    path: {config}/{split}.jsonl"]
+    (folder / "README.md").write_text("\n".join(yaml + ["---", ""]))
+
+
+def save_tiny_diffusion(root: Path) -> None:
+    """``hf-internal-testing/tiny-stable-diffusion-torch``: rlhf_core's offline tiny pipeline, when importable."""
+    try:
+        from rlhf_core.ddpo.pipeline import tiny_stable_diffusion_pipeline
+    except Exception:  # noqa: BLE001 - the trl venv has no rlhf_core / diffusers: DDPO tests are skipped there
+        return
+    tiny_stable_diffusion_pipeline(seed=0).save_pretrained(root / "hf-internal-testing" / "tiny-stable-diffusion-torch")
+
+
+def main(root: Path) -> None:
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(root / "gpt2")
+    for name, model_type in CAUSAL.items():
+        save_model(root, name, model_type, AutoModelForCausalLM, tokenizer)
+    for name, model_type in SEQ2SEQ.items():
+        save_model(root, name, model_type, AutoModelForSeq2SeqLM, tokenizer)
+    save_zen(root)
+    save_tiny_diffusion(root)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
