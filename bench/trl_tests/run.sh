@@ -27,17 +27,24 @@ fi
 
 WORK="$HERE/.work/$MODE"
 mkdir -p "$WORK"
+# The tests' own extra dependency, installed once beside (not into) the interpreter's environment.
+EXTRAS="$HERE/.work/extras"
+if ! PYTHONPATH="$EXTRAS" "$PY" -c "import parameterized" 2>/dev/null; then
+  "$PY" -m pip install -q --disable-pip-version-check --target "$EXTRAS" parameterized
+fi
+PYPATH="${PYPATH:+$PYPATH:}$EXTRAS"
 if [ ! -f "$WORK/.fixtures" ]; then  # cached: the models and datasets only depend on fixtures.py
   PYTHONPATH="$PYPATH" "$PY" "$HERE/fixtures.py" "$WORK" >"$WORK/fixtures.log" 2>&1
   touch "$WORK/.fixtures"
 fi
 rm -rf "$WORK/tests" && cp -r "$CHECKOUT/tests" "$WORK/tests" && rm -rf "$WORK/tests/slow"
+if [ "$MODE" = rlhf_core ]; then cp "$HERE/conftest.py" "$WORK/conftest.py"; else rm -f "$WORK/conftest.py"; fi
 
 cd "$WORK"
 export PYTHONPATH="$PYPATH" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled \
   WANDB_DISABLED=true MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set +e
-"$PY" -m pytest "${TEST_FILES[@]/#/tests/}" -q -p no:cacheprovider -o addopts="" --rootdir="$WORK" \
+"$PY" -m pytest "${TEST_FILES[@]/#/tests/}" -q -p no:cacheprovider -o addopts="" --rootdir="$WORK" --continue-on-collection-errors \
   --junitxml="$WORK/junit.xml" "$@" >"$WORK/pytest.log" 2>&1
 RC=$?
 set -e
