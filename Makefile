@@ -11,7 +11,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup test test-slow examples bench lock clean
+.PHONY: setup test test-slow examples bench trl-tests lock clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ test: setup
 
 test-slow: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m slow
+
+# Classic TRL 0.11.4's own unit tests against rlhf_core (TRL=path to a trl v0.11.4 checkout; TRL_TESTS_FLAGS=--trl
+# runs them against trl itself). See bench/trl_tests/README.md.
+trl-tests: setup
+	bash bench/trl_tests/run.sh $(TRL_TESTS_FLAGS) $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout))
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
 bench: setup

@@ -253,3 +253,81 @@ def test_the_trl_shim_aliases_rlhf_core_modules():
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench' / 'trl_tests' / 'shim'}{os.pathsep}{REPO}"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+# ---- PEFT reward adapter beside the policy --------------------------------------------------------
+
+
+def test_reward_adapter_scores_with_the_saved_reward_model(tokenizer, tmp_path):
+    """compute_reward_score runs the base model through the frozen reward adapter and its score head: the
+    same scores as the saved reward model itself; the policy adapter is active again afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_core.models.tiny import tiny_reward_model
+    from rlhf_core.models.value_head import AutoModelForCausalLMWithValueHead
+
+    reward = get_peft_model(tiny_reward_model(tokenizer, seed=0),
+                            LoraConfig(r=4, lora_alpha=8, task_type="SEQ_CLS", init_lora_weights=False))
+    reward.eval()
+    reward.save_pretrained(tmp_path / "rm")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    expected = reward(input_ids=ids).logits  # (2, 1): the score at the last token
+
+    policy = get_peft_model(tiny_causal_lm(tokenizer, seed=0), LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(policy, reward_adapter=str(tmp_path / "rm"))
+    model.train()
+    scores = model.compute_reward_score(ids)  # (2, 4, 1)
+    assert scores.shape == (2, 4, 1)
+    assert torch.allclose(scores[:, -1, :], expected, atol=1e-5)
+    assert model.pretrained_model.active_adapter == "default" and model.pretrained_model.training
+    assert not model.score.weight.requires_grad
+    assert "score.weight" not in model.state_dict()
+
+
+def test_reward_adapter_needs_a_peft_policy(tokenizer, tmp_path):
+    from rlhf_core.models.value_head import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
+
+    with pytest.raises(ValueError, match="PEFT policy"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer), reward_adapter=str(tmp_path))
+    with pytest.raises(ValueError, match="supports_rm_adapter=False"):
+        AutoModelForSeq2SeqLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer), reward_adapter=str(tmp_path))
+
+
+# ---- smaller TRL 0.11 behaviours ------------------------------------------------------------------
+
+
+def test_ddpo_trainer_loss_is_the_clipped_surrogate():
+    from rlhf_core.ddpo.trainer import DDPOTrainer
+
+    advantages, ratio = torch.tensor([-1.0, 2.0]), torch.tensor([1.0, 1.5])
+    # (max(1, 1), max(-3, -2 * 1.2)) = (1, -2.4): mean -0.7
+    loss = DDPOTrainer.loss(None, advantages, 0.2, ratio)
+    assert loss.item() == pytest.approx(-0.7)
+
+
+def test_trainers_tag_the_model_and_load_the_tokenizer_from_its_config(tokenizer, tmp_path):
+    tiny_causal_lm(tokenizer).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")  # config._name_or_path is that folder
+    trainer = SFTTrainer(model=model, args=cpu_args(SFTConfig, tmp_path / "out", dataset_text_field="text"),
+                         train_dataset=Dataset.from_dict(TEXTS))
+    assert trainer.processing_class.get_vocab() == tokenizer.get_vocab()
+    assert trainer.model.model_tags == trainer._tag_names == ["trl", "sft"]
+
+
+def test_sft_renders_a_conversational_dataset_with_the_chat_template(tokenizer, tmp_path):
+    chat = tokenizer.__class__.from_pretrained(_saved(tokenizer, tmp_path))
+    chat.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    rows = Dataset.from_dict({"messages": [[{"role": "user", "content": "a good film"}]]})
+    trainer = SFTTrainer(model=tiny_causal_lm(tokenizer), args=cpu_args(SFTConfig, tmp_path), tokenizer=chat,
+                         train_dataset=rows)
+    expected = chat("user: a good film\n", add_special_tokens=True)["input_ids"] + [chat.eos_token_id]
+    assert trainer.train_dataset[0]["input_ids"] == expected
+
+
+def _saved(tokenizer, tmp_path) -> str:
+    """A copy of the session tokenizer on disk (so a test can change it freely)."""
+    tokenizer.save_pretrained(tmp_path / "tok")
+    return str(tmp_path / "tok")

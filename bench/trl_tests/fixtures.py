@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
 ZEN = [
     "Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better than complex.",
@@ -29,6 +29,11 @@ ZEN = [
     "If the implementation is easy to explain, it may be a good idea.",
     "Namespaces are one honking great idea -- let's do more of those!",
 ]
+# A ChatML-style template, so conversational (``messages``) datasets can be rendered.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # causal LM ids -> transformers model_type (small random configs)
 CAUSAL = {
     "trl-internal-testing/dummy-GPT2-correct-vocab": "gpt2",
@@ -50,7 +55,25 @@ SEQ2SEQ = {
     "trl-internal-testing/tiny-T5ForConditionalGeneration-correct-vocab": "t5",
     "trl-internal-testing/T5ForConditionalGeneration-correct-vocab-calibrated": "t5",
     "trl-internal-testing/tiny-random-BartForConditionalGeneration": "bart",
+    "trl-internal-testing/tiny-random-BigBirdPegasusForConditionalGeneration": "bigbird_pegasus",
+    "trl-internal-testing/tiny-random-BlenderbotForConditionalGeneration": "blenderbot",
+    "trl-internal-testing/tiny-random-BlenderbotSmallForConditionalGeneration": "blenderbot-small",
+    "trl-internal-testing/tiny-random-FSMTForConditionalGeneration": "fsmt",
+    "trl-internal-testing/tiny-random-LEDForConditionalGeneration": "led",
+    "trl-internal-testing/tiny-random-LongT5ForConditionalGeneration": "longt5",
+    "trl-internal-testing/tiny-random-M2M100ForConditionalGeneration": "m2m_100",
+    "trl-internal-testing/tiny-random-MarianMTModel": "marian",
+    "trl-internal-testing/tiny-random-MBartForConditionalGeneration": "mbart",
+    "trl-internal-testing/tiny-random-MT5ForConditionalGeneration": "mt5",
+    "trl-internal-testing/tiny-random-MvpForConditionalGeneration": "mvp",
+    "trl-internal-testing/tiny-random-PegasusForConditionalGeneration": "pegasus",
+    "trl-internal-testing/tiny-random-PegasusXForConditionalGeneration": "pegasus_x",
+    "trl-internal-testing/tiny-random-PLBartForConditionalGeneration": "plbart",
+    "trl-internal-testing/tiny-random-ProphetNetForConditionalGeneration": "prophetnet",
+    "trl-internal-testing/tiny-random-SwitchTransformersForConditionalGeneration": "switch_transformers",
 }
+# base models (no LM head): the tests check they are refused
+BASE = {"trl-internal-testing/tiny-random-GPT2Model": "gpt2", "trl-internal-testing/tiny-random-T5Model": "t5"}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 PER_TYPE = {
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
@@ -67,6 +90,24 @@ PER_TYPE = {
     "bart": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256),
 }
+_BART_LIKE = PER_TYPE["bart"]
+_T5_LIKE = PER_TYPE["t5"]
+PER_TYPE.update({
+    "bigbird_pegasus": dict(_BART_LIKE, attention_type="original_full"),
+    "blenderbot": _BART_LIKE, "blenderbot-small": _BART_LIKE, "m2m_100": _BART_LIKE, "marian": _BART_LIKE,
+    "mbart": _BART_LIKE, "mvp": _BART_LIKE, "pegasus": _BART_LIKE, "plbart": _BART_LIKE,
+    "led": dict(_BART_LIKE, max_encoder_position_embeddings=256, max_decoder_position_embeddings=256,
+                attention_window=4),
+    "pegasus_x": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256,
+                      num_global_tokens=4, block_size=4),
+    "longt5": _T5_LIKE, "mt5": _T5_LIKE, "switch_transformers": dict(_T5_LIKE, num_experts=2),
+    "fsmt": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256, langs=["en", "de"]),
+    "prophetnet": dict(hidden_size=32, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+                       num_decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                       max_position_embeddings=256, ngram=2),
+})
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -77,8 +118,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(ZEN, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", model_max_length=256)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
+                                        bos_token="<|endoftext|>", unk_token="<|endoftext|>", model_max_length=256)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def save_model(root: Path, name: str, model_type: str, auto_class, tokenizer) -> None:
@@ -132,7 +175,12 @@ def main(root: Path) -> None:
     for name, model_type in CAUSAL.items():
         save_model(root, name, model_type, AutoModelForCausalLM, tokenizer)
     for name, model_type in SEQ2SEQ.items():
-        save_model(root, name, model_type, AutoModelForSeq2SeqLM, tokenizer)
+        try:  # best effort: an architecture this transformers cannot build is a test that needs a download
+            save_model(root, name, model_type, AutoModelForSeq2SeqLM, tokenizer)
+        except Exception as error:  # noqa: BLE001
+            print(f"not served: {name} ({type(error).__name__}: {error})", file=sys.stderr)
+    for name, model_type in BASE.items():
+        save_model(root, name, model_type, AutoModel, tokenizer)
     save_zen(root)
     save_tiny_diffusion(root)
 

@@ -20,8 +20,7 @@ if [ "$MODE" = trl ]; then
   PY="$REPO/bench/.trl-venv/bin/python"
   PYPATH=""
 else
-  PY="${PYTHON:-$REPO/.venv/bin/python}"
-  test -x "$PY" || PY=/work/main/.venv/bin/python
+  PY="${PYTHON:-$REPO/.venv/bin/python}"   # the project's venv (make setup), or PYTHON=another interpreter
   PYPATH="$HERE/shim:$REPO"   # `trl` is the shim that aliases rlhf_core
 fi
 

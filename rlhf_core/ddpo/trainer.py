@@ -318,6 +318,13 @@ class DDPOTrainer:
         )
         return step.log_probs
 
+    def loss(self, advantages: torch.Tensor, clip_range: float, ratio: torch.Tensor) -> torch.Tensor:
+        """TRL 0.11's clipped surrogate from a ratio: ``mean(max(-A * ratio, -A * clip(ratio, 1 +- clip_range)))``,
+        advantages and ratio (B,) -> scalar."""
+        unclipped = -advantages * ratio  # (B,)
+        clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)  # (B,)
+        return torch.mean(torch.maximum(unclipped, clipped))
+
     def calculate_loss(
         self, latents: torch.Tensor, timesteps: torch.Tensor, next_latents: torch.Tensor, log_probs: torch.Tensor,
         advantages: torch.Tensor, embeds: torch.Tensor,

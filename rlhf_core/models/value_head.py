@@ -228,7 +228,9 @@ class PreTrainedModelWrapper(nn.Module):
         """Build from a hub id, a local directory, a ``PreTrainedModel`` or a ``PeftModel`` (TRL classic)."""
         head_kwargs = {k: kwargs.pop(k) for k in VALUE_HEAD_KWARGS if k in kwargs}
         peft_config = kwargs.pop("peft_config", None)
-        if kwargs.pop("reward_adapter", None) is not None:
+        reward_adapter = kwargs.pop("reward_adapter", None)
+        reward_adapter_name = kwargs.pop("reward_adapter_name", "reward_adapter")
+        if reward_adapter is not None and not cls.supports_rm_adapter:
             raise ValueError(f"{cls.__name__} does not support reward_adapter (supports_rm_adapter=False)")
         source = pretrained_model_name_or_path
         if isinstance(source, (str, os.PathLike)):
@@ -243,7 +245,41 @@ class PreTrainedModelWrapper(nn.Module):
         wrapper = cls(model, **head_kwargs)
         if isinstance(source, (str, os.PathLike)):
             wrapper._load_saved_v_head(os.fspath(source), kwargs)
+        if reward_adapter is not None:
+            wrapper._add_reward_adapter(os.fspath(reward_adapter), reward_adapter_name)
         return wrapper
+
+    def _add_reward_adapter(self, adapter_dir: str, adapter_name: str) -> None:
+        """Load a frozen reward-model adapter beside the policy adapter (``compute_reward_score`` uses it)."""
+        from rlhf_core.models.reward_adapter import load_reward_adapter
+
+        if not self.is_peft_model:
+            raise ValueError("reward_adapter needs a PEFT policy: pass a PeftModel or peft_config= as well")
+        self.policy_adapter_name = self.pretrained_model.active_adapter
+        self.score = load_reward_adapter(self.pretrained_model, adapter_dir, adapter_name)
+        self.rm_adapter_name = adapter_name
+        self.pretrained_model.set_adapter(self.policy_adapter_name)
+
+    @torch.no_grad()
+    def compute_reward_score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        """Reward scores (B, T, K) of every position from the reward adapter (read the last real token's)."""
+        if getattr(self, "rm_adapter_name", None) is None:
+            raise ValueError("compute_reward_score needs a model loaded with reward_adapter=")
+        was_training = self.pretrained_model.training
+        self.pretrained_model.set_adapter(self.rm_adapter_name)
+        self.pretrained_model.eval()
+        try:
+            outputs = self.pretrained_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True,
+                **kwargs,
+            )
+            hidden = outputs.hidden_states[-1].to(self.score.weight.device)  # (B, T, H)
+            return self.score(hidden)  # (B, T, K)
+        finally:
+            self.pretrained_model.set_adapter(self.policy_adapter_name)
+            self.pretrained_model.train(was_training)
 
     @classmethod
     def _load_transformer(cls, name_or_path: str, model_args: tuple, kwargs: dict[str, Any]) -> nn.Module:
@@ -386,6 +422,7 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForCausalLM
     is_encoder_decoder = False
+    supports_rm_adapter = True
     lm_head_namings = ("lm_head", "embed_out", "output_layer")
     """Attribute names a causal LM's output projection goes by (TRL 0.11 API, read by tests and subclasses)."""
 

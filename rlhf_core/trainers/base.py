@@ -97,12 +97,16 @@ def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | No
 
 
 def load_tokenizer_for(model: Any, tokenizer: Any) -> Any:
-    """The given tokenizer, or the one saved beside a model given as a name/path (pad = EOS if missing)."""
-    if tokenizer is not None or not isinstance(model, (str, Path)):
+    """The given tokenizer, or the one saved beside the model (given as a name/path, or loaded from one:
+    ``config._name_or_path``, as TRL 0.11 does); pad = EOS if missing."""
+    if tokenizer is not None:
         return tokenizer
+    source = model if isinstance(model, (str, Path)) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not source:  # a model built from a config: nothing to load a tokenizer from
+        return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -226,8 +230,16 @@ class RlhfTrainerMixin:
     """
 
     trainer_name = "trainer"
+    _tag_names: list[str] = ["trl"]
+    """Hub tags added to the model (``model.add_model_tags``), TRL 0.11's names: ``trl`` plus the trainer's."""
     max_nonfinite_updates = 10
     """Optimizer steps in a row with non-finite gradients before the run stops (``NonFiniteGuardCallback``)."""
+
+    def _tag_model(self) -> None:
+        """Add ``_tag_names`` to the model's hub tags (written into its model card by transformers)."""
+        model = getattr(self, "model", None)
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(self._tag_names)
 
     def _setup_tracking(
         self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None

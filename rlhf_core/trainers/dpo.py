@@ -296,6 +296,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
     """Direct Preference Optimisation with the classic TRL arguments (``tokenizer=`` accepted)."""
 
     trainer_name = "dpo"
+    _tag_names = ["trl", "dpo"]
 
     def __init__(
         self,
@@ -398,6 +399,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         self.precompute_ref_log_probs = precompute_ref_log_probs
         if precompute_ref_log_probs:
             self._precompute_all_reference_logps()
+        self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     # ---- setup ---------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
     """Trains a one-output sequence classifier so that ``r(chosen) > r(rejected)`` (``tokenizer=`` accepted)."""
 
     trainer_name = "reward"
+    _tag_names = ["trl", "reward-trainer"]
 
     def __init__(
         self,
@@ -154,6 +155,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.model_accepts_loss_kwargs = False  # our loss is a per-pair mean: scale by gradient accumulation
+        self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     @staticmethod

@@ -92,6 +92,14 @@ def format_batch(
     return texts
 
 
+def chat_formatting_func(dataset: Any, tokenizer: Any) -> Callable | None:
+    """For a conversational dataset (a ``messages`` column) and a tokenizer with a chat template: the texts
+    rendered by that template (TRL 0.11's default formatting); else None."""
+    if "messages" not in dataset.column_names or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda example: tokenizer.apply_chat_template(example["messages"], tokenize=False)
+
+
 def tokenize_texts(texts: list[str], tokenizer: Any, max_seq_length: int) -> dict[str, list[list[int]]]:
     """Token ids with EOS appended (if the tokenizer did not add it), truncated to ``max_seq_length``."""
     ids = tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
@@ -104,6 +112,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
     """Supervised fine-tuning trainer with the classic TRL arguments (``tokenizer=`` accepted)."""
 
     trainer_name = "sft"
+    _tag_names = ["trl", "sft"]
 
     def __init__(
         self,
@@ -180,6 +189,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
+        self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     @staticmethod
@@ -211,6 +221,8 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             return dataset
         if "input_ids" in dataset.column_names and dataset_text_field is None and formatting_func is None:
             return dataset
+        if dataset_text_field is None and formatting_func is None:
+            formatting_func = chat_formatting_func(dataset, tokenizer)
         if dataset_text_field is None and formatting_func is None:
             raise ValueError(
                 f"SFTTrainer needs dataset_text_field or formatting_func (dataset columns: {dataset.column_names})"
