@@ -76,7 +76,7 @@ SEQ2SEQ = {
 BASE = {"trl-internal-testing/tiny-random-GPT2Model": "gpt2", "trl-internal-testing/tiny-random-T5Model": "t5"}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 PER_TYPE = {
-    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
+    "gpt2": dict(n_embd=32, n_layer=5, n_head=4, n_positions=256),  # 5 layers, as the hub's tiny-random GPT-2
     "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                     max_position_embeddings=256),
     "codegen": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, rotary_dim=4),
