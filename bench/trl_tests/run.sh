@@ -12,12 +12,14 @@ if [ "${1:-}" = "--trl" ]; then MODE=trl; shift; fi
 CHECKOUT="${1:?usage: run.sh [--trl] TRL_CHECKOUT [pytest args]  (a trl v0.11.4 checkout, see README.md)}"
 shift
 test -f "$CHECKOUT/tests/test_core.py" || { echo "no tests/test_core.py under $CHECKOUT: not a trl checkout" >&2; exit 2; }
-TEST_FILES=(test_core.py test_modeling_value_head.py test_ppo_trainer.py test_reward_trainer.py
-            test_sft_trainer.py test_dpo_trainer.py test_ddpo_trainer.py)
+# TRL_TEST_FILES="test_dpo_trainer.py ..." runs a subset.
+TEST_FILES=(${TRL_TEST_FILES:-test_core.py test_modeling_value_head.py test_ppo_trainer.py test_reward_trainer.py
+            test_sft_trainer.py test_dpo_trainer.py test_ddpo_trainer.py})
 
 if [ "$MODE" = trl ]; then
   "$REPO/bench/setup_trl_venv.sh"
   PY="$REPO/bench/.trl-venv/bin/python"
+  "$PY" -c "import pytest" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check pytest
   PYPATH=""
 else
   PY="${PYTHON:-$REPO/.venv/bin/python}"   # the project's venv (make setup), or PYTHON=another interpreter
