@@ -29,6 +29,9 @@ ZEN = [
     "If the implementation is easy to explain, it may be a good idea.",
     "Namespaces are one honking great idea -- let's do more of those!",
 ]
+# Texts whose GPT-2 token counts the tests assert ("This morning I went to the " is 7 tokens): trained on, so
+# the small tokenizer splits them into the same words.
+TEST_TEXTS = ["This morning I went to the ", "This morning I went to the park"]
 # A ChatML-style template, so conversational (``messages``) datasets can be rendered.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -117,7 +120,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(ZEN, trainer=trainer)
+    backend.train_from_iterator(ZEN + TEST_TEXTS * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
                                         bos_token="<|endoftext|>", unk_token="<|endoftext|>", model_max_length=256)
     tokenizer.chat_template = CHAT_TEMPLATE
