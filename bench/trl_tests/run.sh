@@ -19,7 +19,7 @@ TEST_FILES=(${TRL_TEST_FILES:-test_core.py test_modeling_value_head.py test_ppo_
 if [ "$MODE" = trl ]; then
   "$REPO/bench/setup_trl_venv.sh"
   PY="$REPO/bench/.trl-venv/bin/python"
-  "$PY" -c "import pytest" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check pytest
+  "$PY" -c "import pytest, PIL" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check pytest pillow  # the tests import PIL
   PYPATH=""
 else
   PY="${PYTHON:-$REPO/.venv/bin/python}"   # the project's venv (make setup), or PYTHON=another interpreter
