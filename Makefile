@@ -12,7 +12,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: help setup test test-slow examples bench lock clean plots exps
+.PHONY: help setup test test-slow examples bench trl-tests lock clean plots exps
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## (.*)$$/\1\t\2/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -41,6 +41,11 @@ test: setup ## set up, then run the fast test suite (no slow end-to-end checks)
 
 test-slow: setup ## run the slow end-to-end checks (pipeline, retraining, signals, soak)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m slow
+
+# Classic TRL 0.11.4's own unit tests against rlhf_core (TRL=path to a trl v0.11.4 checkout; TRL_TESTS_FLAGS=--trl
+# runs them against trl itself). See bench/trl_tests/README.md.
+trl-tests: setup ## classic TRL 0.11.4's own tests against rlhf_core (TRL=<checkout>; see bench/trl_tests/README.md)
+	bash bench/trl_tests/run.sh $(TRL_TESTS_FLAGS) $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout))
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
 bench: setup ## benchmark against classic TRL 0.11.4 in its own venv; writes bench/results.{md,json}

@@ -19,15 +19,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from rlhf_core.models.diffusion import (  # noqa: E402
+from rlhf_core.ddpo.pipeline import (  # noqa: E402
     ANIMAL_PROMPTS,
     LORA_CONV_TARGET_MODULES,
     DefaultDDPOStableDiffusionPipeline,
     tiny_stable_diffusion_pipeline,
 )
-from rlhf_core.rewards_image import image_grid, jpeg_compressibility, jpeg_incompressibility  # noqa: E402
-from rlhf_core.trainers.ddpo_config import DDPOConfig  # noqa: E402
-from rlhf_core.trainers.ddpo_trainer import DDPOTrainer  # noqa: E402
+from rlhf_core.ddpo.rewards import image_grid, jpeg_compressibility, jpeg_incompressibility  # noqa: E402
+from rlhf_core.ddpo.config import DDPOConfig  # noqa: E402
+from rlhf_core.ddpo.trainer import DDPOTrainer  # noqa: E402
 
 REWARDS = {"compressibility": jpeg_compressibility, "incompressibility": jpeg_incompressibility}
 

@@ -82,7 +82,7 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, texts: Sequence[str]) -> list[float]:
-        from rlhf_core.trainers.reward import sequence_rewards
+        from rlhf_core.models.reward_model import sequence_rewards
 
         scores: list[float] = []
         eos = self.tokenizer.eos_token or ""  # the reward trainer scores texts ending in EOS

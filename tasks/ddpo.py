@@ -7,8 +7,8 @@ true; ``python -m flows.stage ddpo`` or ``dvc repro ddpo`` runs it on its own. H
 pipeline, or its LoRA weights), ``metrics/ddpo.json`` and ``plots/ddpo.csv`` (reward per epoch); MLflow gets
 the params, the step metrics and one sample grid per epoch through the stage run.
 
-The one place the pipeline names DDPO's library modules (``rlhf_core.models.diffusion``,
-``rlhf_core.rewards_image``): ``_library`` below.
+The one place the pipeline names DDPO's library modules (``rlhf_core.ddpo.pipeline``,
+``rlhf_core.ddpo.rewards``): ``_library`` below.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ FIXED = {"mixed_precision": "no"}
 def _library() -> dict[str, Any]:
     """DDPO's library pieces (imported lazily: diffusers is an optional extra)."""
     from rlhf_core import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
-    from rlhf_core.models.diffusion import ANIMAL_PROMPTS, tiny_stable_diffusion_pipeline
-    from rlhf_core.rewards_image import image_grid, jpeg_compressibility, jpeg_incompressibility
+    from rlhf_core.ddpo.pipeline import ANIMAL_PROMPTS, tiny_stable_diffusion_pipeline
+    from rlhf_core.ddpo.rewards import image_grid, jpeg_compressibility, jpeg_incompressibility
 
     return {"DDPOConfig": DDPOConfig, "DDPOTrainer": DDPOTrainer, "pipeline": DefaultDDPOStableDiffusionPipeline,
             "tiny": tiny_stable_diffusion_pipeline, "prompts": ANIMAL_PROMPTS, "image_grid": image_grid,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint
-from rlhf_core.trainers._hf_compat import GracefulStopCallback
+from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.distributed import any_process, check_replicas_identical, is_main_process
 from tasks.logs import get_logger, on_terminal
 from tasks.params import as_dict

@@ -186,7 +186,7 @@ def test_sigterm_stops_a_transformers_trainer_with_a_checkpoint(tokenizer, tmp_p
     from datasets import Dataset
     from transformers import TrainerCallback, TrainingArguments
 
-    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+    from rlhf_core.trainers.base import GracefulStopCallback
     from rlhf_core.trainers.sft import SFTTrainer
 
     class SigtermAtStep2(TrainerCallback):

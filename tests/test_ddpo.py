@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 
-from rlhf_core.ddpo_math import (
+from rlhf_core.ddpo.math import (
     PerPromptStatTracker,
     classifier_free_guidance,
     ddim_step_with_logprob,
     ddpo_clipped_loss,
     normalize_rewards,
 )
-from rlhf_core.rewards_image import image_grid, jpeg_compressibility, jpeg_incompressibility
-from rlhf_core.trainers.ddpo_config import DDPOConfig
+from rlhf_core.ddpo.rewards import image_grid, jpeg_compressibility, jpeg_incompressibility
+from rlhf_core.ddpo.config import DDPOConfig
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -169,7 +169,7 @@ def test_jpeg_rewards():
 
 
 def test_reward_output_may_be_a_tensor_or_a_pair_with_metadata():
-    from rlhf_core.trainers.ddpo_trainer import _split_reward_output
+    from rlhf_core.ddpo.trainer import _split_reward_output
 
     rewards, meta = _split_reward_output((torch.tensor([1.0, 2.0]), {"k": 1}), 2)
     assert torch.equal(rewards, torch.tensor([1.0, 2.0])) and meta == {"k": 1}
@@ -231,7 +231,7 @@ def test_8bit_adam_needs_bitsandbytes():
 
 
 def _pipeline(use_lora: bool = True, image_size: int = 16):
-    from rlhf_core.models.diffusion import DefaultDDPOStableDiffusionPipeline, tiny_stable_diffusion_pipeline
+    from rlhf_core.ddpo.pipeline import DefaultDDPOStableDiffusionPipeline, tiny_stable_diffusion_pipeline
 
     return DefaultDDPOStableDiffusionPipeline(tiny_stable_diffusion_pipeline(seed=0, image_size=image_size), use_lora=use_lora)
 
@@ -251,7 +251,7 @@ def _prompt():
 
 
 def test_first_inner_epoch_recomputes_the_recorded_log_probs_exactly(tmp_path):
-    from rlhf_core.trainers.ddpo_trainer import DDPOTrainer
+    from rlhf_core.ddpo.trainer import DDPOTrainer
 
     trainer = DDPOTrainer(_config(tmp_path), jpeg_compressibility, _prompt, _pipeline())
     samples, _ = trainer._generate_samples(2, 2)
@@ -274,7 +274,7 @@ def test_first_inner_epoch_recomputes_the_recorded_log_probs_exactly(tmp_path):
 
 
 def test_step_logs_stats_calls_hook_and_changes_only_trainable_weights(tmp_path):
-    from rlhf_core.trainers.ddpo_trainer import DDPOTrainer
+    from rlhf_core.ddpo.trainer import DDPOTrainer
 
     calls = []
     pipeline = _pipeline()
@@ -301,7 +301,7 @@ def test_step_logs_stats_calls_hook_and_changes_only_trainable_weights(tmp_path)
 
 
 def test_checkpoint_resume_continues_with_the_same_state(tmp_path):
-    from rlhf_core.trainers.ddpo_trainer import DDPOTrainer, list_checkpoints
+    from rlhf_core.ddpo.trainer import DDPOTrainer, list_checkpoints
 
     reward = jpeg_incompressibility
     random.seed(0)
@@ -331,7 +331,7 @@ def test_checkpoint_resume_continues_with_the_same_state(tmp_path):
 
 
 def test_pipeline_saves_and_loads_from_a_local_directory(tmp_path):
-    from rlhf_core.models.diffusion import DefaultDDPOStableDiffusionPipeline, tiny_stable_diffusion_pipeline
+    from rlhf_core.ddpo.pipeline import DefaultDDPOStableDiffusionPipeline, tiny_stable_diffusion_pipeline
 
     tiny_stable_diffusion_pipeline(image_size=16).save_pretrained(tmp_path / "tiny")
     assert list((tmp_path / "tiny" / "unet").glob("*.safetensors"))
@@ -343,7 +343,7 @@ def test_pipeline_saves_and_loads_from_a_local_directory(tmp_path):
     assert out.images.shape == (2, 3, 16, 16) and out.latents.shape[:2] == (2, 3) and out.log_probs.shape == (2, 2)
     assert torch.isfinite(out.log_probs).all()
     # LoRA weights (attention and convolutions) round-trip through diffusers' load_lora_weights exactly
-    from rlhf_core.models.diffusion import LORA_CONV_TARGET_MODULES
+    from rlhf_core.ddpo.pipeline import LORA_CONV_TARGET_MODULES
 
     lora = DefaultDDPOStableDiffusionPipeline(tiny_stable_diffusion_pipeline(image_size=16), lora_rank=2,
                                               lora_target_modules=LORA_CONV_TARGET_MODULES)
@@ -367,7 +367,7 @@ def test_ddpo_learns_to_compress_on_the_tiny_pipeline(tmp_path):
     Measured with this configuration for seeds 0, 1, 2: fixed-noise reward +0.25, +0.16, +0.22 KB; the
     per-epoch mean rose from -1.42 to -1.16, -1.27, -1.20 (per-image std about 0.012 KB).
     """
-    from rlhf_core.trainers.ddpo_trainer import DDPOTrainer
+    from rlhf_core.ddpo.trainer import DDPOTrainer
 
     random.seed(0)
     pipeline = _pipeline(use_lora=False, image_size=32)

@@ -411,7 +411,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tok, tmp_path):
     import signal
 
     from rlhf_core import checkpointing as ckpt
-    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+    from rlhf_core.trainers.base import GracefulStopCallback
 
     class SigtermAtStep1(online.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

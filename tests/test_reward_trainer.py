@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
+from rlhf_core.models.reward_model import sequence_rewards
 from rlhf_core.models.tiny import build_tokenizer, tiny_reward_model
 from rlhf_core.trainers.collators import RewardDataCollatorWithPadding
 from rlhf_core.trainers.reward import (
     RewardConfig,
     RewardTrainer,
     compute_accuracy,
-    sequence_rewards,
     tokenize_pair,
 )
 
@@ -60,12 +62,24 @@ def test_missing_columns_value_error_names_them(tokenizer, tmp_path):
                       tokenizer=tokenizer)
 
 
-def test_two_output_model_is_rejected(tokenizer, tmp_path):
-    model = tiny_reward_model(tokenizer)
-    model.config.num_labels = 2
-    with pytest.raises(ValueError, match="num_labels=2"):
-        RewardTrainer(model=model, args=small_args(tmp_path), train_dataset=Dataset.from_dict(PAIRS),
-                      tokenizer=tokenizer)
+def test_two_output_model_trains_every_output_as_a_reward(tokenizer, tmp_path):
+    """TRL 0.11 semantics for num_labels=2: loss = mean over pairs and outputs of -log sigmoid(r_c - r_r)."""
+    model = tiny_reward_model(tokenizer, num_labels=2)
+    with pytest.warns(UserWarning, match="num_labels=2"):
+        trainer = RewardTrainer(model=model, args=small_args(tmp_path), train_dataset=Dataset.from_dict(PAIRS),
+                                tokenizer=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    loss, outputs = trainer.compute_loss(model, batch, return_outputs=True)
+    chosen, rejected = outputs["rewards_chosen"].double(), outputs["rewards_rejected"].double()
+    assert chosen.shape == rejected.shape == (4, 2)
+    expected = sum(-math.log(1 / (1 + math.exp(-(chosen[i, k] - rejected[i, k]).item())))
+                   for i in range(4) for k in range(2)) / 8
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    loss.backward()
+    assert (model.score.weight.grad.abs().sum(dim=1) > 0).all()  # both output rows learn
+    _, logits, _ = trainer.prediction_step(model, batch, prediction_loss_only=False)
+    assert logits.shape == (4, 2)
+    assert torch.allclose(logits[:, 0], outputs["rewards_chosen"].mean(dim=1))
 
 
 def test_collator_pads_pairs_to_common_length_with_margin(tokenizer):

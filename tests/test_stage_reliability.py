@@ -102,7 +102,7 @@ def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch
 
 
 def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project, monkeypatch):
-    from rlhf_core.trainers._hf_compat import GracefulStopCallback
+    from rlhf_core.trainers.base import GracefulStopCallback
     from tasks.sft import sft_task
 
     straight = sft_task.fn(str(project))

@@ -187,7 +187,7 @@ def test_attributes_and_from_model_object(tokenizer):
     base = tiny_causal_lm(tokenizer)
     model = CausalVH.from_pretrained(base)
     assert model.pretrained_model is base and model.config is base.config
-    assert not model.is_peft_model and not model.is_encoder_decoder and model.supports_rm_adapter is False
+    assert not model.is_peft_model and not model.is_encoder_decoder and model.supports_rm_adapter is True
     assert model.transformers_parent_class is AutoModelForCausalLM
     with pytest.raises(ValueError, match="torch_dtype"):
         CausalVH.from_pretrained(base, torch_dtype=torch.float16)

@@ -121,11 +121,11 @@ def tiny_seq2seq_lm(
 
 def tiny_reward_model(
     tokenizer: PreTrainedTokenizerFast, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
-    seed: int | None = 0,
+    seed: int | None = 0, num_labels: int = 1,
 ) -> PreTrainedModel:
-    """A small GPT-2-shaped sequence classifier with one output (a reward model)."""
+    """A small GPT-2-shaped sequence classifier with ``num_labels`` outputs (a reward model: one)."""
     config = GPT2Config(
-        n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=128, num_labels=1,
+        n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=128, num_labels=num_labels,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, **_token_ids(tokenizer),
     )
     return _seeded(lambda: AutoModelForSequenceClassification.from_config(config), seed)

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 
+from rlhf_core.models.peft_support import is_peft_model
+
 logger = logging.getLogger(__name__)
 
 V_HEAD_PREFIX = "v_head."
@@ -173,15 +175,6 @@ def load_v_head_state(name_or_path: str, hub_kwargs: Mapping[str, Any] | None = 
 # --------------------------------------------------------------------------------------------
 
 
-def _is_peft_model(model: nn.Module) -> bool:
-    """True for a ``peft.PeftModel`` (peft is only imported when installed)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency, but keep the wrapper usable without it
-        return False
-    return isinstance(model, PeftModel)
-
-
 def _nest_transformer_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """Load pre-hook: map the TRL layout (unprefixed transformer keys) back onto ``pretrained_model.*``."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -208,7 +201,7 @@ class PreTrainedModelWrapper(nn.Module):
         super().__init__()
         self.pretrained_model = pretrained_model
         self.config = pretrained_model.config
-        self.is_peft_model = _is_peft_model(pretrained_model)
+        self.is_peft_model = is_peft_model(pretrained_model)
         self.v_head = ValueHead(self.config, summary_dropout_prob=summary_dropout_prob)
         init_value_head(self.v_head, v_head_init_strategy, v_head_initializer_range)
         self.v_head.to(self._output_device())
@@ -235,12 +228,14 @@ class PreTrainedModelWrapper(nn.Module):
         """Build from a hub id, a local directory, a ``PreTrainedModel`` or a ``PeftModel`` (TRL classic)."""
         head_kwargs = {k: kwargs.pop(k) for k in VALUE_HEAD_KWARGS if k in kwargs}
         peft_config = kwargs.pop("peft_config", None)
-        if kwargs.pop("reward_adapter", None) is not None:
+        reward_adapter = kwargs.pop("reward_adapter", None)
+        reward_adapter_name = kwargs.pop("reward_adapter_name", "reward_adapter")
+        if reward_adapter is not None and not cls.supports_rm_adapter:
             raise ValueError(f"{cls.__name__} does not support reward_adapter (supports_rm_adapter=False)")
         source = pretrained_model_name_or_path
         if isinstance(source, (str, os.PathLike)):
             model = cls._load_transformer(os.fspath(source), model_args, kwargs)
-        elif isinstance(source, PreTrainedModel) or _is_peft_model(source):
+        elif isinstance(source, PreTrainedModel) or is_peft_model(source):
             if model_args or kwargs:
                 raise ValueError(f"loading arguments {sorted(kwargs)} only apply to a name or path, not a model")
             model = source
@@ -250,7 +245,41 @@ class PreTrainedModelWrapper(nn.Module):
         wrapper = cls(model, **head_kwargs)
         if isinstance(source, (str, os.PathLike)):
             wrapper._load_saved_v_head(os.fspath(source), kwargs)
+        if reward_adapter is not None:
+            wrapper._add_reward_adapter(os.fspath(reward_adapter), reward_adapter_name)
         return wrapper
+
+    def _add_reward_adapter(self, adapter_dir: str, adapter_name: str) -> None:
+        """Load a frozen reward-model adapter beside the policy adapter (``compute_reward_score`` uses it)."""
+        from rlhf_core.models.reward_adapter import load_reward_adapter
+
+        if not self.is_peft_model:
+            raise ValueError("reward_adapter needs a PEFT policy: pass a PeftModel or peft_config= as well")
+        self.policy_adapter_name = self.pretrained_model.active_adapter
+        self.score = load_reward_adapter(self.pretrained_model, adapter_dir, adapter_name)
+        self.rm_adapter_name = adapter_name
+        self.pretrained_model.set_adapter(self.policy_adapter_name)
+
+    @torch.no_grad()
+    def compute_reward_score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        """Reward scores (B, T, K) of every position from the reward adapter (read the last real token's)."""
+        if getattr(self, "rm_adapter_name", None) is None:
+            raise ValueError("compute_reward_score needs a model loaded with reward_adapter=")
+        was_training = self.pretrained_model.training
+        self.pretrained_model.set_adapter(self.rm_adapter_name)
+        self.pretrained_model.eval()
+        try:
+            outputs = self.pretrained_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True,
+                **kwargs,
+            )
+            hidden = outputs.hidden_states[-1].to(self.score.weight.device)  # (B, T, H)
+            return self.score(hidden)  # (B, T, K)
+        finally:
+            self.pretrained_model.set_adapter(self.policy_adapter_name)
+            self.pretrained_model.train(was_training)
 
     @classmethod
     def _load_transformer(cls, name_or_path: str, model_args: tuple, kwargs: dict[str, Any]) -> nn.Module:
@@ -381,7 +410,7 @@ def _apply_peft_config(model: nn.Module, peft_config: Any) -> nn.Module:
     """Wrap ``model`` with ``peft.get_peft_model`` when a config is given."""
     if peft_config is None:
         return model
-    if _is_peft_model(model):
+    if is_peft_model(model):
         raise ValueError("peft_config was given but the model already is a PeftModel; pass only one of them")
     from peft import get_peft_model
 
@@ -393,6 +422,9 @@ class AutoModelForCausalLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForCausalLM
     is_encoder_decoder = False
+    supports_rm_adapter = True
+    lm_head_namings = ("lm_head", "embed_out", "output_layer")
+    """Attribute names a causal LM's output projection goes by (TRL 0.11 API, read by tests and subclasses)."""
 
 
 class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
@@ -400,6 +432,8 @@ class AutoModelForSeq2SeqLMWithValueHead(PreTrainedModelWrapper):
 
     transformers_parent_class = AutoModelForSeq2SeqLM
     is_encoder_decoder = True
+    lm_head_namings = ("lm_head", "embed_out", "output_projection")
+    """Attribute names a seq2seq LM's output projection goes by (TRL 0.11 API, read by tests and subclasses)."""
 
     def _last_hidden_state(self, outputs: Any) -> torch.Tensor:
         """The decoder's last hidden state (B, T_dec, H)."""

@@ -177,6 +177,10 @@ class ConstantLengthDataset(IterableDataset):
                 stream.append(self.eos_token_id)
         return stream
 
+    def __len__(self) -> int:
+        """The number of source texts (as TRL 0.11 reports it), not the number of packed blocks."""
+        return len(self.dataset)
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         carry: list[int] = []
         for texts in self._buffers():

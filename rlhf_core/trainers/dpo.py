@@ -11,7 +11,10 @@ copy of the policy, the PEFT policy with its adapter disabled, precomputed log-p
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+from dataclasses import dataclass, field
+from enum import Enum
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,13 +26,15 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from rlhf_core.core import masked_mean, sequence_logprobs, shifted_token_logprobs
 from rlhf_core.losses import DPO_LOSS_TYPES, dpo_loss
+from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.reference import create_reference_model
-from rlhf_core.trainers._hf_compat import (
+from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     default_training_args,
     disable_dropout as disable_dropout_in_model,
-    is_peft_model,
     load_model,
+    keyword_defaults,
+    merge_config_fields,
     resolve_processing_class,
     wrap_peft,
 )
@@ -46,6 +51,100 @@ DPO_TOKEN_COLUMNS = (
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
 TRUNCATION_MODES = ("keep_end", "keep_start")
 DEFAULT_MAX_LENGTH, DEFAULT_MAX_PROMPT_LENGTH = 512, 128
+
+
+# DPOTrainer keywords that DPOConfig (TRL 0.11) also carries.
+DPO_CONFIG_KEYWORDS = (
+    "beta", "label_pad_token_id", "padding_value", "truncation_mode", "max_length", "max_prompt_length",
+    "disable_dropout", "generate_during_eval", "loss_type", "label_smoothing", "reference_free",
+    "precompute_ref_log_probs", "model_init_kwargs", "ref_model_init_kwargs",
+)
+
+
+class FDivergenceType(Enum):
+    """The f-divergence regularising DPO (TRL 0.11 names); rlhf_core implements the reverse KL only."""
+
+    REVERSE_KL = "reverse_kl"
+    JS_DIVERGENCE = "js_divergence"
+    ALPHA_DIVERGENCE = "alpha_divergence"
+
+
+# DPOConfig fields rlhf_core does not implement, with the value that means "off"; another value is refused.
+UNSUPPORTED_DPO_FIELDS = {
+    "max_target_length": None, "max_completion_length": None, "is_encoder_decoder": None,
+    "model_adapter_name": None, "ref_adapter_name": None, "force_use_ref_model": False,
+    "f_divergence_type": FDivergenceType.REVERSE_KL, "sync_ref_model": False, "rpo_alpha": None,
+}
+
+
+@dataclass
+class DPOConfig(TrainingArguments):
+    """``TrainingArguments`` plus the DPO trainer's options (TRL 0.11 names and defaults)."""
+
+    beta: float = field(default=0.1, metadata={"help": "Temperature of the implicit reward."})
+    """Temperature of the implicit reward ``beta * (log pi - log pi_ref)``."""
+    label_smoothing: float = field(default=0.0, metadata={"help": "Conservative-DPO label noise in [0, 0.5)."})
+    """Assumed probability that a preference label is flipped (cDPO), in [0, 0.5)."""
+    loss_type: str = field(default="sigmoid", metadata={"help": "DPO loss variant."})
+    """Loss variant, one of ``rlhf_core.losses.DPO_LOSS_TYPES``."""
+    label_pad_token_id: int = field(default=IGNORE_INDEX, metadata={"help": "Label of prompt / pad tokens."})
+    """Label of prompt and padding tokens (ignored by the loss)."""
+    padding_value: int | None = field(default=None, metadata={"help": "Input-id padding (None: pad_token_id)."})
+    """Input-id padding value; None uses the tokenizer's ``pad_token_id`` (0 when it has none)."""
+    truncation_mode: str = field(default="keep_end", metadata={"help": "Prompt truncation: keep_end|keep_start."})
+    """Which end of a too-long prompt is kept: ``keep_end`` or ``keep_start``."""
+    max_length: int | None = field(default=None, metadata={"help": "Longest prompt + response (tokens)."})
+    """Longest prompt + response, in tokens (None: 512)."""
+    max_prompt_length: int | None = field(default=None, metadata={"help": "Longest prompt (tokens)."})
+    """Longest prompt kept when a row is too long (None: min(128, max_length // 2))."""
+    max_target_length: int | None = field(default=None, metadata={"help": "Deprecated: max_completion_length."})
+    """Deprecated name of ``max_completion_length`` (encoder-decoder only; not supported)."""
+    max_completion_length: int | None = field(default=None, metadata={"help": "Encoder-decoder target length."})
+    """Longest completion of an encoder-decoder model (not supported: decoder-only models only)."""
+    is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Encoder-decoder model (unsupported)."})
+    """Whether the model is an encoder-decoder (only None / False are supported)."""
+    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in model and reference."})
+    """Turn dropout off in the policy and the reference model."""
+    generate_during_eval: bool = field(default=False, metadata={"help": "Log samples at evaluation."})
+    """Generate and log policy / reference samples at each evaluation."""
+    precompute_ref_log_probs: bool = field(default=False, metadata={"help": "Reference log-probs up front."})
+    """Compute the reference log-probabilities of the whole dataset once, before training."""
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
+    """Processes for ``datasets.map`` when tokenising (None: in-process)."""
+    model_init_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "from_pretrained kwargs."})
+    """Keyword arguments of ``from_pretrained`` when the model is given as a name or path."""
+    ref_model_init_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "Ref from_pretrained kwargs."})
+    """Keyword arguments of ``from_pretrained`` when the reference model is given as a name or path."""
+    model_adapter_name: str | None = field(default=None, metadata={"help": "PEFT policy adapter (unsupported)."})
+    """Name of the policy's PEFT adapter (not supported: only None)."""
+    ref_adapter_name: str | None = field(default=None, metadata={"help": "PEFT reference adapter (unsupported)."})
+    """Name of a reference PEFT adapter (not supported: only None)."""
+    reference_free: bool = field(default=False, metadata={"help": "Uniform reference (no reference model)."})
+    """Ignore the reference model (a uniform reference, log-probs 0)."""
+    force_use_ref_model: bool = field(default=False, metadata={"help": "Separate ref beside PEFT (unsupported)."})
+    """Use ``ref_model`` even with a PEFT policy (not supported: only False)."""
+    f_divergence_type: FDivergenceType | str = field(
+        default=FDivergenceType.REVERSE_KL, metadata={"help": "f-divergence (reverse_kl only)."}
+    )
+    """The f-divergence of the DPO objective; only ``reverse_kl`` (standard DPO) is implemented."""
+    f_alpha_divergence_coef: float = field(default=1.0, metadata={"help": "Alpha of the alpha-divergence."})
+    """Alpha of the alpha-divergence (unused: that divergence is not implemented)."""
+    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (unsupported)."})
+    """Mix the policy into the reference every few steps (TR-DPO; not supported: only False)."""
+    ref_model_mixup_alpha: float = field(default=0.9, metadata={"help": "TR-DPO mixing weight (unused)."})
+    """TR-DPO mixing weight (unused: ``sync_ref_model`` is not supported)."""
+    ref_model_sync_steps: int = field(default=64, metadata={"help": "TR-DPO sync period (unused)."})
+    """TR-DPO synchronisation period in steps (unused: ``sync_ref_model`` is not supported)."""
+    rpo_alpha: float | None = field(default=None, metadata={"help": "RPO NLL weight (unsupported)."})
+    """Weight of the RPO negative log-likelihood term (not supported: only None)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.f_divergence_type, str):
+            self.f_divergence_type = FDivergenceType(self.f_divergence_type)
+        for name, off in UNSUPPORTED_DPO_FIELDS.items():
+            if getattr(self, name) not in (off, False if off is None else off):
+                raise ValueError(f"DPOConfig.{name}={getattr(self, name)!r} is not supported by rlhf_core (use {off!r})")
+        super().__post_init__()
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +202,65 @@ def tokenize_dpo_row(
     return row
 
 
+def _tokenize_without_specials(text: str, images: Any, processor: Callable | None, tokenizer: Any) -> dict[str, Any]:
+    """Token ids (lists) of one text without special tokens, through a processor (first row) or a tokenizer."""
+    if processor is None:
+        return dict(tokenizer(text, add_special_tokens=False))
+    accepts_flag = "add_special_tokens" in inspect.signature(processor).parameters
+    encoded = processor(text=text, images=images, **({"add_special_tokens": False} if accepts_flag else {}))
+    row = {key: value[0] for key, value in encoded.items()}
+    for key in ("input_ids", "attention_mask"):
+        if not isinstance(row[key], list):
+            row[key] = row[key].tolist()
+    return row
+
+
+def _build_tokenized_answer(
+    prompt: str, answer: str, images: Any = None, processor: Callable | None = None, tokenizer: Any = None
+) -> dict[str, Any]:
+    """TRL 0.11 helper: ``prompt + answer`` tokenised once, split into prompt and answer ids.
+
+    The answer's ids are those of the joint encoding after the prompt's own token count; when the prompt's
+    last token merges with the answer's first (it differs in the joint encoding), the split moves one token
+    left so ``prompt_input_ids + input_ids`` is always the joint encoding. Image features of a processor
+    come back as ``prompt_pixel_values`` / ``prompt_pixel_attention_mask``.
+    """
+    full = _tokenize_without_specials(prompt + answer, images, processor, tokenizer)
+    prompt_ids = _tokenize_without_specials(prompt, images, processor, tokenizer)["input_ids"]
+    split = len(prompt_ids)
+    if prompt_ids != full["input_ids"][:split]:
+        split -= 1
+    result = {
+        "prompt_input_ids": full["input_ids"][:split], "prompt_attention_mask": full["attention_mask"][:split],
+        "input_ids": full["input_ids"][split:], "attention_mask": full["attention_mask"][split:],
+    }
+    for key in ("pixel_values", "pixel_attention_mask"):
+        if key in full:
+            result[f"prompt_{key}"] = full[key]
+    return result
+
+
+def _truncate_tokens(chosen_tokens: list[dict], rejected_tokens: list[dict], prompt_tokens: list[dict], args: Any) -> None:
+    """TRL 0.11 helper, in place: per row, cut too-long prompts to ``args.max_prompt_length`` (from the end
+    ``truncation_mode`` names), then too-long responses to ``args.max_length - args.max_prompt_length``."""
+    if args.truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {args.truncation_mode!r}")
+    keep_prompt = (
+        slice(None, args.max_prompt_length) if args.truncation_mode == "keep_start" else slice(-args.max_prompt_length, None)
+    )
+    keep_response = slice(None, args.max_length - args.max_prompt_length)
+    for chosen, rejected, prompt in zip(chosen_tokens, rejected_tokens, prompt_tokens):
+        longer = max(len(chosen["input_ids"]), len(rejected["input_ids"]))
+        for tokens in (chosen, rejected, prompt):
+            if len(tokens["prompt_input_ids"]) + longer > args.max_length:
+                for key in ("prompt_input_ids", "prompt_attention_mask"):
+                    tokens[key] = tokens[key][keep_prompt]
+        for tokens in (chosen, rejected):
+            if len(tokens["prompt_input_ids"]) + longer > args.max_length:
+                for key in ("input_ids", "attention_mask"):
+                    tokens[key] = tokens[key][keep_response]
+
+
 def concatenate_pairs(batch: Mapping[str, Any], padding_value: int, label_pad_token_id: int) -> dict[str, torch.Tensor]:
     """Stack chosen over rejected, padded on the right to one length: (2B, T) ids, mask and labels."""
     out = {}
@@ -138,6 +296,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
     """Direct Preference Optimisation with the classic TRL arguments (``tokenizer=`` accepted)."""
 
     trainer_name = "dpo"
+    _tag_names = ["trl", "dpo"]
 
     def __init__(
         self,
@@ -147,7 +306,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         args: TrainingArguments | None = None,
         data_collator: Callable | None = None,
         label_pad_token_id: int = IGNORE_INDEX,
-        padding_value: int | None = None,
+        padding_value: int = 0,
         truncation_mode: str = "keep_end",
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -173,13 +332,31 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         tracker_project_name: str = "trl",
         tracker_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        args = default_training_args(args, self.trainer_name)
+        args = default_training_args(args, self.trainer_name, DPOConfig)
+        keywords = dict(
+            beta=beta, label_pad_token_id=label_pad_token_id, padding_value=padding_value,
+            truncation_mode=truncation_mode, max_length=max_length, max_prompt_length=max_prompt_length,
+            disable_dropout=disable_dropout, generate_during_eval=generate_during_eval, loss_type=loss_type,
+            label_smoothing=label_smoothing, reference_free=reference_free,
+            precompute_ref_log_probs=precompute_ref_log_probs, model_init_kwargs=model_init_kwargs,
+            ref_model_init_kwargs=ref_model_init_kwargs,
+        )
+        options = merge_config_fields(args, DPOConfig, keywords, keyword_defaults(DPOTrainer.__init__, DPO_CONFIG_KEYWORDS))
+        beta, label_pad_token_id, padding_value, truncation_mode, max_length, max_prompt_length = (
+            options[k] for k in DPO_CONFIG_KEYWORDS[:6]
+        )
+        disable_dropout, generate_during_eval, loss_type, label_smoothing, reference_free = (
+            options[k] for k in DPO_CONFIG_KEYWORDS[6:11]
+        )
+        precompute_ref_log_probs, model_init_kwargs, ref_model_init_kwargs = (options[k] for k in DPO_CONFIG_KEYWORDS[11:])
         tokenizer = resolve_processing_class(tokenizer, processing_class)
         if tokenizer is None:
             raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
         self._check_options(beta, loss_type, label_smoothing, truncation_mode)
+        if model is None and model_init is not None:
+            model = model_init()  # the policy is built once: the reference model and tokenised data depend on it
         if model is None:
-            raise ValueError("DPOTrainer needs model= (a causal LM, a name or a path); model_init alone is not supported")
+            raise ValueError("DPOTrainer needs model= (a causal LM, a name or a path) or model_init= (a callable)")
         model = load_model(model, AutoModelForCausalLM, model_init_kwargs)
         ref_model = load_model(ref_model, AutoModelForCausalLM, ref_model_init_kwargs)
         if ref_model is not None and ref_model is model:
@@ -195,6 +372,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.reference_free, self.generate_during_eval = reference_free, generate_during_eval
         self.label_pad_token_id, self.truncation_mode = label_pad_token_id, truncation_mode
+        # The spec's keyword default is 0; DPOConfig's None means the tokenizer's pad token (as in TRL 0.11).
         self.padding_value = padding_value if padding_value is not None else (tokenizer.pad_token_id or 0)
         self.max_length = max_length or DEFAULT_MAX_LENGTH
         self.max_prompt_length = max_prompt_length or min(DEFAULT_MAX_PROMPT_LENGTH, self.max_length // 2)
@@ -210,7 +388,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
             data_collator = DPODataCollatorWithPadding(self.padding_value, label_pad_token_id)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
+            eval_dataset=eval_dataset, processing_class=tokenizer,
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
@@ -221,6 +399,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         self.precompute_ref_log_probs = precompute_ref_log_probs
         if precompute_ref_log_probs:
             self._precompute_all_reference_logps()
+        self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     # ---- setup ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from rlhf_core.core import (
 )
 from rlhf_core.losses import kto_kl_estimate, kto_loss, kto_reference_point, kto_stat_sums, kto_stats_from_sums
 from rlhf_core.models.reference import create_reference_model
-from rlhf_core.trainers import _hf_compat as base
+from rlhf_core.trainers import base
 from rlhf_core.trainers.collators import pad_to_length
 from rlhf_core.trainers.kto_config import KTOConfig
 

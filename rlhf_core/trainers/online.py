@@ -32,7 +32,7 @@ from transformers import (
 
 from rlhf_core.core import entropy_from_logits, logprobs_from_logits
 from rlhf_core.models.reference import create_reference_model
-from rlhf_core.trainers._hf_compat import RlhfTrainerMixin, is_peft_model, load_model, wrap_peft
+from rlhf_core.trainers.base import RlhfTrainerMixin, is_peft_model, load_model, wrap_peft
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.online_config import OnlineRLConfig

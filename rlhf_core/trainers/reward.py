@@ -8,22 +8,21 @@ so left and right padding give the same reward. The loss is ``losses.pairwise_re
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
-from rlhf_core.core import gather_last_token, position_ids_from_attention_mask
 from rlhf_core.losses import pairwise_reward_loss
-from rlhf_core.trainers._hf_compat import (
+from rlhf_core.models.reward_model import sequence_scores
+from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     default_training_args,
-    is_peft_model,
     load_model,
     resolve_processing_class,
     wrap_peft,
@@ -43,6 +42,8 @@ class RewardConfig(TrainingArguments):
 
     max_length: int | None = field(default=None, metadata={"help": "Longest chosen/rejected sequence kept (tokens)."})
     """Longest chosen/rejected sequence kept, in tokens; longer pairs are dropped (default 512)."""
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
+    """Processes for ``datasets.map`` when tokenising text pairs (None: in-process)."""
     center_rewards_coefficient: float | None = field(default=None, metadata={"help": "Weight of mean((r_c + r_r)^2)."})
     """Weight of the reward-centring term ``mean((r_c + r_r)^2)``; None disables it."""
 
@@ -51,39 +52,6 @@ def compute_accuracy(eval_pred: Any) -> dict[str, float]:
     """Fraction of pairs whose chosen reward is strictly above the rejected one: predictions (N, 2)."""
     predictions = np.asarray(eval_pred.predictions if hasattr(eval_pred, "predictions") else eval_pred[0])
     return {"accuracy": float(np.mean(predictions[:, 0] > predictions[:, 1]))}
-
-
-def sequence_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward (B,) of each sequence: the score head at its last real token, whatever the padding side.
-
-    Sequence classifiers with a token-level ``score`` head (GPT-2, Llama, ...) are run as backbone + head so
-    the score is read with ``gather_last_token``; other models fall back to their pooled logits (B, 1).
-
-    ``model`` may be a parallel wrapper (DDP, FSDP, DeepSpeed: what ``Trainer`` hands ``compute_loss`` under
-    ``accelerate launch``). Calling its submodules directly would bypass the wrapper's forward (no gradient
-    sync), and treating the wrapper as a plain model would take the pooled-logits fallback (another reward
-    with left padding). So the wrapper's own forward runs, with the same position ids, and the head's token
-    scores are captured with a forward hook: the same rewards as the unwrapped model.
-    """
-    unwrapped = extract_model_from_parallel(model)
-    inner = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-    backbone = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
-    head = getattr(inner, "score", None)
-    if backbone is None or head is None or backbone is inner:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]  # (B,)
-    position_ids = position_ids_from_attention_mask(attention_mask)  # (B, T)
-    if unwrapped is model:
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        token_scores = head(hidden.last_hidden_state)[..., 0]  # (B, T)
-    else:  # wrapped: the full forward through the wrapper (needs config.pad_token_id for B > 1, like any HF classifier)
-        captured: list[torch.Tensor] = []
-        handle = head.register_forward_hook(lambda _module, _args, output: captured.append(output))
-        try:
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        finally:
-            handle.remove()
-        token_scores = captured[-1][..., 0]  # (B, T)
-    return gather_last_token(token_scores, attention_mask)  # (B,)
 
 
 def tokenize_pair(example: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:
@@ -133,6 +101,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
     """Trains a one-output sequence classifier so that ``r(chosen) > r(rejected)`` (``tokenizer=`` accepted)."""
 
     trainer_name = "reward"
+    _tag_names = ["trl", "reward-trainer"]
 
     def __init__(
         self,
@@ -186,15 +155,19 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.model_accepts_loss_kwargs = False  # our loss is a per-pair mean: scale by gradient accumulation
+        self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     @staticmethod
     def _check_one_output(model: Any) -> None:
-        """The reward model must emit one score per sequence."""
+        """A reward model has one output; more (e.g. ``num_labels=2``, transformers' default) are all trained
+        as rewards, as TRL 0.11 does, with a warning: it is usually a forgotten ``num_labels=1``."""
         num_labels = getattr(getattr(model, "config", None), "num_labels", 1)
         if num_labels != 1:
-            raise ValueError(
-                f"the reward model must have one output (config.num_labels=1), got num_labels={num_labels}"
+            warnings.warn(
+                f"the reward model has num_labels={num_labels}: each output is trained as a reward and "
+                "evaluation reports their mean; load it with num_labels=1 for one reward per sequence",
+                UserWarning, stacklevel=3,
             )
 
     def _set_signature_columns_if_needed(self) -> None:
@@ -203,18 +176,24 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
             self._signature_columns = [*REWARD_COLUMNS, "margin"]
 
     def pair_rewards(self, model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rewards (B,), (B,) of chosen and rejected from one stacked forward pass of (2B, T)."""
+        """Rewards of chosen and rejected from one stacked forward pass of (2B, T): (B,) each for one output,
+        (B, K) each for a model with K > 1 outputs (TRL 0.11 trains every output as a reward)."""
         input_ids = torch.cat([inputs["input_ids_chosen"], inputs["input_ids_rejected"]], dim=0)  # (2B, T)
         mask = torch.cat([inputs["attention_mask_chosen"], inputs["attention_mask_rejected"]], dim=0)  # (2B, T)
-        rewards = sequence_rewards(model, input_ids, mask)  # (2B,)
-        rewards_chosen, rewards_rejected = rewards.chunk(2)  # (B,), (B,)
+        scores = sequence_scores(model, input_ids, mask)  # (2B, K)
+        rewards = scores[:, 0] if scores.shape[1] == 1 else scores  # (2B,) or (2B, K)
+        rewards_chosen, rewards_rejected = rewards.chunk(2)  # (B,) or (B, K) each
         return rewards_chosen, rewards_rejected
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """``-log sigmoid(r_c - r_r - margin)`` (+ optional centring); outputs are the two reward vectors."""
+        """``-log sigmoid(r_c - r_r - margin)`` averaged over pairs (and outputs), + optional centring;
+        outputs are the two reward tensors."""
         rewards_chosen, rewards_rejected = self.pair_rewards(model, inputs)
+        margin = inputs.get("margin")
+        if margin is not None and rewards_chosen.dim() == 2:  # one margin per pair, for each of the K outputs
+            margin = margin.reshape(-1, 1).expand_as(rewards_chosen)  # (B, K)
         loss = pairwise_reward_loss(
-            rewards_chosen, rewards_rejected, margin=inputs.get("margin"),
+            rewards_chosen, rewards_rejected, margin=margin,
             center_rewards_coefficient=self.center_rewards_coefficient,
         )
         if return_outputs:
@@ -229,7 +208,10 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        logits = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=1).detach()  # (B, 2)
+        chosen, rejected = outputs["rewards_chosen"], outputs["rewards_rejected"]
+        if chosen.dim() == 2:  # K outputs: their mean per sequence (as TRL 0.11 reports them)
+            chosen, rejected = chosen.mean(dim=1), rejected.mean(dim=1)  # (B,), (B,)
+        logits = torch.stack([chosen, rejected], dim=1).detach()  # (B, 2)
         labels = torch.zeros(logits.shape[0], device=logits.device)  # (B,)
         return loss, logits, labels
 

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 from transformers.data.data_collator import default_data_collator
 
-from rlhf_core.trainers._hf_compat import (
+from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     default_training_args,
     load_model,
+    keyword_defaults,
+    merge_config_fields,
     load_tokenizer_for,
     resolve_processing_class,
     wrap_peft,
@@ -27,6 +30,44 @@ from rlhf_core.trainers.collators import ConstantLengthDataset, DataCollatorForC
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LENGTH = 512
+# SFTTrainer keywords that SFTConfig (TRL 0.11) also carries.
+SFT_CONFIG_KEYWORDS = (
+    "dataset_text_field", "packing", "max_seq_length", "dataset_num_proc", "dataset_batch_size",
+    "model_init_kwargs", "num_of_sequences", "chars_per_token",
+)
+
+
+@dataclass
+class SFTConfig(TrainingArguments):
+    """``TrainingArguments`` plus the SFT trainer's options (TRL 0.11 names and defaults)."""
+
+    dataset_text_field: str | None = field(default=None, metadata={"help": "Column holding the text."})
+    """Column holding the training text (or use ``formatting_func`` on the trainer)."""
+    packing: bool = field(default=False, metadata={"help": "Pack texts into fixed-length blocks."})
+    """Pack the texts into ``max_seq_length`` blocks with a ``ConstantLengthDataset``."""
+    max_seq_length: int | None = field(default=None, metadata={"help": "Block / truncation length (tokens)."})
+    """Block length when packing, truncation length otherwise; None: 512 capped by the model's positions."""
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
+    """Processes for ``datasets.map`` when tokenising (None: in-process)."""
+    dataset_batch_size: int = field(default=1000, metadata={"help": "Rows per tokenisation batch."})
+    """Rows per batched ``map`` call when tokenising (<= 0: the whole dataset at once)."""
+    model_init_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "from_pretrained kwargs."})
+    """Keyword arguments of ``from_pretrained`` when the model is given as a name or path."""
+    dataset_kwargs: dict[str, Any] | None = field(default=None, metadata={"help": "Dataset preparation options."})
+    """Dataset preparation options; ``{"skip_prepare_dataset": True}`` hands the datasets over untouched."""
+    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval set (None: as packing)."})
+    """Pack the evaluation dataset too; None follows ``packing``."""
+    num_of_sequences: int = field(default=1024, metadata={"help": "Texts buffered per packing round."})
+    """Texts buffered per packing round of the ``ConstantLengthDataset``."""
+    chars_per_token: float = field(default=3.6, metadata={"help": "Characters per token estimate for packing."})
+    """Characters per token, to size the packing buffer."""
+    use_liger: bool = field(default=False, metadata={"help": "Liger kernels (not supported)."})
+    """Liger kernels: not supported by rlhf_core (True is refused)."""
+
+    def __post_init__(self) -> None:
+        if self.use_liger:
+            raise ValueError("SFTConfig.use_liger=True: Liger kernels are not supported by rlhf_core")
+        super().__post_init__()
 
 
 def _is_hf_dataset(dataset: Any) -> bool:
@@ -51,6 +92,14 @@ def format_batch(
     return texts
 
 
+def chat_formatting_func(dataset: Any, tokenizer: Any) -> Callable | None:
+    """For a conversational dataset (a ``messages`` column) and a tokenizer with a chat template: the texts
+    rendered by that template (TRL 0.11's default formatting); else None."""
+    if "messages" not in dataset.column_names or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda example: tokenizer.apply_chat_template(example["messages"], tokenize=False)
+
+
 def tokenize_texts(texts: list[str], tokenizer: Any, max_seq_length: int) -> dict[str, list[list[int]]]:
     """Token ids with EOS appended (if the tokenizer did not add it), truncated to ``max_seq_length``."""
     ids = tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
@@ -63,6 +112,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
     """Supervised fine-tuning trainer with the classic TRL arguments (``tokenizer=`` accepted)."""
 
     trainer_name = "sft"
+    _tag_names = ["trl", "sft"]
 
     def __init__(
         self,
@@ -93,7 +143,21 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         tracker_project_name: str = "trl",
         tracker_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        args = default_training_args(args, self.trainer_name)
+        args = default_training_args(args, self.trainer_name, SFTConfig)
+        keywords = dict(
+            dataset_text_field=dataset_text_field, packing=packing, max_seq_length=max_seq_length,
+            dataset_num_proc=dataset_num_proc, dataset_batch_size=dataset_batch_size,
+            model_init_kwargs=model_init_kwargs, num_of_sequences=num_of_sequences, chars_per_token=chars_per_token,
+        )
+        options = merge_config_fields(
+            args, SFTConfig, keywords, keyword_defaults(SFTTrainer.__init__, SFT_CONFIG_KEYWORDS)
+        )
+        dataset_text_field, packing, max_seq_length = (options[k] for k in SFT_CONFIG_KEYWORDS[:3])
+        dataset_num_proc, dataset_batch_size, model_init_kwargs, num_of_sequences, chars_per_token = (
+            options[k] for k in SFT_CONFIG_KEYWORDS[3:]
+        )
+        dataset_kwargs = dict(getattr(args, "dataset_kwargs", None) or {})
+        eval_packing = getattr(args, "eval_packing", None)
         tokenizer = load_tokenizer_for(model, resolve_processing_class(tokenizer, processing_class))
         if tokenizer is None:
             raise ValueError(
@@ -110,12 +174,13 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             formatting_func=formatting_func, infinite=infinite, num_of_sequences=num_of_sequences,
             chars_per_token=chars_per_token, dataset_num_proc=dataset_num_proc, dataset_batch_size=dataset_batch_size,
         )
-        train_dataset = self._prepare_dataset(train_dataset, **prepare)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self._prepare_dataset(v, **{**prepare, "infinite": False})
-                            for k, v in eval_dataset.items()}
-        else:
-            eval_dataset = self._prepare_dataset(eval_dataset, **{**prepare, "infinite": False})
+        if not dataset_kwargs.get("skip_prepare_dataset", False):
+            train_dataset = self._prepare_dataset(train_dataset, **prepare)
+            eval_prepare = {**prepare, "infinite": False, "packing": packing if eval_packing is None else eval_packing}
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {k: self._prepare_dataset(v, **eval_prepare) for k, v in eval_dataset.items()}
+            else:
+                eval_dataset = self._prepare_dataset(eval_dataset, **eval_prepare)
         if data_collator is None:
             data_collator = default_data_collator if packing else DataCollatorForLanguageModeling(tokenizer, mlm=False)
         super().__init__(
@@ -124,6 +189,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
+        self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
 
     @staticmethod
@@ -155,6 +221,8 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             return dataset
         if "input_ids" in dataset.column_names and dataset_text_field is None and formatting_func is None:
             return dataset
+        if dataset_text_field is None and formatting_func is None:
+            formatting_func = chat_formatting_func(dataset, tokenizer)
         if dataset_text_field is None and formatting_func is None:
             raise ValueError(
                 f"SFTTrainer needs dataset_text_field or formatting_func (dataset columns: {dataset.column_names})"

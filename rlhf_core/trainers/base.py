@@ -1,4 +1,4 @@
-"""Glue shared by the ``transformers.Trainer`` subclasses (SFT, reward, DPO).
+"""The base of the `transformers.Trainer` subclasses (SFT, reward, DPO): `RlhfTrainerMixin` and its glue.
 
 - the spec's ``tokenizer=`` argument, which transformers 5 calls ``processing_class``;
 - loading a model given as a name or path, and wrapping it with PEFT;
@@ -13,11 +13,12 @@ Trainers never import MLflow here: the tracker object from ``rlhf_core.tracking`
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.model_card import write_model_card
+from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.tracking import Tracker, make_tracker
 
 logger = logging.getLogger(__name__)
@@ -45,11 +47,44 @@ def resolve_processing_class(tokenizer: Any = None, processing_class: Any = None
     return processing_class if processing_class is not None else tokenizer
 
 
-def default_training_args(args: TrainingArguments | None, trainer_name: str) -> TrainingArguments:
-    """The user's arguments, or small defaults that report nowhere (``output_dir=tmp_<trainer>``)."""
+def default_training_args(
+    args: TrainingArguments | None, trainer_name: str, config_class: type = TrainingArguments
+) -> TrainingArguments:
+    """The user's arguments, or small defaults of ``config_class`` that report nowhere (``output_dir=tmp_<trainer>``)."""
     if args is not None:
         return args
-    return TrainingArguments(output_dir=f"tmp_{trainer_name}", report_to=[])
+    return config_class(output_dir=f"tmp_{trainer_name}", report_to=[])
+
+
+def keyword_defaults(function: Callable, names: Sequence[str]) -> dict[str, Any]:
+    """Default value of each named keyword parameter of ``function``."""
+    parameters = inspect.signature(function).parameters
+    return {name: parameters[name].default for name in names}
+
+
+def merge_config_fields(
+    args: Any, config_class: type, keywords: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The value of each trainer option, from a keyword or from a TRL 0.11 config (``SFTConfig``, ``DPOConfig``...).
+
+    A keyword left at its default takes the field of the same name when ``args`` is a ``config_class``; a
+    keyword given explicitly wins (as in TRL 0.11) and a warning names both values when the config disagrees.
+    """
+    merged = dict(keywords)
+    if not isinstance(args, config_class):
+        return merged
+    for name, value in keywords.items():
+        if not hasattr(args, name):
+            continue
+        from_config = getattr(args, name)
+        if value == defaults[name]:
+            merged[name] = from_config
+        elif from_config != value and from_config != defaults[name]:
+            warnings.warn(
+                f"{name}={value!r} passed to the trainer overrides {config_class.__name__}.{name}={from_config!r}",
+                UserWarning, stacklevel=3,
+            )
+    return merged
 
 
 def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -62,24 +97,19 @@ def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | No
 
 
 def load_tokenizer_for(model: Any, tokenizer: Any) -> Any:
-    """The given tokenizer, or the one saved beside a model given as a name/path (pad = EOS if missing)."""
-    if tokenizer is not None or not isinstance(model, (str, Path)):
+    """The given tokenizer, or the one saved beside the model (given as a name/path, or loaded from one:
+    ``config._name_or_path``, as TRL 0.11 does); pad = EOS if missing."""
+    if tokenizer is not None:
         return tokenizer
+    source = model if isinstance(model, (str, Path)) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not source:  # a model built from a config: nothing to load a tokenizer from
+        return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def is_peft_model(model: Any) -> bool:
-    """True for a ``peft.PeftModel`` (peft is optional)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def wrap_peft(model: Any, peft_config: Any) -> Any:
@@ -200,8 +230,16 @@ class RlhfTrainerMixin:
     """
 
     trainer_name = "trainer"
+    _tag_names: list[str] = ["trl"]
+    """Hub tags added to the model (``model.add_model_tags``), TRL 0.11's names: ``trl`` plus the trainer's."""
     max_nonfinite_updates = 10
     """Optimizer steps in a row with non-finite gradients before the run stops (``NonFiniteGuardCallback``)."""
+
+    def _tag_model(self) -> None:
+        """Add ``_tag_names`` to the model's hub tags (written into its model card by transformers)."""
+        model = getattr(self, "model", None)
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(self._tag_names)
 
     def _setup_tracking(
         self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None,
@@ -336,6 +374,6 @@ class RlhfTrainerMixin:
 
 __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
-    "default_training_args",
-    "disable_dropout", "is_peft_model", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
+    "default_training_args", "keyword_defaults", "merge_config_fields",
+    "disable_dropout", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
 ]

@@ -50,7 +50,7 @@ class DDPOConfig:
     num_checkpoint_limit: Optional[int] = 5
     """Keep at most this many checkpoints (oldest removed first); ``None`` keeps all."""
     mixed_precision: Optional[str] = "fp16"
-    """``"no"``, ``"fp16"`` or ``"bf16"`` autocast for the UNet; fp16 needs CUDA and falls back to fp32 on CPU."""
+    """``"no"`` (or None), ``"fp16"`` or ``"bf16"`` autocast for the UNet; fp16 needs CUDA and falls back to fp32 on CPU."""
     allow_tf32: Optional[bool] = True
     """Allow TF32 matmuls on Ampere GPUs (no effect on CPU)."""
     resume_from: Optional[str] = ""
@@ -136,6 +136,8 @@ class DDPOConfig:
             raise ValueError(f"num_checkpoint_limit must be >= 1 or None, got {self.num_checkpoint_limit}")
 
     def _check_ranges(self) -> None:
+        if self.mixed_precision is None:  # TRL 0.11 scripts and tests pass None for "no autocast"
+            self.mixed_precision = "no"
         if self.mixed_precision not in MIXED_PRECISION_CHOICES:
             raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION_CHOICES}, got {self.mixed_precision!r}")
         if not 0 < self.sample_eta <= 1:

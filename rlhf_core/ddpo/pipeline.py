@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlhf_core.ddpo_math import classifier_free_guidance, ddim_step_with_logprob
+from rlhf_core.ddpo.math import classifier_free_guidance, ddim_step_with_logprob
 
 LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
 # Adding the convolutions lets LoRA learn on the tiny UNet, whose attention sits in one 8x8 block only

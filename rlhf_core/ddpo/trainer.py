@@ -9,7 +9,7 @@ One epoch (``step``) reads like the algorithm:
        recompute the step's log-prob and take the clipped PPO loss; accumulate; clip; optimizer step
     -> stats, image hook, checkpoint.
 
-The math lives in ``rlhf_core.ddpo_math``; the model calls in ``rlhf_core.models.diffusion``.
+The math lives in ``rlhf_core.ddpo.math``; the model calls in ``rlhf_core.ddpo.pipeline``.
 Checkpoints are safetensors (weights, optimizer tensors, RNG states) plus JSON (counters, buffers).
 """
 
@@ -34,10 +34,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf_core.core import set_seed
-from rlhf_core.ddpo_math import PerPromptStatTracker, ddpo_clipped_loss, normalize_rewards
-from rlhf_core.models.diffusion import DDPOStableDiffusionPipeline
+from rlhf_core.ddpo.math import PerPromptStatTracker, ddpo_clipped_loss, normalize_rewards
+from rlhf_core.ddpo.pipeline import DDPOStableDiffusionPipeline
 from rlhf_core.tracking import make_tracker
-from rlhf_core.trainers.ddpo_config import DDPOConfig
+from rlhf_core.ddpo.config import DDPOConfig
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint_(\d+)$")
 # Per-trajectory tensors of a sample dict, and those indexed by timestep (N, S, ...).
@@ -317,6 +317,13 @@ class DDPOTrainer:
             noise_pred.float(), timesteps, latents.float(), config.sample_eta, prev_sample=next_latents.float()
         )
         return step.log_probs
+
+    def loss(self, advantages: torch.Tensor, clip_range: float, ratio: torch.Tensor) -> torch.Tensor:
+        """TRL 0.11's clipped surrogate from a ratio: ``mean(max(-A * ratio, -A * clip(ratio, 1 +- clip_range)))``,
+        advantages and ratio (B,) -> scalar."""
+        unclipped = -advantages * ratio  # (B,)
+        clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)  # (B,)
+        return torch.mean(torch.maximum(unclipped, clipped))
 
     def calculate_loss(
         self, latents: torch.Tensor, timesteps: torch.Tensor, next_latents: torch.Tensor, log_probs: torch.Tensor,
