@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+
+from tasks import param_rules
 
 PARAMS_FILE = "params.yaml"
 
@@ -297,6 +298,7 @@ def parse_params(raw: Any, source: str = PARAMS_FILE) -> Params:
     if missing:
         raise ParamsError(f"{source}: missing section(s): {', '.join(missing)}")
     params = Params(**{name: build_section(name, raw[name], source) for name in SECTIONS})
+    param_rules.check(raw, source)  # value rules (sizes, rates, vocabularies, positions, paths), naming the key
     validate(params, source)
     return params
 
@@ -331,8 +333,7 @@ def read_raw(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: params file not found")
-    with open(path) as fh:
-        raw = yaml.safe_load(fh)
+    raw = param_rules.load_yaml(path)  # a syntax error names file:line:column
     return raw if raw is not None else {}
 
 
