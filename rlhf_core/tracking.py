@@ -28,8 +28,19 @@ from urllib.parse import urlparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# Parameter names that look like credentials are never sent to a tracker.
-SECRET_KEY_PATTERN = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential)", re.IGNORECASE)
+# Parameter names that look like credentials are never sent to a tracker. Whole words of the name, not substrings:
+# ``hub_token`` and ``db_password`` are secrets, ``max_new_tokens`` and ``pad_token_id`` are not (issue 12.6).
+SECRET_WORDS = frozenset({"password", "passwd", "passphrase", "secret", "credential", "credentials", "apikey"})
+SECRET_WORD_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("auth", "key")})
+
+
+def is_secret_name(name: Any) -> bool:
+    """True for a parameter name that names a credential: a secret word anywhere (``SECRET_thing``), ``token`` as
+    the last word (``hf_token``, ``accessToken``) or an ``api key``-like pair; words split at ``_ . - /`` and case."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name))
+    words = [w.lower() for w in re.split(r"[^A-Za-z0-9]+", spaced) if w]
+    return (any(w in SECRET_WORDS for w in words) or (bool(words) and words[-1] == "token")
+            or any(pair in SECRET_WORD_PAIRS for pair in zip(words, words[1:])))
 
 
 def scalar_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
@@ -49,7 +60,7 @@ def public_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """Drop parameters whose name looks like a secret (token, password, secret, api key), at any depth
     (``tracker_kwargs={"api_key": ...}`` inside a config loses its ``api_key``)."""
     return {key: public_params(value) if isinstance(value, Mapping) else value
-            for key, value in params.items() if not SECRET_KEY_PATTERN.search(str(key))}
+            for key, value in params.items() if not is_secret_name(key)}
 
 
 class Tracker:
