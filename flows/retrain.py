@@ -18,7 +18,8 @@ from prefect import flow
 
 from flows.pipeline import pipeline
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
-from tasks.dvc_ops import push_outputs
+from tasks.dvc_ops import StageInputsChanged, push_outputs
+from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
 
@@ -27,9 +28,10 @@ DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed sch
 def retrain(root: str = ".", push: bool = True, remote: str | None = None) -> dict:
     """Re-run what changed, evaluate, register, push to the DVC remote."""
     root = str(Path(root).resolve())
-    summary = pipeline(root)
-    if push:
-        summary["pushed"] = push_outputs(root, remote)
+    with checkout_lock(root, "python -m flows.retrain"):  # held through the push; the pipeline flow re-enters it
+        summary = pipeline(root)
+        if push:
+            summary["pushed"] = push_outputs(root, remote)
     return summary
 
 
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", action="store_true", help="serve the retraining deployment on a cron schedule")
     parser.add_argument("--cron", default=DEFAULT_CRON, help=f"schedule for --serve (default: {DEFAULT_CRON!r})")
     parser.add_argument("--no-push", action="store_true", help="do not push to the DVC remote")
+    add_wait_argument(parser)
     args = parser.parse_args(argv)
     if args.serve:
         retrain.serve(name="rlhf-retrain-local", cron=args.cron,
@@ -47,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     install_stop_handlers()  # one run (not --serve: there SIGTERM must stop the server)
     try:
-        retrain(args.root, push=not args.no_push)
-    except Preempted as stopped:  # a stage saved its state on SIGTERM: the next run resumes it
+        with checkout_lock(args.root, "python -m flows.retrain"):  # refused here, before Prefect starts
+            retrain(args.root, push=not args.no_push)
+    except (Preempted, StageInputsChanged, CheckoutLocked) as stopped:  # e.g. a stage saved its state on SIGTERM
         print(f"retrain stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
     return 0

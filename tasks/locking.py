@@ -17,6 +17,7 @@ POSIX only (``fcntl``), like the rest of the pipeline's process handling.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import json
@@ -141,5 +142,19 @@ def checkout_lock(root: str | Path, command: str | None = None, wait_s: float | 
         os.close(fd)  # drops the flock
 
 
-__all__ = ["CheckoutLocked", "EXIT_LOCKED", "TOKEN_ENV", "WAIT_ENV", "checkout_lock", "default_wait", "describe",
+def add_wait_argument(parser: argparse.ArgumentParser) -> None:
+    """The CLIs' ``--wait SECONDS``: how long to wait for another run holding the checkout (sets
+    ``$RLHF_LOCK_WAIT_S``, so the ``flows.stage`` processes of a ``dvc repro`` it starts inherit it)."""
+    parser.add_argument("--wait", type=float, default=None, metavar="SECONDS", action=_SetWaitEnv,
+                        help=f"wait up to SECONDS for another run holding this checkout (default ${WAIT_ENV} or 0: "
+                             "refuse at once, naming it)")
+
+
+class _SetWaitEnv(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        os.environ[WAIT_ENV] = str(values)
+        setattr(namespace, self.dest, values)
+
+
+__all__ = ["add_wait_argument", "CheckoutLocked", "EXIT_LOCKED", "TOKEN_ENV", "WAIT_ENV", "checkout_lock", "default_wait", "describe",
            "lock_path", "read_holder"]
