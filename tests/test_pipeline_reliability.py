@@ -122,3 +122,82 @@ def test_the_clis_refuse_a_second_run_with_exit_73(tmp_path, holder, cli):
     assert out.returncode == locking.EXIT_LOCKED, out.stderr[-2000:]
     assert f"pid {holder.pid}" in out.stderr and "test holder" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------- mid-run edits (12.1)
+
+# A stage that reads params.yaml:train.seed when it starts, "trains", and meanwhile someone edits params.yaml.
+EDITING_STAGE = """
+import sys, yaml
+from pathlib import Path
+def body():
+    seed = yaml.safe_load(Path("params.yaml").read_text())["train"]["seed"]
+    Path("params.yaml").write_text("train:\\n  seed: 4\\n")  # the edit, mid-run
+    Path("model.txt").write_text(f"trained with seed {seed}\\n")
+if sys.argv[1] == "guarded":
+    from tasks.dvc_ops import inputs_unchanged
+    with inputs_unchanged(".", "train"):
+        body()
+else:
+    body()
+"""
+
+
+def _dvc_project(root: Path, mode: str) -> Path:
+    root.mkdir()
+    (root / "stage.py").write_text(EDITING_STAGE)
+    (root / "params.yaml").write_text("train:\n  seed: 3\n")
+    (root / "dvc.yaml").write_text(f"stages:\n  train:\n    cmd: {sys.executable} stage.py {mode}\n"
+                                   "    deps: [stage.py]\n    params: [train.seed]\n    outs: [model.txt]\n")
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=root, check=True, env=_env(), capture_output=True)
+    return root
+
+
+def _repro(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_dvc_alone_records_params_edited_while_the_stage_ran(tmp_path):
+    """What DVC does by itself (DVC 3.67): it hashes params after the command, so dvc.lock claims seed 4 for a model
+    trained with seed 3 and ``dvc status`` is clean. This is why flows.stage guards its own inputs."""
+    root = _dvc_project(tmp_path / "plain", "plain")
+    assert _repro(root).returncode == 0
+    assert (root / "model.txt").read_text() == "trained with seed 3\n"
+    import yaml
+
+    recorded = yaml.safe_load((root / "dvc.lock").read_text())["stages"]["train"]["params"]["params.yaml"]
+    assert recorded == {"train.seed": 4}
+    assert subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=_env(), capture_output=True,
+                          text=True).stdout.strip().endswith("up to date.")
+
+
+def test_a_guarded_stage_edited_mid_run_is_not_recorded_and_stays_stale(tmp_path):
+    root = _dvc_project(tmp_path / "guarded", "guarded")
+    out = _repro(root)
+    assert out.returncode != 0
+    assert "params.yaml:train.seed (3 -> 4) changed while it ran" in out.stdout + out.stderr
+    lock = root / "dvc.lock"
+    assert not lock.exists() or "train" not in lock.read_text()
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=_env(), capture_output=True,
+                            text=True, timeout=300).stdout
+    assert "train" in status and "changed" in status  # stale: the next repro trains on seed 4
+
+
+def test_inputs_unchanged_names_changed_params_and_deps(tmp_path):
+    from tasks.dvc_ops import StageInputsChanged, changed_inputs, inputs_unchanged, stage_snapshot
+
+    (tmp_path / "params.yaml").write_text("a:\n  lr: 0.1\n  seed: 1\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.txt").write_text("x")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: true\n    deps: [data]\n    params: [a.lr]\n")
+    with inputs_unchanged(tmp_path, "s"):  # an unrelated key may change
+        (tmp_path / "params.yaml").write_text("a:\n  lr: 0.1\n  seed: 2\n")
+    with pytest.raises(StageInputsChanged, match=r"stage s: data, params\.yaml:a\.lr \(0\.1 -> 0\.2\) changed"):
+        with inputs_unchanged(tmp_path, "s"):
+            (tmp_path / "params.yaml").write_text("a:\n  lr: 0.2\n  seed: 2\n")
+            (tmp_path / "data" / "x.txt").write_text("y")
+    before = stage_snapshot(tmp_path, "s")
+    (tmp_path / "data" / "new.txt").write_text("z")  # a new file in a dependency directory
+    assert changed_inputs(before, stage_snapshot(tmp_path, "s")) == ["data"]
