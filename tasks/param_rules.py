@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-import tasks.params as _params  # (circular import: only ParamsError is used, at call time)
+import tasks.params as _params
+from rlhf_core.data import PROMPT_BYTES_PER_WORD, prompt_token_budget  # (circular import: only ParamsError is used, at call time)
 
 POSITIVE_INTS = {
     "prepare": ("max_words", "prompt_min_words", "prompt_max_words", "pairs_per_review"),
@@ -91,7 +92,8 @@ def _check_choices(raw: dict, source: str) -> None:
 
 
 def _check_positions(raw: dict, source: str) -> None:
-    """With the built model (``sft.model_name: ''``), every token length must fit ``sft.max_positions``."""
+    """With the built model (``sft.model_name: ''``), every token length must fit ``sft.max_positions``; a prompt
+    (at most ``prompt_token_budget`` tokens, see ``rlhf_core/data.py``) plus the sampled tokens too."""
     if raw["sft"]["model_name"]:
         return  # a hub/local model: its positions are only known once loaded
     positions = raw["sft"]["max_positions"]
@@ -103,9 +105,12 @@ def _check_positions(raw: dict, source: str) -> None:
     for key, value in lengths.items():
         if value > positions:
             _fail(source, key, f"{value} tokens exceed the model's positions (sft.max_positions: {positions})")
+    prompt = prompt_token_budget(raw["prepare"]["prompt_max_words"])  # prepare drops longer prompts
     for key in ("ppo.max_new_tokens", "evaluate.max_new_tokens"):
-        if lengths[key] >= positions:
-            _fail(source, key, f"leaves no room for a prompt in sft.max_positions: {positions}")
+        if prompt + lengths[key] > positions:
+            _fail(source, key, f"{lengths[key]} tokens after a prompt of up to {prompt} tokens (prepare.prompt_max_words"
+                               f" {raw['prepare']['prompt_max_words']} x {PROMPT_BYTES_PER_WORD} bytes) exceed the "
+                               f"model's positions (sft.max_positions: {positions})")
 
 
 def _check_paths(raw: dict, source: str) -> None:
