@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import numbers
 import os
@@ -186,6 +187,38 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/\s@'\"]+)@")
+
+
+def redact(text: Any) -> str:
+    """``text`` with the credentials of any URL in it (``https://user:pass@host``) replaced by ``***``: tracking
+    URIs reach spool files, warnings and logs (issue 12.6)."""
+    return _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}***@", str(text))
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that removes URL credentials from every record of the logger it is attached to."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, ()
+        return True
+
+
+REDACTED_LOGGERS = ("rlhf_core", "rlhf_pipeline", "prefect.flow_runs", "prefect.task_runs", "mlflow")
+"""The loggers whose records can carry a tracking URI (our stages' and the Prefect run loggers)."""
+
+
+def install_log_redaction(names: Sequence[str] = REDACTED_LOGGERS) -> None:
+    """Attach one :class:`RedactingFilter` to each logger in ``names`` (idempotent)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(RedactingFilter())
+
+
 def server_reachable(uri: str | None, timeout: float = 2.0) -> bool:
     """False when ``uri`` is an http(s) tracking server that refuses or times out a TCP connection."""
     if not uri:
@@ -218,7 +251,7 @@ class SpoolingTracker(Tracker):
         self.backend: Tracker | None = None
         self.run_id: str | None = None
         if not server_reachable(tracking_uri):
-            self._go_offline(ConnectionError(f"tracking server {tracking_uri} refuses connections"))
+            self._go_offline(ConnectionError(f"tracking server {redact(tracking_uri)} refuses connections"))
             return
         try:
             self.backend = backend_factory(project_name=project_name, run_name=run_name)
@@ -237,8 +270,8 @@ class SpoolingTracker(Tracker):
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.spool_path = self.spool_dir / self._spool_file_name()
         self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
-                      "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
-        warnings.warn(self._offline_message(error), RuntimeWarning, stacklevel=3)
+                      "run_id": self.run_id, "tracking_uri": redact(self.tracking_uri), "error": repr(error)[:500]})
+        warnings.warn(redact(self._offline_message(error)), RuntimeWarning, stacklevel=3)
 
     def _spool_file_name(self) -> str:
         """Name of this run's spool file (subclasses may name it after a stage)."""
@@ -253,7 +286,7 @@ class SpoolingTracker(Tracker):
     def _append(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
         with open(self.spool_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(_json_safe(record)) + "\n")
+            fh.write(redact(json.dumps(_json_safe(record))) + "\n")  # no credentials on disk
             fh.flush()
             os.fsync(fh.fileno())
 

@@ -272,8 +272,10 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
                            "one at a time (`accelerate launch ... -m flows.stage sft`)")
 
     if not tracking_reachable(root):
+        from rlhf_core.tracking import redact
+
         get_logger().warning("tracking server %s unreachable: no MLflow parent run; stages spool to %s/",
-                             tracking_uri(root), SPOOL_DIR)
+                             redact(tracking_uri(root)), SPOOL_DIR)
         return ""
     exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
@@ -315,8 +317,10 @@ def _stage_tracker_class():
         def _go_offline(self, error: BaseException) -> None:
             first_time = self.spool_path is None
             super()._go_offline(error)
-            if first_time:  # the warning also goes to the Prefect run's log
-                get_logger().warning(self._offline_message(error))
+            if first_time:  # the warning also goes to the Prefect run's log (credentials redacted)
+                from rlhf_core.tracking import redact
+
+                get_logger().warning(redact(self._offline_message(error)))
 
         def __repr__(self) -> str:  # what a config that holds it logs as ``log_with``
             return self.name

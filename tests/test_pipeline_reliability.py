@@ -201,3 +201,75 @@ def test_inputs_unchanged_names_changed_params_and_deps(tmp_path):
     before = stage_snapshot(tmp_path, "s")
     (tmp_path / "data" / "new.txt").write_text("z")  # a new file in a dependency directory
     assert changed_inputs(before, stage_snapshot(tmp_path, "s")) == ["data"]
+
+
+# ---------------------------------------------------------------------------------------------- credentials (12.6)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_redact_removes_url_credentials_only():
+    from rlhf_core.tracking import redact
+
+    assert redact("http://alice:s3cret@mlflow.example:5000/x") == "http://***@mlflow.example:5000/x"
+    assert redact("see https://tok@h/ and sqlite:///a/b.db") == "see https://***@h/ and sqlite:///a/b.db"
+    assert redact("mail alice@example.com") == "mail alice@example.com"
+
+
+def test_tracking_credentials_never_reach_spool_warnings_or_logs(tmp_path):
+    import logging
+    import warnings
+
+    import flows  # noqa: F401  (installs the log redaction)
+    from rlhf_core.tracking import MLflowTracker, SpoolingTracker
+    from tasks.tracking import get_logger
+
+    uri = f"http://alice:s3cret@127.0.0.1:{_closed_port()}"
+    factory = lambda project_name, run_name: MLflowTracker(project_name, run_name)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = SpoolingTracker(factory, tmp_path, "proj", "run", tracking_uri=uri)
+        tracker.log_params({"lr": 0.1})
+        tracker.finish()
+    assert tracker.offline and tracker.spool_path.exists()
+    spooled = tracker.spool_path.read_text()
+    assert "s3cret" not in spooled and "alice" not in spooled and "http://***@127.0.0.1" in spooled
+    assert caught and not any("s3cret" in str(w.message) for w in caught)
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Collect()
+    logger = logging.getLogger("rlhf_pipeline")
+    logger.addHandler(handler)
+    try:
+        get_logger().warning("tracking server %s unreachable", uri)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["tracking server http://***@127.0.0.1:%s unreachable" % uri.rsplit(":", 1)[1]]
+    for name in ("prefect.flow_runs", "prefect.task_runs", "rlhf_core"):  # the Prefect run log and stderr
+        record = logging.LogRecord(name, logging.WARNING, __file__, 1, "at %s", (uri,), None)
+        assert all(f.filter(record) for f in logging.getLogger(name).filters) and "s3cret" not in record.getMessage()
+
+
+def test_mlflow_client_retries_are_bounded_for_pipeline_processes():
+    """A tracking server killed mid-PPO stalled training 4 min in client retries (7 retries, factor 2)."""
+    import flows  # noqa: F401
+    from mlflow.environment_variables import (
+        MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+        MLFLOW_HTTP_REQUEST_TIMEOUT,
+    )
+
+    retries, factor, timeout = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get(),
+                                MLFLOW_HTTP_REQUEST_TIMEOUT.get())
+    worst = (retries + 1) * timeout + sum(factor * 2 ** i for i in range(retries))  # urllib3 backoff
+    assert worst <= 60
