@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.stages import STAGE_TASKS
-from rlhf_core.checkpointing import Preempted, install_stop_handlers
+from rlhf_core.checkpointing import Preempted, install_stop_handlers, remove_stage_checkpoints
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
 from tasks.params import PARAMS_FILE, STAGES, load_params
@@ -49,6 +49,7 @@ def _run_pipeline(root: str, force: bool, run_registry: bool) -> dict:
                 log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))
                 with inputs_unchanged(root, name):  # params/deps edited mid-run: not recorded (issue 12.1)
                     STAGE_TASKS[name](root, parent)
+                _forget_abandoned_states(root, name)
                 record_stage(root, name)
                 ran.append(name)
             else:
@@ -72,6 +73,14 @@ def _run_pipeline(root: str, force: bool, run_registry: bool) -> dict:
     print(f"Stages run: {', '.join(ran) or 'none (everything up to date)'}; registry: {decision.get('reason')}")
     print(WHERE_TO_LOOK)
     return summary
+
+
+def _forget_abandoned_states(root: str, name: str) -> None:
+    """The stage completed: resume states in ``.checkpoints/`` of its earlier (abandoned) params go too."""
+    removed = remove_stage_checkpoints(root, name)
+    if removed:
+        get_logger().info("stage %s: removed %d abandoned resume state(s): %s", name, len(removed),
+                          ", ".join(p.name for p in removed))
 
 
 def _describe(changes: dict) -> str:

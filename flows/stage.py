@@ -29,7 +29,7 @@ if not is_main_process():  # no flow run on this rank: its warnings go to stderr
 from prefect import flow  # noqa: E402
 
 from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402
-from rlhf_core.checkpointing import Preempted, install_stop_handlers  # noqa: E402
+from rlhf_core.checkpointing import Preempted, install_stop_handlers, remove_stage_checkpoints  # noqa: E402
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged  # noqa: E402
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock  # noqa: E402
 from tasks.params import STAGES  # noqa: E402
@@ -43,8 +43,11 @@ def stage(name: str, root: str = ".") -> dict:
     """Run the task of stage ``name`` in ``root``, holding the checkout lock (re-entrant for the run that started
     this process), and fail with :class:`StageInputsChanged` if its params or deps changed while it ran (DVC
     records the stage only when this command exits 0; it would record the edited values)."""
-    with checkout_lock(root, f"python -m flows.stage {name}"), inputs_unchanged(root, name):
-        return STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
+    with checkout_lock(root, f"python -m flows.stage {name}"):
+        with inputs_unchanged(root, name):
+            result = STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
+        remove_stage_checkpoints(root, name)  # its resume states of earlier (abandoned) params
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,12 +24,14 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import random
 import secrets
 import shutil
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -472,20 +474,84 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be resumed from (a truncated or garbled file), or None.
+
+    Cheap structural checks, no tensors loaded: every ``*.safetensors`` header parses and covers the file, every
+    ``*.pt``/``*.pth``/``*.bin`` is a complete zip (``torch.save``'s format; its directory is at the end, so a
+    truncated file fails), every ``*.json`` parses.
+    """
+    import zipfile
+
+    for file in sorted(Path(path).rglob("*")):
+        if not file.is_file():
+            continue
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as handle:
+                    handle.keys()
+            elif file.suffix in (".pt", ".pth", ".bin"):
+                with zipfile.ZipFile(file) as archive:
+                    archive.infolist()
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except Exception as err:  # noqa: BLE001 - any parse failure means "do not resume from this"
+            return f"{file.name}: {type(err).__name__}: {str(err)[:200]}"
+    return None
+
+
+def quarantine(path: str | Path, problem: str) -> Path:
+    """Move a corrupt checkpoint aside to ``<path>.corrupt-<time>`` with a warning naming both; returns the new path."""
+    path = Path(path)
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    path.rename(aside)
+    message = f"corrupt resume state {path} ({problem}) moved aside to {aside}; the stage starts afresh"
+    logging.getLogger("rlhf_core").warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return aside
+
+
+def _usable(path: Path) -> bool:
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        quarantine(path, problem)
+    return problem is None
+
+
 def resumable_checkpoint(path: str | Path) -> Path | None:
-    """``path`` if it holds a complete checkpoint (``save_state`` of any trainer), else None."""
+    """``path`` if it holds a complete checkpoint (``save_state`` of any trainer), else None. A corrupt one
+    (truncated file: ``SafetensorError: invalid header length`` on every re-run) is moved aside first."""
     path = recover_directory(path)
-    return path if (path / STATE_FILE).is_file() else None
+    return path if (path / STATE_FILE).is_file() and _usable(path) else None
 
 
 def latest_checkpoint(directory: str | Path, prefix: str = "checkpoint-") -> Path | None:
-    """The complete ``<prefix><step>`` checkpoint with the highest step in ``directory`` (temporaries ignored)."""
+    """The complete ``<prefix><step>`` checkpoint with the highest step in ``directory`` (temporaries ignored);
+    corrupt ones are moved aside (``quarantine``) and the next older one is tried."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
     steps = [(int(p.name[len(prefix):]), p) for p in directory.iterdir()
              if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and (p / STATE_FILE).is_file()]
-    return max(steps)[1] if steps else None
+    for _, candidate in sorted(steps, reverse=True):
+        if _usable(candidate):
+            return candidate
+    return None
+
+
+def remove_stage_checkpoints(root: str | Path, stage: str, base: str = ".checkpoints") -> list[Path]:
+    """Delete every ``<root>/<base>/<stage>-<fingerprint>`` resume state once ``stage`` has completed: states of
+    abandoned parameters are never resumed again (moved-aside ``*.corrupt-*`` ones are kept for inspection)."""
+    directory = Path(root) / base
+    if not directory.is_dir():
+        return []
+    removed = [p for p in directory.glob(f"{stage}-*") if p.is_dir() and ".corrupt-" not in p.name
+               and p.name[len(stage) + 1:].split(".", 1)[0].isalnum()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def stage_checkpoint_dir(root: str | Path, stage: str, params: Any, base: str = ".checkpoints") -> Path:
@@ -525,7 +591,7 @@ __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
-    "latest_checkpoint", "load_torch", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state",
+    "checkpoint_problem", "latest_checkpoint", "load_torch", "quarantine", "remove_stage_checkpoints", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state",
     "resumable_checkpoint", "stage_checkpoint_dir",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",
 ]

@@ -350,3 +350,48 @@ def test_stage_checkpoints_live_outside_dvc_outs_and_are_keyed_by_params(tmp_pat
     (tmp_path / "run" / "checkpoint-30").mkdir()  # nor a directory without a state file
     assert ckpt.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoint-12"
     assert ckpt.latest_checkpoint(tmp_path / "missing") is None
+
+
+# ---------------------------------------------------------------------------------------------- corrupt states (12.5)
+
+
+def _saved_state(directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    with ckpt.atomic_directory(directory) as tmp:
+        save_file({"w": torch.arange(6.0)}, str(tmp / "model.safetensors"))
+        torch.save({"step": torch.tensor(3)}, tmp / "optimizer.pt")
+        (tmp / ckpt.STATE_FILE).write_text('{"next_step": 3}')
+    return directory
+
+
+@pytest.mark.parametrize(("name", "size"), [("model.safetensors", 5), ("model.safetensors", 60),
+                                            ("optimizer.pt", 100), (ckpt.STATE_FILE, 4)])
+def test_a_truncated_resume_state_is_moved_aside_and_the_stage_restarts(tmp_path, name, size):
+    state = _saved_state(tmp_path / "ppo-abc")
+    assert ckpt.checkpoint_problem(state) is None and ckpt.resumable_checkpoint(state) == state
+    with open(state / name, "r+b") as fh:
+        fh.truncate(size)
+    with pytest.warns(RuntimeWarning, match=rf"corrupt resume state {state} \({name}: .*\) moved aside to "):
+        assert ckpt.resumable_checkpoint(state) is None  # was: SafetensorError on every re-run
+    (aside,) = tmp_path.glob("ppo-abc.corrupt-*")
+    assert not state.exists() and (aside / name).stat().st_size == size
+    assert ckpt.resumable_checkpoint(state) is None  # the next run starts afresh, no warning
+
+
+def test_latest_checkpoint_skips_a_corrupt_newest_one(tmp_path):
+    _saved_state(tmp_path / "checkpoint-10")
+    newest = _saved_state(tmp_path / "checkpoint-20")
+    (newest / "model.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.warns(RuntimeWarning, match="checkpoint-20"):
+        assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert len(list(tmp_path.glob("checkpoint-20.corrupt-*"))) == 1
+
+
+def test_completed_stage_removes_resume_states_of_abandoned_params(tmp_path):
+    base = tmp_path / ".checkpoints"
+    for name in ("ppo-1111aaaa", "ppo-2222bbbb", "dpo-3333cccc", "ppo-4444dddd.corrupt-20260101-000000-1"):
+        (base / name).mkdir(parents=True)
+    removed = ckpt.remove_stage_checkpoints(tmp_path, "ppo")
+    assert sorted(p.name for p in removed) == ["ppo-1111aaaa", "ppo-2222bbbb"]
+    assert sorted(p.name for p in base.iterdir()) == ["dpo-3333cccc", "ppo-4444dddd.corrupt-20260101-000000-1"]
