@@ -19,6 +19,7 @@ from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers, remove_stage_checkpoints
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
+from tasks.orphans import clean_after_dead_runs, detach_temporary_server
 from tasks.params import PARAMS_FILE, STAGES, load_params
 from tasks.registry import registry_task
 from tasks.tracking import end_pipeline_run, get_logger, mlflow_setup, mlflow_ui_link, start_pipeline_run
@@ -35,6 +36,7 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     root = str(Path(root).resolve())
     load_params(Path(root) / PARAMS_FILE)  # bad params fail here, before any state changes
     with checkout_lock(root, "python -m flows.pipeline"):  # a second run waits or refuses, naming this one
+        clean_after_dead_runs(root)  # MLflow runs and Prefect servers a killed run left behind
         return _run_pipeline(root, force, run_registry)
 
 
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     its state, or its params/inputs changed while it ran (not recorded): earlier stages are recorded, the registry
     untouched; run the pipeline again to resume. 73 (``EXIT_LOCKED``): another run holds the checkout."""
     install_stop_handlers()
+    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")

@@ -20,6 +20,7 @@ from flows.pipeline import pipeline
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import StageInputsChanged, push_outputs
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
+from tasks.orphans import detach_temporary_server
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                       parameters={"root": str(Path(args.root).resolve()), "push": not args.no_push})
         return 0
     install_stop_handlers()  # one run (not --serve: there SIGTERM must stop the server)
+    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     try:
         with checkout_lock(args.root, "python -m flows.retrain"):  # refused here, before Prefect starts
             retrain(args.root, push=not args.no_push)

@@ -32,6 +32,7 @@ from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402
 from rlhf_core.checkpointing import Preempted, install_stop_handlers, remove_stage_checkpoints  # noqa: E402
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged  # noqa: E402
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock  # noqa: E402
+from tasks.orphans import clean_after_dead_runs, detach_temporary_server  # noqa: E402
 from tasks.params import STAGES  # noqa: E402
 
 EXIT_USAGE = 2
@@ -44,6 +45,7 @@ def stage(name: str, root: str = ".") -> dict:
     this process), and fail with :class:`StageInputsChanged` if its params or deps changed while it ran (DVC
     records the stage only when this command exits 0; it would record the edited values)."""
     with checkout_lock(root, f"python -m flows.stage {name}"):
+        clean_after_dead_runs(root)  # MLflow runs and Prefect servers a killed run left behind
         with inputs_unchanged(root, name):
             result = STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
         remove_stage_checkpoints(root, name)  # its resume states of earlier (abandoned) params
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     run it again (or ``dvc repro``) to resume; 73 (``EXIT_LOCKED``) another run holds the checkout.
     DVC records the stage only on 0."""
     install_stop_handlers()  # before anything else: a SIGTERM from now on is a stop request, not a kill
+    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     parser = argparse.ArgumentParser(prog="python -m flows.stage", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=STAGES)
     parser.add_argument("--root", default=".", help="project directory (default: current)")

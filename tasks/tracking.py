@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from tasks.distributed import barrier, is_main_process
+from tasks.orphans import owner_tags
 from tasks.params import as_dict
 
 DEFAULT_EXPERIMENT = "rlhf-pipeline"
@@ -281,6 +282,7 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
     client = mlflow.MlflowClient()
     tags = {"rlhf.kind": "pipeline", "rlhf.entry": entry, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id(), "mlflow.runName": run_name or f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"}
+    tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
     run = client.create_run(exp_id, tags=tags)
     return run.info.run_id
 
@@ -480,6 +482,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
     tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id()}
+    tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
     hashes = input_hashes(root, deps)
     tags.update({f"dvc.input.{k}": v for k, v in hashes.items()})
     if parent_run_id:
