@@ -591,7 +591,8 @@ __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
-    "checkpoint_problem", "latest_checkpoint", "load_torch", "quarantine", "remove_stage_checkpoints", "read_json", "recover_directory", "resolve_output_path", "restore_rng_state",
+    "checkpoint_problem", "latest_checkpoint", "load_torch", "quarantine", "remove_stage_checkpoints", "read_json",
+    "recover_directory", "resolve_output_path", "restore_rng_state",
     "resumable_checkpoint", "stage_checkpoint_dir",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",
 ]

@@ -156,5 +156,5 @@ class _SetWaitEnv(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-__all__ = ["add_wait_argument", "CheckoutLocked", "EXIT_LOCKED", "TOKEN_ENV", "WAIT_ENV", "checkout_lock", "default_wait", "describe",
-           "lock_path", "read_holder"]
+__all__ = ["CheckoutLocked", "EXIT_LOCKED", "TOKEN_ENV", "WAIT_ENV", "add_wait_argument", "checkout_lock",
+           "default_wait", "describe", "lock_path", "read_holder"]

@@ -131,7 +131,8 @@ def clean_after_dead_runs(root: str | Path) -> None:
         log.warning("could not check for MLflow runs left RUNNING by killed runs: %s", error)
         return
     if runs:
-        log.warning("ended %d MLflow run(s) left RUNNING by killed runs (status KILLED): %s", len(runs), ", ".join(runs))
+        log.warning("ended %d MLflow run(s) left RUNNING by killed runs (status KILLED): %s", len(runs),
+                    ", ".join(runs))
 
 
 __all__ = ["OWNER_ENV", "RUN_OWNER_TAGS", "clean_after_dead_runs", "detach_temporary_server", "end_orphaned_runs",

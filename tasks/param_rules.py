@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-import tasks.params as _params
-from rlhf_core.data import PROMPT_BYTES_PER_WORD, prompt_token_budget  # (circular import: only ParamsError is used, at call time)
+import tasks.params as _params  # (circular import: only ParamsError and PATH_KEYS are used, at call time)
+from rlhf_core.data import PROMPT_BYTES_PER_WORD, prompt_token_budget
 
 POSITIVE_INTS = {
     "prepare": ("max_words", "prompt_min_words", "prompt_max_words", "pairs_per_review"),
@@ -108,9 +108,10 @@ def _check_positions(raw: dict, source: str) -> None:
     prompt = prompt_token_budget(raw["prepare"]["prompt_max_words"])  # prepare drops longer prompts
     for key in ("ppo.max_new_tokens", "evaluate.max_new_tokens"):
         if prompt + lengths[key] > positions:
-            _fail(source, key, f"{lengths[key]} tokens after a prompt of up to {prompt} tokens (prepare.prompt_max_words"
-                               f" {raw['prepare']['prompt_max_words']} x {PROMPT_BYTES_PER_WORD} bytes) exceed the "
-                               f"model's positions (sft.max_positions: {positions})")
+            words = raw["prepare"]["prompt_max_words"]
+            _fail(source, key, f"{lengths[key]} tokens after a prompt of up to {prompt} tokens (prepare.prompt_max_"
+                               f"words {words} x {PROMPT_BYTES_PER_WORD} bytes) exceed the model's positions "
+                               f"(sft.max_positions: {positions})")
 
 
 def _check_paths(raw: dict, source: str) -> None:

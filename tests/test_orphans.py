@@ -92,7 +92,8 @@ def _start_pipeline(root: Path) -> tuple[subprocess.Popen, list[str]]:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, as a terminal job would have
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(f"[{time.monotonic():.1f}] {line}" for line in proc.stdout),
+                     daemon=True).start()
     return proc, lines
 
 
@@ -109,10 +110,13 @@ def test_sigint_to_the_process_group_exits_75_within_seconds_and_resumes(tmp_pat
     proc, lines = _start_pipeline(root)
     _wait_for(lines, "stage ppo: running", proc)
     time.sleep(2)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, the Prefect server too (before)
     started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, the Prefect server too (before)
     assert proc.wait(timeout=120) == 75, "".join(lines)[-3000:]
-    assert time.monotonic() - started < 10
+    # 10 s on an idle machine (the stop waits for the current PPO step, then Prefect/MLflow bookkeeping and the
+    # server's shutdown); this bound leaves room for a loaded CI machine. Before: 2.5-3.4 min, then exit 1.
+    print(f"signal at {started:.1f}; exit after {time.monotonic() - started:.1f} s\n" + "".join(lines)[-4000:])
+    assert time.monotonic() - started < 30
     time.sleep(1)
     assert not [s for s in orphans._servers() if s[1] == proc.pid]  # its server stopped with it
     proc, lines = _start_pipeline(root)

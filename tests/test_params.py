@@ -166,7 +166,8 @@ BAD_VALUES = [
     ("ppo.learning_rate", -1e-4), ("ppo.learning_rate", float("nan")), ("sft.learning_rate", 0.0),
     ("dpo.beta", -0.1), ("dpo.beta", float("nan")), ("sft.num_train_epochs", float("inf")),
     ("dpo.num_train_epochs", float("inf")), ("sft.arch", "bert"), ("sft.max_seq_length", 97),
-    ("dpo.max_length", 200), ("reward_model.max_length", 128), ("ppo.max_new_tokens", 96), ("ppo.max_new_tokens", 49), ("evaluate.max_new_tokens", 49),
+    ("dpo.max_length", 200), ("reward_model.max_length", 128), ("ppo.max_new_tokens", 96),
+    ("ppo.max_new_tokens", 49), ("evaluate.max_new_tokens", 49),  # 48-token prompt budget + 49 > 96 positions
     ("ppo.gamma", 1.5), ("ppo.lam", -0.1), ("ppo.total_steps", 0), ("evaluate.batch_size", 0),
     ("paths.metrics", ".git"), ("paths.models", ".dvc/cache"), ("paths.data", "sub/.git/x"), ("paths.plots", ""),
 ]
