@@ -114,19 +114,10 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         with tempfile.TemporaryDirectory(prefix=f"rlhf-{Path(target).name}-rank-") as scratch:
             yield Path(scratch)
         return
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    from rlhf_core.checkpointing import atomic_directory  # one implementation: concurrent writers, mode 0755
+
+    with atomic_directory(target) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_atomic(path: str | Path, text: str) -> None:
