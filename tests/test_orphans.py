@@ -136,7 +136,7 @@ def test_kill_9_then_a_rerun_leaves_no_running_runs_and_no_orphan_server(tmp_pat
     client = mlflow_client(root)
     experiment = client.get_experiment_by_name("rlhf-pipeline").experiment_id
     running = {r.data.tags.get("rlhf.kind") for r in client.search_runs([experiment]) if r.info.status == "RUNNING"}
-    assert running == {"pipeline", "stage"}  # the parent run and the sft run, owned by the killed process
+    assert "pipeline" in running  # the parent run (and the sft run once it started), owned by the killed process
     rerun, lines = _start_pipeline(root)
     assert rerun.wait(timeout=900) == 0, "".join(lines)[-3000:]
     time.sleep(1)
