@@ -15,5 +15,12 @@ for _key, _value in {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     # a loaded 2-core machine can take longer than the default 20 s to start the temporary server
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # a tracking server that dies mid-stage: fail over to the spool in seconds, not 4 minutes of client retries
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }.items():
     os.environ.setdefault(_key, _value)
+
+from rlhf_core.tracking import install_log_redaction  # noqa: E402
+
+install_log_redaction()  # credentials in MLFLOW_TRACKING_URI never reach the Prefect log or stderr

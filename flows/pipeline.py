@@ -17,10 +17,13 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
-from tasks.dvc_ops import record_stage, stage_status
+from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
+from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
+from tasks.orphans import clean_after_dead_runs, detach_temporary_server
 from tasks.params import ALL_STAGES, PARAMS_FILE, load_params, stage_enabled
+from tasks.paths import remove_stage_checkpoints
 from tasks.registry import registry_task
 
 WHERE_TO_LOOK = """Where to look:
@@ -31,9 +34,15 @@ WHERE_TO_LOOK = """Where to look:
 
 @flow(name="rlhf-pipeline", log_prints=False)  # see flows/__init__.py
 def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
-    """Run every stale stage of the pipeline in ``root``, then the registry step."""
+    """Run every stale stage of the pipeline in ``root``, then the registry step (holding the checkout lock)."""
     root = str(Path(root).resolve())
     params = load_params(Path(root) / PARAMS_FILE)  # bad params fail here, before any state changes
+    with checkout_lock(root, "python -m flows.pipeline"):  # a second run waits or refuses, naming this one
+        clean_after_dead_runs(root)  # MLflow runs and Prefect servers a killed run left behind
+        return _run_pipeline(root, params, force, run_registry)
+
+
+def _run_pipeline(root: str, params, force: bool, run_registry: bool) -> dict:
     log = get_logger()
     parent = start_pipeline_run(root, entry="prefect")
     ran, skipped = [], []
@@ -42,7 +51,9 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
             changes = stage_status(root, name)
             if changes or force:
                 log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))
-                STAGE_TASKS[name](root, parent)
+                with inputs_unchanged(root, name):  # params/deps edited mid-run: not recorded (issue 12.1)
+                    STAGE_TASKS[name](root, parent)
+                _forget_abandoned_states(root, name)
                 record_stage(root, name)
                 ran.append(name)
             else:
@@ -53,6 +64,10 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
         log.warning("stage %s stopped (%s); run the pipeline again to resume it", name, stopped)
         end_pipeline_run(root, parent, "KILLED", {"ran": ",".join(ran), "preempted": name})
         raise
+    except StageInputsChanged as changed:  # earlier stages stay recorded; this one and later ones stay stale
+        log.warning("%s; later stages and the registry step skipped", changed)
+        end_pipeline_run(root, parent, "KILLED", {"ran": ",".join(ran), "inputs_changed": name})
+        raise
     except BaseException:
         end_pipeline_run(root, parent, "FAILED", {"ran": ",".join(ran)})
         raise
@@ -62,6 +77,14 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     print(f"Stages run: {', '.join(ran) or 'none (everything up to date)'}; registry: {decision.get('reason')}")
     print(WHERE_TO_LOOK)
     return summary
+
+
+def _forget_abandoned_states(root: str, name: str) -> None:
+    """The stage completed: resume states in ``.checkpoints/`` of its earlier (abandoned) params go too."""
+    removed = remove_stage_checkpoints(root, name)
+    if removed:
+        get_logger().info("stage %s: removed %d abandoned resume state(s): %s", name, len(removed),
+                          ", ".join(p.name for p in removed))
 
 
 def _describe(changes: dict) -> str:
@@ -97,19 +120,24 @@ def _report(root: str, summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 failed, 75 (``EXIT_PREEMPTED``) a stage was stopped by SIGTERM/SIGINT after saving
-    its state: earlier stages are recorded, the registry untouched; run the pipeline again to resume."""
+    its state, or its params/inputs changed while it ran (not recorded): earlier stages are recorded, the registry
+    untouched; run the pipeline again to resume. 73 (``EXIT_LOCKED``): another run holds the checkout."""
     install_stop_handlers()
+    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
     parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
+    add_wait_argument(parser)
     args = parser.parse_args(argv)
     try:
-        pipeline(args.root, force=args.force, run_registry=not args.no_register)
-    except Preempted as stopped:
+        with checkout_lock(args.root, "python -m flows.pipeline"):  # refused here, before Prefect starts
+            pipeline(args.root, force=args.force, run_registry=not args.no_register)
+    except (Preempted, StageInputsChanged, CheckoutLocked) as stopped:
         print(f"pipeline stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
     return 0
+
 
 
 if __name__ == "__main__":

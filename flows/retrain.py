@@ -28,8 +28,10 @@ from prefect import flow
 
 from flows.pipeline import pipeline
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
-from tasks.dvc_ops import push_outputs
-from tasks.tracking import mlflow_setup, tracking_uri
+from tasks.dvc_ops import StageInputsChanged, push_outputs
+from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
+from tasks.mlflow_runs import mlflow_setup, tracking_uri
+from tasks.orphans import detach_temporary_server
 from tasks.worktree import close_worktree, current_branch, open_worktree, record_result
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
@@ -57,19 +59,20 @@ def retrain(root: str = ".", branch: str | None = None, push: bool = True, remot
     root = str(Path(root).resolve())
     branch = branch or current_branch(root)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    # When tasks/locking.py lands: hold the checkout's lock (root) from here to the end, so a `make run` in
-    # the same checkout waits for (or refuses with the name of) this run while it registers and pushes.
-    worktree = open_worktree(root, branch, stamp)
-    try:
-        with _tracking_of(root):
-            summary = pipeline(worktree)
-        summary["branch"] = branch
-        if push:
-            summary["pushed"] = push_outputs(worktree, remote)
-        if record:
-            summary["git"] = record_result(worktree, branch, stamp, summary["registry"])
-    finally:
-        close_worktree(root, worktree)
+    # The checkout's lock, held to the end: a `make run` in the same checkout waits for (or refuses with the name
+    # of) this run while it trains in its worktree, registers and pushes (re-entrant for this process).
+    with checkout_lock(root, "python -m flows.retrain"):
+        worktree = open_worktree(root, branch, stamp)
+        try:
+            with _tracking_of(root):
+                summary = pipeline(worktree)
+            summary["branch"] = branch
+            if push:
+                summary["pushed"] = push_outputs(worktree, remote)
+            if record:
+                summary["git"] = record_result(worktree, branch, stamp, summary["registry"])
+        finally:
+            close_worktree(root, worktree)
     return summary
 
 
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cron", default=DEFAULT_CRON, help=f"schedule for --serve (default: {DEFAULT_CRON!r})")
     parser.add_argument("--no-push", action="store_true", help="do not push to the DVC remote")
     parser.add_argument("--no-record", action="store_true", help="do not commit the result on a retrain/ branch")
+    add_wait_argument(parser)
     args = parser.parse_args(argv)
     if args.serve:
         retrain.serve(name="rlhf-retrain-local", cron=args.cron,
@@ -89,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "push": not args.no_push, "record": not args.no_record})
         return 0
     install_stop_handlers()  # one run (not --serve: there SIGTERM must stop the server)
+    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     try:
-        summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record)
-    except Preempted as stopped:  # the worktree (and a stage's saved state in it) is gone: the next run re-runs it
+        with checkout_lock(args.root, "python -m flows.retrain"):  # refused here, before Prefect starts
+            summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record)
+    except (Preempted, StageInputsChanged, CheckoutLocked) as stopped:
+        # Preempted: the worktree (and a stage's saved state in it) is gone; the next run re-runs that stage.
         print(f"retrain stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
     if "git" in summary:

@@ -30,6 +30,10 @@ from prefect import flow  # noqa: E402
 
 from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402
 from rlhf_core.checkpointing import Preempted, install_stop_handlers  # noqa: E402
+from tasks.dvc_ops import StageInputsChanged, inputs_unchanged  # noqa: E402
+from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock  # noqa: E402
+from tasks.paths import remove_stage_checkpoints  # noqa: E402
+from tasks.orphans import clean_after_dead_runs, detach_temporary_server  # noqa: E402
 from tasks.params import ALL_STAGES  # noqa: E402
 
 EXIT_USAGE = 2
@@ -38,29 +42,44 @@ EXIT_USAGE = 2
 
 @flow(name="rlhf-stage", log_prints=False)  # see flows/__init__.py
 def stage(name: str, root: str = ".") -> dict:
-    """Run the task of stage ``name`` in ``root``."""
-    return STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
+    """Run the task of stage ``name`` in ``root``, holding the checkout lock (re-entrant for the run that started
+    this process), and fail with :class:`StageInputsChanged` if its params or deps changed while it ran (DVC
+    records the stage only when this command exits 0; it would record the edited values)."""
+    with checkout_lock(root, f"python -m flows.stage {name}"):
+        clean_after_dead_runs(root)  # MLflow runs and Prefect servers a killed run left behind
+        with inputs_unchanged(root, name):
+            result = STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
+        remove_stage_checkpoints(root, name)  # its resume states of earlier (abandoned) params
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 failed, 2 a non-training stage under a multi-process launcher, 75
-    (``EXIT_PREEMPTED``) stopped by SIGTERM/SIGINT with its state saved: run it again (or ``dvc repro``) to resume.
+    (``EXIT_PREEMPTED``) stopped by SIGTERM/SIGINT with its state saved, or its params/deps changed while it ran:
+    run it again (or ``dvc repro``) to resume; 73 (``EXIT_LOCKED``) another run holds the checkout.
     DVC records the stage only on 0."""
     install_stop_handlers()  # before anything else: a SIGTERM from now on is a stop request, not a kill
+    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     parser = argparse.ArgumentParser(prog="python -m flows.stage", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=ALL_STAGES)
     parser.add_argument("--root", default=".", help="project directory (default: current)")
+    add_wait_argument(parser)
     args = parser.parse_args(argv)
     try:
         if args.name not in LAUNCHABLE_STAGES:
             require_single_process(args.name)  # before any Prefect or MLflow work
         if is_main_process():
-            stage(args.name, args.root)
+            with checkout_lock(args.root, f"python -m flows.stage {args.name}"):  # refused before Prefect starts
+                stage(args.name, args.root)
         else:  # a non-main rank of a launch: the same task body, no Prefect flow run (see the module docstring)
             STAGE_TASKS[args.name].fn(args.root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
     except LauncherError as error:
         print(f"stage {args.name}: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except (CheckoutLocked, StageInputsChanged) as refused:
+        print(f"stage {args.name}: {refused}", file=sys.stderr)
+        destroy_process_group()
+        return refused.exit_code
     except Preempted as stopped:
         print(f"stage {args.name}: {stopped}", file=sys.stderr)
         destroy_process_group()  # every rank stopped at the same step and met at a barrier

@@ -1,9 +1,10 @@
 """Checkpoint machinery shared by every trainer: atomic directories, RNG state, data position, graceful stop.
 
-- ``atomic_directory(target)``: write a checkpoint into ``<target>.tmp-<pid>`` beside the target, fsync it,
-  then swap it in with renames. A crash at any point leaves either the previous checkpoint or the new one at
-  ``target`` (or, for the instant between the two renames, the previous one at ``<target>.old-<pid>``, which
-  ``recover_directory`` puts back). Never half a checkpoint.
+- ``atomic_directory(target)``: write a checkpoint into ``<target>.tmp-<random>-<pid>`` beside the target, fsync
+  it, then swap it in with one atomic exchange (Linux ``renameat2``), so a crash at any point, or a reader at any
+  moment, finds the previous checkpoint or the new one at ``target``; concurrent writers each land a whole one.
+  Elsewhere two renames (``recover_directory`` puts ``<target>.old-<pid>`` back after a crash between them).
+  Never half a checkpoint.
 - ``capture_rng_state`` / ``restore_rng_state``: python ``random``, numpy's global generator and torch's CPU
   (and CUDA) generators, as tensors and plain values so ``torch.load(weights_only=True)`` reads them back.
 - ``save_torch`` / ``load_torch``: ``torch.save`` and ``torch.load(weights_only=True)`` (no pickled code).
@@ -18,13 +19,18 @@ Only the standard library, numpy and torch are imported here, so ``rlhf_core`` s
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import hashlib
 import json
+import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -90,7 +96,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _clean_stale_siblings(target: Path) -> None:
-    """Remove ``<target>.tmp-<pid>`` left by dead writers (a crash mid-save)."""
+    """Remove ``<target>.tmp-*-<pid>`` left by dead writers (a crash mid-save)."""
     for stale in target.parent.glob(f"{target.name}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
@@ -98,27 +104,103 @@ def _clean_stale_siblings(target: Path) -> None:
 
 
 def recover_directory(target: str | Path) -> Path:
-    """If a crash fell between the two renames of ``atomic_directory``, put the previous checkpoint back."""
+    """If a crash fell between the two renames of the fallback swap, put the previous checkpoint back.
+
+    Only an ``<target>.old-<pid>`` of a dead writer (or of this process) is taken: a live writer between its two
+    renames finishes its own swap.
+    """
     target = Path(target)
     if not target.exists():
-        olds = sorted(target.parent.glob(f"{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+        olds = [p for p in target.parent.glob(f"{target.name}.old-*") if _owner_gone_or_self(p)]
+        olds.sort(key=lambda p: p.stat().st_mtime)
         if olds:
-            olds[-1].rename(target)
+            with contextlib.suppress(OSError):  # another reader recovered it first
+                olds[-1].rename(target)
     return target
+
+
+def _owner_gone_or_self(path: Path) -> bool:
+    pid = path.name.rsplit("-", 1)[-1]
+    return not pid.isdigit() or int(pid) == os.getpid() or not _pid_alive(int(pid))
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h: atomically exchange two existing paths
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 / not Linux
+        return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the paths ``a`` and ``b`` (``renameat2(RENAME_EXCHANGE)``, Linux). False where the
+    platform or filesystem cannot; ``FileNotFoundError`` if either is missing."""
+    import ctypes
+
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.ENOENT:
+        raise FileNotFoundError(err, os.strerror(err), str(b))
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _swap_in(tmp: Path, target: Path) -> Path | None:
+    """Put the complete directory ``tmp`` at ``target``; return where the previous ``target`` now is (to delete).
+
+    A plain rename when ``target`` is absent; else an atomic exchange, so a reader never finds ``target``
+    missing and concurrent writers each land a whole directory (the last one wins). Where exchange is not
+    available, two renames (previous -> ``<target>.old-<pid>``, temporary -> target; ``recover_directory``
+    repairs a crash between them).
+    """
+    while True:
+        try:
+            tmp.rename(target)
+            return None
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+                raise
+        try:
+            if _exchange(tmp, target):
+                return tmp
+        except FileNotFoundError:
+            continue  # another writer moved target away in between: try the plain rename again
+        return _swap_by_two_renames(tmp, target)
+
+
+def _swap_by_two_renames(tmp: Path, target: Path) -> Path:
+    old = target.with_name(f"{target.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    target.rename(old)
+    tmp.rename(target)
+    return old
 
 
 @contextlib.contextmanager
 def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield ``<target>.tmp-<pid>``; when the block succeeds, fsync it and swap it in place of ``target``.
+    """Yield a new ``<target>.tmp-<random>-<pid>``; when the block succeeds, fsync it and swap it in for ``target``.
 
-    On an exception the temporary directory is deleted and ``target`` is untouched.
+    On an exception the temporary directory is deleted and ``target`` is untouched. Safe with several writers
+    (processes or threads) on one target: each gets its own temporary, the swap is atomic (``_swap_in``), and
+    the previous directory is deleted by whoever displaced it. Directories get the default mode (0777 less the
+    umask), unlike ``tempfile.mkdtemp``'s 0700.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     recover_directory(target)
     _clean_stale_siblings(target)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = target.with_name(f"{target.name}.tmp-{secrets.token_hex(4)}-{os.getpid()}")
     tmp.mkdir()
     try:
         yield tmp
@@ -126,13 +208,10 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = target.with_name(f"{target.name}.old-{os.getpid()}")
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        target.rename(old)
-    tmp.rename(target)
+    previous = _swap_in(tmp, target)
     _fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -394,27 +473,79 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be resumed from (a truncated or garbled file), or None.
+
+    Cheap structural checks, no tensors loaded: every ``*.safetensors`` header parses and covers the file, every
+    ``*.pt``/``*.pth``/``*.bin`` is a complete zip (``torch.save``'s format; its directory is at the end, so a
+    truncated file fails), every ``*.json`` parses.
+    """
+    import zipfile
+
+    for file in sorted(Path(path).rglob("*")):
+        if not file.is_file():
+            continue
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as handle:
+                    handle.keys()
+            elif file.suffix in (".pt", ".pth", ".bin"):
+                with zipfile.ZipFile(file) as archive:
+                    archive.infolist()
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except Exception as err:  # noqa: BLE001 - any parse failure means "do not resume from this"
+            return f"{file.name}: {type(err).__name__}: {str(err)[:200]}"
+    return None
+
+
+def quarantine(path: str | Path, problem: str) -> Path:
+    """Move a corrupt checkpoint aside to ``<path>.corrupt-<time>`` with a warning naming both; returns the new path."""
+    path = Path(path)
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    path.rename(aside)
+    message = f"corrupt resume state {path} ({problem}) moved aside to {aside}; the stage starts afresh"
+    logging.getLogger("rlhf_core").warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return aside
+
+
+def _usable(path: Path) -> bool:
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        quarantine(path, problem)
+    return problem is None
+
+
 def resumable_checkpoint(path: str | Path) -> Path | None:
-    """``path`` if it holds a complete checkpoint (``save_state`` of any trainer), else None."""
+    """``path`` if it holds a complete checkpoint (``save_state`` of any trainer), else None. A corrupt one
+    (truncated file: ``SafetensorError: invalid header length`` on every re-run) is moved aside first."""
     path = recover_directory(path)
-    return path if (path / STATE_FILE).is_file() else None
+    return path if (path / STATE_FILE).is_file() and _usable(path) else None
 
 
 def latest_checkpoint(directory: str | Path, prefix: str = "checkpoint-") -> Path | None:
-    """The complete ``<prefix><step>`` checkpoint with the highest step in ``directory`` (temporaries ignored)."""
+    """The complete ``<prefix><step>`` checkpoint with the highest step in ``directory`` (temporaries ignored);
+    corrupt ones are moved aside (``quarantine``) and the next older one is tried."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
     steps = [(int(p.name[len(prefix):]), p) for p in directory.iterdir()
              if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and (p / STATE_FILE).is_file()]
-    return max(steps)[1] if steps else None
+    for _, candidate in sorted(steps, reverse=True):
+        if _usable(candidate):
+            return candidate
+    return None
 
 
 __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
-    "latest_checkpoint", "load_torch", "read_json", "recover_directory", "restore_rng_state",
+    "checkpoint_problem", "latest_checkpoint", "load_torch", "quarantine", "read_json",
+    "recover_directory", "restore_rng_state",
     "resumable_checkpoint",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",
 ]

@@ -24,6 +24,14 @@ from pathlib import Path
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
+MAX_WORD_BYTES = 40
+"""A review with a longer word (UTF-8 bytes) is dropped by ``bound_reviews``: no real word is this long, and one
+such "word" is one pre-token for a byte-level BPE (a 1 MB one made tokenizer training quadratic)."""
+PROMPT_BYTES_PER_WORD = 12
+"""Prompt budget: a prompt of ``prompt_max_words`` words may have at most this many UTF-8 bytes per word. A
+byte-level BPE never makes more tokens than bytes, so ``prompt_max_words * PROMPT_BYTES_PER_WORD`` bounds a
+prompt in tokens; ``tasks/param_rules.py`` checks that it plus the sampled tokens fits the model's positions."""
+
 
 class DataFormatError(ValueError):
     """A malformed input file; the message starts with ``<file>:<line>:``."""
@@ -255,7 +263,8 @@ def read_incoming(path: str | Path, text_field: str = "text") -> IncomingData:
         return IncomingData(reviews, pairs)
     for file, lineno, record in iter_records(path, text_field):
         if any(k in record for k in PREFERENCE_KEYS):
-            pairs.append({k: _require_text(file, lineno, record, k, strip=k == "prompt") for k in PREFERENCE_KEYS})
+            pair = {k: _require_text(file, lineno, record, k, strip=k == "prompt") for k in PREFERENCE_KEYS}
+            pairs.append(check_preference_pair(pair, file, lineno))
         else:
             reviews.append(_require_text(file, lineno, record, text_field))
     return IncomingData(reviews, pairs)
@@ -288,6 +297,50 @@ def cut_prompt(text: str, n_words: int) -> tuple[str, str]:
     words = text.split()
     n = max(1, min(n_words, len(words) - 1))
     return " ".join(words[:n]), (" " + " ".join(words[n:])) if len(words) > n else ""
+
+
+def prompt_token_budget(prompt_max_words: int) -> int:
+    """The most tokens (byte-level BPE: at most one per UTF-8 byte) a prompt kept by ``bound_reviews`` can have."""
+    return prompt_max_words * PROMPT_BYTES_PER_WORD
+
+
+def review_overlong(text: str, prompt_max_words: int) -> str | None:
+    """Why ``text`` (a cleaned review) would overflow a later stage, or None: a word over ``MAX_WORD_BYTES``
+    bytes, or its first ``prompt_max_words`` words (the longest prompt cut from it) over the prompt budget."""
+    words = text.split()
+    longest = max((len(w.encode("utf-8")) for w in words), default=0)
+    if longest > MAX_WORD_BYTES:
+        return f"a {longest}-byte word (limit {MAX_WORD_BYTES})"
+    prompt = " ".join(words[:prompt_max_words]).encode("utf-8")
+    if len(prompt) > prompt_token_budget(prompt_max_words):
+        return f"a {len(prompt)}-byte prompt (limit {prompt_token_budget(prompt_max_words)})"
+    return None
+
+
+def bound_reviews(texts: Sequence[str], prompt_max_words: int) -> tuple[list[str], list[str]]:
+    """Split cleaned reviews into (kept, reasons for each dropped one) by :func:`review_overlong`."""
+    kept, dropped = [], []
+    for text in texts:
+        reason = review_overlong(text, prompt_max_words)
+        (dropped if reason else kept).append(reason or text)
+    return kept, dropped
+
+
+def check_preference_pair(pair: dict, file: str | Path, line: int | None) -> dict:
+    """An incoming pair must offer a choice: ``chosen`` and ``rejected`` differ (ignoring surrounding space);
+    otherwise a :class:`DataFormatError` naming ``file:line``. Returns ``pair``."""
+    if pair["chosen"].strip() == pair["rejected"].strip():
+        raise DataFormatError(file, line, "'chosen' and 'rejected' are the same text: a pair must offer a choice")
+    return pair
+
+
+def pairs_with_margin(pairs: Sequence[dict], chosen_scores: Sequence[float], rejected_scores: Sequence[float],
+                      min_margin: float) -> tuple[list[dict], int]:
+    """Incoming pairs with their gold scores, kept only where the judge agrees with the label by at least
+    ``min_margin`` (chosen - rejected >= margin), the rule generated pairs follow; returns (kept, dropped count)."""
+    kept = [{**pair, "chosen_score": float(sc), "rejected_score": float(sr)}
+            for pair, sc, sr in zip(pairs, chosen_scores, rejected_scores) if sc - sr >= max(min_margin, 1e-9)]
+    return kept, len(pairs) - len(kept)
 
 
 def split_train_eval(texts: Sequence[str], eval_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:

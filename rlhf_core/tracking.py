@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import numbers
 import os
@@ -28,8 +29,19 @@ from urllib.parse import urlparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# Parameter names that look like credentials are never sent to a tracker.
-SECRET_KEY_PATTERN = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential)", re.IGNORECASE)
+# Parameter names that look like credentials are never sent to a tracker. Whole words of the name, not substrings:
+# ``hub_token`` and ``db_password`` are secrets, ``max_new_tokens`` and ``pad_token_id`` are not (issue 12.6).
+SECRET_WORDS = frozenset({"password", "passwd", "passphrase", "secret", "credential", "credentials", "apikey"})
+SECRET_WORD_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("auth", "key")})
+
+
+def is_secret_name(name: Any) -> bool:
+    """True for a parameter name that names a credential: a secret word anywhere (``SECRET_thing``), ``token`` as
+    the last word (``hf_token``, ``accessToken``) or an ``api key``-like pair; words split at ``_ . - /`` and case."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name))
+    words = [w.lower() for w in re.split(r"[^A-Za-z0-9]+", spaced) if w]
+    return (any(w in SECRET_WORDS for w in words) or (bool(words) and words[-1] == "token")
+            or any(pair in SECRET_WORD_PAIRS for pair in zip(words, words[1:])))
 
 
 def scalar_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
@@ -49,7 +61,7 @@ def public_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """Drop parameters whose name looks like a secret (token, password, secret, api key), at any depth
     (``tracker_kwargs={"api_key": ...}`` inside a config loses its ``api_key``)."""
     return {key: public_params(value) if isinstance(value, Mapping) else value
-            for key, value in params.items() if not SECRET_KEY_PATTERN.search(str(key))}
+            for key, value in params.items() if not is_secret_name(key)}
 
 
 class Tracker:
@@ -175,6 +187,38 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/\s@'\"]+)@")
+
+
+def redact(text: Any) -> str:
+    """``text`` with the credentials of any URL in it (``https://user:pass@host``) replaced by ``***``: tracking
+    URIs reach spool files, warnings and logs (issue 12.6)."""
+    return _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}***@", str(text))
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that removes URL credentials from every record of the logger it is attached to."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, ()
+        return True
+
+
+REDACTED_LOGGERS = ("rlhf_core", "rlhf_pipeline", "prefect.flow_runs", "prefect.task_runs", "mlflow")
+"""The loggers whose records can carry a tracking URI (our stages' and the Prefect run loggers)."""
+
+
+def install_log_redaction(names: Sequence[str] = REDACTED_LOGGERS) -> None:
+    """Attach one :class:`RedactingFilter` to each logger in ``names`` (idempotent)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(RedactingFilter())
+
+
 def server_reachable(uri: str | None, timeout: float = 2.0) -> bool:
     """False when ``uri`` is an http(s) tracking server that refuses or times out a TCP connection."""
     if not uri:
@@ -215,7 +259,7 @@ class SpoolingTracker(Tracker):
         self.backend: Tracker | None = None
         self.run_id: str | None = None
         if not server_reachable(tracking_uri):
-            self.go_offline(ConnectionError(f"tracking server {tracking_uri} refuses connections"))
+            self.go_offline(ConnectionError(f"tracking server {redact(tracking_uri)} refuses connections"))
             return
         try:
             self.backend = backend_factory(project_name=project_name, run_name=run_name)
@@ -235,8 +279,8 @@ class SpoolingTracker(Tracker):
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.spool_path = self.spool_dir / self.spool_file_name()
         self._append({"kind": "run", "project_name": self.project_name, "run_name": self.run_name,
-                      "run_id": self.run_id, "tracking_uri": self.tracking_uri, "error": repr(error)[:500]})
-        warnings.warn(self.offline_message(error), RuntimeWarning, stacklevel=3)
+                      "run_id": self.run_id, "tracking_uri": redact(self.tracking_uri), "error": repr(error)[:500]})
+        warnings.warn(redact(self.offline_message(error)), RuntimeWarning, stacklevel=3)
         self.on_offline(error)
 
     def on_offline(self, error: BaseException) -> None:
@@ -255,7 +299,7 @@ class SpoolingTracker(Tracker):
     def _append(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
         with open(self.spool_path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(_json_safe(record)) + "\n")
+            fh.write(redact(json.dumps(_json_safe(record))) + "\n")  # no credentials on disk
             fh.flush()
             os.fsync(fh.fileno())
 

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.tracking import SpoolingTracker, server_reachable
+from rlhf_core.tracking import SpoolingTracker, redact, server_reachable
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
 from tasks.prefect_context import prefect_flow_run_id
-from tasks.provenance import git_commit
+from tasks.provenance import git_commit, owner_tags
 
 DEFAULT_EXPERIMENT = "rlhf-pipeline"
 """The MLflow experiment of pipeline runs unless ``$RLHF_MLFLOW_EXPERIMENT`` names another."""
@@ -82,13 +82,14 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
 
     if not tracking_reachable(root):
         get_logger().warning("tracking server %s unreachable: no MLflow parent run; stages spool to %s/",
-                             tracking_uri(root), SPOOL_DIR)
+                             redact(tracking_uri(root)), SPOOL_DIR)
         return ""
     exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
     tags = {"rlhf.kind": "pipeline", "rlhf.entry": entry, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id(),
             "mlflow.runName": run_name or f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"}
+    tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
     run = client.create_run(exp_id, tags=tags)
     return run.info.run_id
 
@@ -124,7 +125,7 @@ class StageSpoolingTracker(SpoolingTracker):
                 f"(python -m rlhf_core.tracking upload {self.spool_dir})")
 
     def on_offline(self, error: BaseException) -> None:
-        get_logger().warning(self.offline_message(error))
+        get_logger().warning(redact(self.offline_message(error)))  # credentials in the URI redacted
 
     def __repr__(self) -> str:  # what a config that holds it logs as ``log_with``
         return self.name

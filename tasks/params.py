@@ -20,7 +20,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
+
+from tasks import param_rules
+from tasks.param_rules import PATH_KEYS, ParamsError
 
 from tasks.paths import resolve_output_path
 
@@ -33,10 +35,6 @@ OPTIONAL_STAGES = ("ddpo",)
 """DVC stages outside the default run: run by name, or by the pipeline flow when their section's ``enabled``."""
 
 ALL_STAGES = STAGES + OPTIONAL_STAGES
-
-
-class ParamsError(ValueError):
-    """params.yaml does not match the dataclasses (unknown, missing or mistyped key)."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +383,7 @@ def parse_params(raw: Any, source: str = PARAMS_FILE) -> Params:
     if missing:
         raise ParamsError(f"{source}: missing section(s): {', '.join(missing)}")
     params = Params(**{name: build_section(name, raw[name], source) for name in SECTIONS})
+    param_rules.check(raw, source)  # value rules (sizes, rates, vocabularies, positions, paths), naming the key
     validate(params, source)
     return params
 
@@ -425,13 +424,10 @@ def read_raw(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: params file not found")
-    with open(path) as fh:
-        raw = yaml.safe_load(fh)
+    raw = param_rules.load_yaml(path)  # a syntax error names file:line:column
     return raw if raw is not None else {}
 
 
-# The keys of the paths section that name directories the stages write to (or, for incoming, read and track).
-PATH_KEYS = ("data", "models", "metrics", "plots", "incoming")
 
 
 def check_paths(root: str | Path, paths: PathsParams, source: str = PARAMS_FILE) -> dict[str, Path]:

@@ -3,6 +3,7 @@ resumable-state directory under ``.checkpoints/``."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +41,16 @@ def stage_checkpoint_dir(root: str | Path, stage: str, params: Any, base: str = 
 
 
 __all__ = ["resolve_output_path", "stage_checkpoint_dir"]
+
+
+def remove_stage_checkpoints(root: str | Path, stage: str, base: str = ".checkpoints") -> list[Path]:
+    """Delete every ``<root>/<base>/<stage>-<fingerprint>`` resume state once ``stage`` has completed: states of
+    abandoned parameters are never resumed again (moved-aside ``*.corrupt-*`` ones are kept for inspection)."""
+    directory = Path(root) / base
+    if not directory.is_dir():
+        return []
+    removed = [p for p in directory.glob(f"{stage}-*") if p.is_dir() and ".corrupt-" not in p.name
+               and p.name[len(stage) + 1:].split(".", 1)[0].isalnum()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

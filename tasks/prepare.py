@@ -17,11 +17,14 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.data import (
     DataFormatError,
     IncomingData,
+    bound_reviews,
     clean_text,
     generate_reviews,
     load_hub_texts,
     make_preference_pairs,
     make_prompts,
+    pairs_with_margin,
+    read_incoming,
     read_text_records,
     split_train_eval,
     write_jsonl,
@@ -60,18 +63,36 @@ def load_source(p: PrepareParams, root: Path) -> list[str]:
     return read_text_records(path, text_field=p.text_field, limit=p.num_reviews)
 
 
-def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[dict], judge) -> dict[str, list[dict]]:
-    """Pure shaping: cleaned reviews -> the five datasets (lists of records)."""
-    texts = [t for t in (clean_text(r, p.max_words) for r in reviews) if len(t.split()) >= 2]
+def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[dict], judge,
+                   dropped: dict[str, int] | None = None) -> dict[str, list[dict]]:
+    """Pure shaping: cleaned reviews -> the five datasets (lists of records).
+
+    Hostile data is bounded here, not left to crash a later stage (issue 12.3): reviews with an overlong word or
+    prompt (``rlhf_core.data.review_overlong``) and incoming pairs the gold judge does not prefer by
+    ``min_margin`` are dropped; their counts go into ``dropped`` (``metrics/prepare.json``).
+    """
+    dropped = {} if dropped is None else dropped
+    cleaned = [t for t in (clean_text(r, p.max_words) for r in reviews) if len(t.split()) >= 2]
+    texts, overlong = bound_reviews(cleaned, p.prompt_max_words)
+    dropped["num_dropped_overlong"] = len(overlong)
+    if overlong:
+        get_logger().warning("prepare: dropped %d review(s) that would overflow a later stage, e.g. %s",
+                             len(overlong), overlong[0])
     if len(texts) < MIN_REVIEWS:
         raise ValueError(f"prepare: only {len(texts)} usable reviews (need at least {MIN_REVIEWS}); check prepare.source")
     train, heldout = split_train_eval(texts, p.eval_fraction, seed=p.seed)
     pairs = make_preference_pairs(train, judge, p.prompt_min_words, p.prompt_max_words,
                                   pairs_per_review=p.pairs_per_review, min_margin=p.min_margin, seed=p.seed)
+    dropped["num_dropped_incoming_pairs"] = 0
     if incoming_pairs:
         scores = judge([x["prompt"] + x["chosen"] for x in incoming_pairs] + [x["prompt"] + x["rejected"] for x in incoming_pairs])
         n = len(incoming_pairs)
-        pairs += [{**x, "chosen_score": scores[i], "rejected_score": scores[n + i]} for i, x in enumerate(incoming_pairs)]
+        kept, dropped["num_dropped_incoming_pairs"] = pairs_with_margin(incoming_pairs, scores[:n], scores[n:],
+                                                                        p.min_margin)
+        if len(kept) < n:
+            get_logger().warning("prepare: dropped %d incoming pair(s) whose chosen text the gold judge does not "
+                                 "prefer by prepare.min_margin=%s", n - len(kept), p.min_margin)
+        pairs += kept
     return {
         "sft_train": [{"text": t} for t in train],
         "heldout": [{"text": t} for t in heldout],
@@ -114,7 +135,8 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     log.info("prepare: %d reviews from %s, %d new reviews and %d new pairs from %s", len(reviews), p.source,
              len(incoming.reviews), len(incoming.pairs), paths.incoming)
     judge = GoldJudge()
-    datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge)
+    dropped: dict[str, int] = {}
+    datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge, dropped)
 
     with stage_run("prepare", root, p, io["deps"], parent_run_id) as run:
         counts = _write_datasets(root / paths.data, datasets)
@@ -123,7 +145,7 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
             "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],
             "num_pairs": counts["preferences"], "num_incoming_reviews": len(incoming.reviews),
-            "num_incoming_pairs": len(incoming.pairs),
+            "num_incoming_pairs": len(incoming.pairs), **dropped,
             "gold_mean": round(statistics.fmean(gold), 4),
             "share_positive": round(sum(g > 0.05 for g in gold) / len(gold), 4),
             "share_negative": round(sum(g < -0.05 for g in gold) / len(gold), 4),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import json
 import subprocess
 from collections.abc import Iterable
@@ -67,3 +69,11 @@ def input_hashes(root: str | Path, deps: Iterable[str]) -> dict[str, str]:
 
 
 __all__ = ["git_commit", "input_hashes", "md5_dir", "md5_file"]
+
+
+RUN_OWNER_TAGS = ("rlhf.pid", "rlhf.host")
+
+
+def owner_tags() -> dict[str, str]:
+    """Tags naming the process that owns an MLflow run (``tasks.orphans`` ends runs whose owner is gone)."""
+    return {"rlhf.pid": str(os.getpid()), "rlhf.host": socket.gethostname()}

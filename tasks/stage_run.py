@@ -33,7 +33,7 @@ from tasks.mlflow_runs import (
 )
 from tasks.params import as_dict
 from tasks.prefect_context import in_prefect_run, prefect_flow_run_id
-from tasks.provenance import git_commit, input_hashes, md5_file
+from tasks.provenance import git_commit, owner_tags, input_hashes, md5_file
 
 
 @dataclass
@@ -126,7 +126,12 @@ class StageRun:
 
     def write_model_card(self, model_dir: str | Path, trainer_name: str, base_model: str | None,
                          hyperparameters: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
-        """Write README.md (rlhf_core's model card, with pipeline provenance as notes) and log it to MLflow."""
+        """Write README.md (rlhf_core's model card, with the stage's input hashes as notes) and log it to MLflow.
+
+        The file in ``model_dir`` is DVC-tracked, so it holds only what follows from the inputs: the git commit and
+        MLflow run id (different on every run) go into the MLflow copy only (a retrained stage with unchanged
+        weights must keep its hash, or every later stage retrains).
+        """
         import mlflow
 
         if not self.main:
@@ -135,14 +140,16 @@ class StageRun:
         from rlhf_core.model_card import write_model_card
 
         notes = "\n".join(
-            [f"Stage `{self.stage}` of the rlhf pipeline; git commit `{git_commit(self.root)}`; "
-             f"MLflow run `{self.run_id or 'none (tracking offline: see ' + str(self.spool_path) + ')'}`.",
-             "", "Inputs (DVC hashes):", ""] + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
+            [f"Stage `{self.stage}` of the rlhf pipeline.", "", "Inputs (DVC hashes):", ""]
+            + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
             + ["", "The offline default trains on a synthetic corpus of generated reviews, not real data."])
         path = write_model_card(model_dir, model_name=f"rlhf-{self.stage}", trainer_name=trainer_name,
                                 base_model=base_model, hyperparameters=dict(hyperparameters), metrics=dict(metrics),
                                 notes=notes)
-        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text(), "model_card.md", run_id=self.run_id))
+        provenance = (f"\n\nProvenance of this run: git commit `{git_commit(self.root)}`; MLflow run "
+                      f"`{self.run_id or 'none (tracking offline: see ' + str(self.spool_path) + ')'}`.\n")
+        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text() + provenance, "model_card.md",
+                                                           run_id=self.run_id))
 
 
 @contextlib.contextmanager
@@ -173,6 +180,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
     tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id()}
+    tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
     hashes = input_hashes(root, deps)
     tags.update({f"dvc.input.{k}": v for k, v in hashes.items()})
     if parent_run_id:

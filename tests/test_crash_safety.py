@@ -51,14 +51,17 @@ def test_a_failing_write_leaves_the_previous_directory_untouched(tmp_path):
 
 
 def test_a_crash_between_the_two_renames_is_recovered(tmp_path, monkeypatch):
+    """The fallback swap (no atomic exchange on this platform/filesystem)."""
     target = tmp_path / "ckpt"
     with ckpt.atomic_directory(target) as tmp:
         (tmp / "a.txt").write_text("first")
     real_rename, calls = Path.rename, []
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
 
     def crash_on_second_rename(self, dest):
         calls.append(self)
-        if len(calls) == 2:  # target -> .old done, .tmp -> target not yet: the process "dies" here
+        # 1: .tmp -> target (refused: target exists), 2: target -> .old, 3: .tmp -> target: the process "dies"
+        if len(calls) == 3:
             raise KeyboardInterrupt
         return real_rename(self, dest)
 
@@ -68,6 +71,74 @@ def test_a_crash_between_the_two_renames_is_recovered(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert not target.exists()  # the worst moment: only <target>.old-<pid> holds the checkpoint
     assert (ckpt.checkpoint_dir(target) / "a.txt").read_text() == "first"  # recovered on load
+
+
+SWAPPER = """
+import sys
+from pathlib import Path
+from rlhf_core import checkpointing as ckpt
+target, name, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+for i in range(count):
+    with ckpt.atomic_directory(target) as tmp:
+        (tmp / "who.txt").write_text(name * 64)
+"""
+
+
+def test_two_writers_swapping_one_target_never_leave_it_missing(tmp_path):
+    """Issue 12.2: two processes replace one directory many times while this one reads it."""
+    target = tmp_path / "models" / "sft"
+    with ckpt.atomic_directory(target) as tmp:
+        (tmp / "who.txt").write_text("0" * 64)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    writers = [subprocess.Popen([sys.executable, "-c", SWAPPER, str(target), name, "300"], env=env,
+                                stderr=subprocess.PIPE, text=True) for name in "ab"]
+    reads, missing, torn = 0, 0, []
+    while any(w.poll() is None for w in writers):
+        reads += 1
+        if not target.is_dir():
+            missing += 1
+            continue
+        try:
+            text = (target / "who.txt").read_text()
+        except FileNotFoundError:  # resolved the previous directory just as its displacer deleted it
+            continue
+        if text not in ("0" * 64, "a" * 64, "b" * 64):
+            torn.append(text)
+    errors = [w.stderr.read() for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    assert reads > 100 and missing == 0 and torn == []
+    assert sorted(p.name for p in target.parent.iterdir()) == ["sft"]  # no temporaries or .old left
+    assert (target / "who.txt").read_text() in ("a" * 64, "b" * 64)
+
+
+def test_two_threads_swapping_one_target(tmp_path):
+    import threading
+
+    target, failures = tmp_path / "ckpt", []
+
+    def swap(name: str) -> None:
+        try:
+            for _ in range(100):
+                with ckpt.atomic_directory(target) as tmp:
+                    (tmp / "who.txt").write_text(name)
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            failures.append(err)
+
+    threads = [threading.Thread(target=swap, args=(n,)) for n in "ab"]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert failures == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_atomic_directories_respect_the_umask(tmp_path):
+    """Issue 12.6: model directories were created 0700 (tempfile.mkdtemp); now 0777 less the umask."""
+    previous = os.umask(0o022)
+    try:
+        with ckpt.atomic_directory(tmp_path / "model") as tmp:
+            (tmp / "w").write_text("x")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "model").stat().st_mode & 0o777 == 0o755
 
 
 def test_a_failed_ppo_save_keeps_the_previous_checkpoint_loadable(tokenizer, tmp_path, monkeypatch):
@@ -281,3 +352,50 @@ def test_stage_checkpoints_live_outside_dvc_outs_and_are_keyed_by_params(tmp_pat
     (tmp_path / "run" / "checkpoint-30").mkdir()  # nor a directory without a state file
     assert ckpt.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoint-12"
     assert ckpt.latest_checkpoint(tmp_path / "missing") is None
+
+
+# ---------------------------------------------------------------------------------------------- corrupt states (12.5)
+
+
+def _saved_state(directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    with ckpt.atomic_directory(directory) as tmp:
+        save_file({"w": torch.arange(6.0)}, str(tmp / "model.safetensors"))
+        torch.save({"step": torch.tensor(3)}, tmp / "optimizer.pt")
+        (tmp / ckpt.STATE_FILE).write_text('{"next_step": 3}')
+    return directory
+
+
+@pytest.mark.parametrize(("name", "size"), [("model.safetensors", 5), ("model.safetensors", 60),
+                                            ("optimizer.pt", 100), (ckpt.STATE_FILE, 4)])
+def test_a_truncated_resume_state_is_moved_aside_and_the_stage_restarts(tmp_path, name, size):
+    state = _saved_state(tmp_path / "ppo-abc")
+    assert ckpt.checkpoint_problem(state) is None and ckpt.resumable_checkpoint(state) == state
+    with open(state / name, "r+b") as fh:
+        fh.truncate(size)
+    with pytest.warns(RuntimeWarning, match=rf"corrupt resume state {state} \({name}: .*\) moved aside to "):
+        assert ckpt.resumable_checkpoint(state) is None  # was: SafetensorError on every re-run
+    (aside,) = tmp_path.glob("ppo-abc.corrupt-*")
+    assert not state.exists() and (aside / name).stat().st_size == size
+    assert ckpt.resumable_checkpoint(state) is None  # the next run starts afresh, no warning
+
+
+def test_latest_checkpoint_skips_a_corrupt_newest_one(tmp_path):
+    _saved_state(tmp_path / "checkpoint-10")
+    newest = _saved_state(tmp_path / "checkpoint-20")
+    (newest / "model.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.warns(RuntimeWarning, match="checkpoint-20"):
+        assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert len(list(tmp_path.glob("checkpoint-20.corrupt-*"))) == 1
+
+
+def test_completed_stage_removes_resume_states_of_abandoned_params(tmp_path):
+    base = tmp_path / ".checkpoints"
+    for name in ("ppo-1111aaaa", "ppo-2222bbbb", "dpo-3333cccc", "ppo-4444dddd.corrupt-20260101-000000-1"):
+        (base / name).mkdir(parents=True)
+    from tasks.paths import remove_stage_checkpoints
+
+    removed = remove_stage_checkpoints(tmp_path, "ppo")
+    assert sorted(p.name for p in removed) == ["ppo-1111aaaa", "ppo-2222bbbb"]
+    assert sorted(p.name for p in base.iterdir()) == ["dpo-3333cccc", "ppo-4444dddd.corrupt-20260101-000000-1"]

@@ -194,3 +194,42 @@ def test_symlink_out_of_the_project_is_rejected(tmp_path, raw):
     (project / "params.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ParamsError, match=r"paths\.models: .*outside the project"):
         load_params(project / "params.yaml")
+
+
+# issue 12.6: every bad value fails in the loader, before any stage runs, naming its key.
+BAD_VALUES = [
+    ("ppo.mini_batch_size", 0), ("ppo.batch_size", -64), ("sft.per_device_train_batch_size", -1),
+    ("dpo.per_device_train_batch_size", 0), ("ppo.kl_penalty", "bogus"), ("ppo.ppo_epochs", 0),
+    ("ppo.learning_rate", -1e-4), ("ppo.learning_rate", float("nan")), ("sft.learning_rate", 0.0),
+    ("dpo.beta", -0.1), ("dpo.beta", float("nan")), ("sft.num_train_epochs", float("inf")),
+    ("dpo.num_train_epochs", float("inf")), ("sft.arch", "bert"), ("sft.max_seq_length", 97),
+    ("dpo.max_length", 200), ("reward_model.max_length", 128), ("ppo.max_new_tokens", 96),
+    ("ppo.max_new_tokens", 49), ("evaluate.max_new_tokens", 49),  # 48-token prompt budget + 49 > 96 positions
+    ("ppo.gamma", 1.5), ("ppo.lam", -0.1), ("ppo.total_steps", 0), ("evaluate.batch_size", 0),
+    ("paths.metrics", ".git"), ("paths.models", ".dvc/cache"), ("paths.data", "sub/.git/x"), ("paths.plots", ""),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v in BAD_VALUES])
+def test_bad_value_rejected_naming_the_key(tmp_path, raw, key, value):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(apply_overrides(raw, {key: value})))
+    with pytest.raises(ParamsError, match=rf"params\.yaml: {key.replace('.', r'[.]')}: "):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_positions_rule_only_for_the_built_model(raw):
+    # a hub/local model's positions are only known once loaded: not checked here
+    parse_params(apply_overrides(raw, {"sft.model_name": "gpt2", "sft.max_seq_length": 512}))
+    # the length equal to the positions fits
+    parse_params(apply_overrides(raw, {"sft.max_seq_length": raw["sft"]["max_positions"]}))
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("paths:\n  data: data\nppo:\n  learning_rate: [0.1\n  batch_size: 64\n")
+    with pytest.raises(ParamsError, match=rf"{path}:\d+:\d+: YAML syntax error: ") as err:
+        load_params(path)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    path.write_text("ppo:\n\tlearning_rate: 1\n")  # a tab: line 2, column 1
+    with pytest.raises(ParamsError, match=rf"{path}:2:1: YAML syntax error"):
+        load_params(path)

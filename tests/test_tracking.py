@@ -97,3 +97,13 @@ def test_spooling_tracker_public_hooks(tmp_path):
     assert seen == ["refused"] and tracker.spool_path == tmp_path / "stage-x.jsonl"
     kinds = [json.loads(line)["kind"] for line in tracker.spool_path.read_text().splitlines()]
     assert kinds == ["run", "metrics", "finish"]
+
+
+def test_secret_filter_matches_whole_words_not_substrings():
+    """Issue 12.6: ``ppo.max_new_tokens`` contains "token" but is no secret; dropping it made logged params
+    unable to reproduce a run."""
+    kept = {"ppo.max_new_tokens": 20, "pad_token_id": 1, "tokenizer_name": "t", "num_tokens": 3, "keyword": "x",
+            "secretary_count": 2, "passwords_seen": 0}
+    secret = {"hub_token": 1, "ppo.hf_token": 1, "accessToken": 1, "token": 1, "db_password": 1, "api_key": 1,
+              "apiKey": 1, "tracker.API-KEY": 1, "SECRET_thing": 1, "aws_secret_access_key": 1, "credentials": 1}
+    assert public_params({**kept, **secret}) == kept

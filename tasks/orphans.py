@@ -1,0 +1,135 @@
+"""What a killed run leaves behind, cleaned on the next start (issue 12.5).
+
+- **Prefect's temporary server** (started by a flow when no ``PREFECT_API_URL`` is set) runs in its own session:
+  a Ctrl-C or SIGTERM sent to the terminal's process group (``timeout``, Slurm, systemd do the same) reaches the
+  pipeline, which saves its state and exits 75, instead of killing the server first (the run then retried the
+  dead server for minutes and exited 1). The server's environment names its owner (``RLHF_PREFECT_OWNER``: pid),
+  so a server whose owner died (``kill -9``) is stopped by the next run (``stop_orphaned_servers``); a normal
+  exit stops it as before (Prefect's ``atexit``).
+- **MLflow runs left RUNNING**: every pipeline and stage run is tagged with its process (``RUN_OWNER_TAGS``);
+  ``end_orphaned_runs`` ends the RUNNING ones whose process on this host is gone as KILLED, tagged
+  ``rlhf.ended_by``.
+
+Linux (``/proc``); elsewhere the orphan sweeps find nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import types
+from pathlib import Path
+
+from tasks.provenance import RUN_OWNER_TAGS, owner_tags  # noqa: F401  (owner_tags re-exported)
+
+OWNER_ENV = "RLHF_PREFECT_OWNER"
+SERVER_MARK = "prefect.server.api.server:create_app"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def detach_temporary_server() -> None:
+    """Make Prefect start its temporary server in a new session with ``RLHF_PREFECT_OWNER`` set (idempotent)."""
+    from prefect.server.api import server as prefect_server
+
+    if getattr(prefect_server.subprocess, "_rlhf_detached", False):
+        return
+
+    def popen(*args, **kwargs):
+        kwargs["start_new_session"] = True  # process-group signals (Ctrl-C, timeout, Slurm) do not reach it
+        kwargs["env"] = {**(kwargs.get("env") or os.environ), OWNER_ENV: str(os.getpid())}
+        return subprocess.Popen(*args, **kwargs)
+
+    shim = types.SimpleNamespace(**{k: getattr(subprocess, k) for k in dir(subprocess) if not k.startswith("__")})
+    shim.Popen, shim._rlhf_detached = popen, True
+    prefect_server.subprocess = shim  # only that module's Popen changes
+
+
+def _servers() -> list[tuple[int, int]]:
+    """``(server pid, owner pid)`` of every temporary Prefect server started by this project (``/proc`` scan)."""
+    found = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if SERVER_MARK.encode() not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        owner = next((e.split(b"=", 1)[1] for e in env if e.startswith(OWNER_ENV.encode() + b"=")), b"")
+        if owner.isdigit():
+            found.append((int(entry.name), int(owner)))
+    return found
+
+
+def stop_orphaned_servers() -> list[int]:
+    """SIGTERM every temporary Prefect server whose owning run is gone; returns their pids."""
+    stopped = []
+    for pid, owner in _servers():
+        if not _alive(owner):
+            try:
+                os.kill(pid, signal.SIGTERM)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+    return stopped
+
+
+def end_orphaned_runs(root: str | Path) -> list[str]:
+    """End as KILLED the RUNNING MLflow runs of this project's experiment whose owning process on this host is
+    gone (``kill -9``, power loss); returns their run ids. Nothing when the tracking server is unreachable."""
+    import mlflow
+
+    from tasks.mlflow_runs import mlflow_setup, tracking_reachable
+
+    if not tracking_reachable(root):
+        return []
+    experiment_id = mlflow_setup(root)
+    client = mlflow.MlflowClient()
+    host, ended = socket.gethostname(), []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
+        tags = run.data.tags
+        pid = tags.get("rlhf.pid", "")
+        if tags.get("rlhf.host") != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        client.set_tag(run.info.run_id, "rlhf.ended_by", f"next start: owning process {pid} on {host} was gone")
+        client.set_terminated(run.info.run_id, status="KILLED")
+        ended.append(run.info.run_id)
+    return ended
+
+
+def clean_after_dead_runs(root: str | Path) -> None:
+    """The start-of-run sweep (inside the checkout lock): orphaned servers stopped, orphaned runs ended."""
+    from tasks.logs import get_logger
+
+    log = get_logger()
+    servers = stop_orphaned_servers()
+    if servers:
+        log.warning("stopped %d temporary Prefect server(s) left by killed runs: pid %s", len(servers),
+                    ", ".join(map(str, servers)))
+    try:
+        runs = end_orphaned_runs(root)
+    except Exception as error:  # noqa: BLE001 - bookkeeping must not stop a run
+        log.warning("could not check for MLflow runs left RUNNING by killed runs: %s", error)
+        return
+    if runs:
+        log.warning("ended %d MLflow run(s) left RUNNING by killed runs (status KILLED): %s", len(runs),
+                    ", ".join(runs))
+
+
+__all__ = ["OWNER_ENV", "RUN_OWNER_TAGS", "clean_after_dead_runs", "detach_temporary_server", "end_orphaned_runs",
+           "owner_tags", "stop_orphaned_servers"]

@@ -1,0 +1,98 @@
+"""Issue 12.3: hostile data fails in ``prepare`` with a clear error or is bounded there, never crashes later."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from _pipeline_project import make_project
+
+from rlhf_core.data import (
+    MAX_WORD_BYTES,
+    DataFormatError,
+    bound_reviews,
+    check_preference_pair,
+    pairs_with_margin,
+    prompt_token_budget,
+    read_incoming,
+    review_overlong,
+)
+from rlhf_core.models.tiny import DEFAULT_CORPUS, _bounded_runs, build_tokenizer
+
+LONG_WORD = "a" * 400  # the review that became a 190-token prompt for a 96-position model
+
+
+def test_a_review_with_an_overlong_word_or_prompt_is_dropped_with_the_reason():
+    normal = "This movie was wonderful and the acting was great"
+    wide = "Überraschend schöne Bildgestaltungsmöglichkeiten überall gesehen heute"  # first 4 words: 60 bytes > 48
+    kept, dropped = bound_reviews([normal, f"{LONG_WORD} was bad", wide, "x" * MAX_WORD_BYTES + " ok"], 4)
+    assert kept == [normal, "x" * MAX_WORD_BYTES + " ok"]
+    assert dropped == [f"a 400-byte word (limit {MAX_WORD_BYTES})", "a 60-byte prompt (limit 48)"]
+    assert review_overlong("é" * 21 + " b", 4) == "a 42-byte word (limit 40)"  # bytes, not characters
+
+
+def test_a_kept_prompt_fits_its_token_budget_with_any_byte_level_tokenizer():
+    tokenizer = build_tokenizer(vocab_size=300)
+    for prompt in ("This movie was great", "🎬🎬🎬🎬🎬🎬 is 🙂🙂", "ÄÖÜ ßßß ąęł ???"):
+        if review_overlong(prompt, 4) is None:
+            assert len(tokenizer(prompt).input_ids) <= len(prompt.encode()) <= prompt_token_budget(4)
+
+
+def test_identical_chosen_and_rejected_is_an_error_naming_file_and_line(tmp_path):
+    good = {"prompt": "The film", "chosen": " was fine.", "rejected": " was bad."}
+    same = {"prompt": "The film", "chosen": " was fine.", "rejected": "was fine.  "}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(same) + "\n")
+    with pytest.raises(DataFormatError, match=rf"^{tmp_path / 'pairs.jsonl'}:2: 'chosen' and 'rejected' are the same"):
+        read_incoming(tmp_path)
+    assert check_preference_pair(good, "f", 1) is good
+
+
+def test_incoming_pairs_need_the_judges_agreement_by_the_margin():
+    pairs = [{"prompt": "p", "chosen": f" c{i}", "rejected": f" r{i}"} for i in range(4)]
+    kept, dropped = pairs_with_margin(pairs, [0.9, 0.5, 0.1, 0.4], [0.1, 0.4, 0.6, 0.1], min_margin=0.3)
+    # gaps: 0.8 kept, 0.1 too close, -0.5 reversed, 0.3 kept (>= margin)
+    assert [p["chosen"] for p in kept] == [" c0", " c3"] and dropped == 2
+    assert kept[0]["chosen_score"] == 0.9 and kept[0]["rejected_score"] == 0.1
+
+
+def test_tokenizer_training_is_linear_in_a_one_megabyte_single_token_line():
+    assert _bounded_runs("a normal line, with words.") == "a normal line, with words."
+    started = time.monotonic()
+    build_tokenizer(list(DEFAULT_CORPUS) + ["x" * 1_000_000], vocab_size=300)
+    assert time.monotonic() - started < 30  # was > 200 s
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    return make_project(tmp_path / "proj", git_dvc=False)
+
+
+def test_prepare_bounds_hostile_reviews_and_counts_them(project):
+    from tasks.prepare import prepare_task
+
+    hostile = [f"{LONG_WORD} movie was terrible and long", "y" * 1_000_000 + " was a film",
+               "Unbelievably overcomplicated incomprehensibilities notwithstanding, fine"]
+    (project / "incoming" / "hostile.txt").write_text("\n".join(hostile) + "\n")
+    metrics = prepare_task.fn(str(project))
+    assert metrics["num_incoming_reviews"] == 3 and metrics["num_dropped_overlong"] == 3
+    assert json.loads((project / "metrics" / "prepare.json").read_text())["num_dropped_overlong"] == 3
+    for name in ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences"):
+        text = (project / "data" / f"{name}.jsonl").read_text()
+        assert "aaaaaaaaaa" not in text and "yyyyyyyyyy" not in text
+    for line in (project / "data" / "prompts_train.jsonl").read_text().splitlines():
+        assert len(json.loads(line)["query"].encode()) <= prompt_token_budget(4)
+
+
+def test_prepare_refuses_a_degenerate_incoming_pair_and_writes_nothing(project):
+    from tasks.prepare import prepare_task
+
+    same = {"prompt": "The film", "chosen": " was fine.", "rejected": " was fine."}
+    bad = project / "incoming" / "feedback.jsonl"
+    bad.write_text(json.dumps(same) + "\n")
+    with pytest.raises(DataFormatError, match=rf"{bad}:1: 'chosen' and 'rejected' are the same text"):
+        prepare_task.fn(str(project))
+    assert not (project / "data").exists() or not os.listdir(project / "data")
