@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
+from tasks.evaluate import policy_results
 from tasks.params import PARAMS_FILE, STAGES, load_params
 from tasks.registry import registry_task
 from tasks.tracking import end_pipeline_run, get_logger, mlflow_setup, mlflow_ui_link, start_pipeline_run
@@ -87,7 +88,7 @@ def _report(root: str, summary: dict) -> str:
     if evaluation.exists():
         import json
 
-        results = json.loads(evaluation.read_text())
+        results = policy_results(json.loads(evaluation.read_text()))  # without the scored hashes
         keys = list(next(iter(results.values())))
         lines += ["| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         lines += [f"| {p} | " + " | ".join(str(v[k]) for k in keys) + " |" for p, v in results.items()]
