@@ -178,8 +178,7 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         if any(content_md5(root / dirs[name]) != scored[name] for name in POLICIES):
             raise RuntimeError(f"{', '.join(dirs.values())}: a policy directory changed while it was evaluated")
         # DVC-tracked: hashes only (a function of the inputs); run ids and times stay in MLflow
-        record = {**results, SCORED_KEY: {"policies": scored, "evaluation_set": evaluation.md5,
-                                          "evaluation_inputs": evaluation.inputs}}
+        record = {**results, SCORED_KEY: {"policies": scored, "evaluation_set": evaluation.md5}}
         write_json(root / paths.metrics / "evaluate.json", record)
         _set_tags(run, {"evaluation.set_md5": evaluation.md5, **{f"evaluation.scored.{n}": h for n, h in scored.items()}})
         write_csv(root / paths.plots / "evaluate.csv", [{"policy": n, **results[n]} for n in POLICIES],

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
-import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.distributed import require_single_process
 from tasks.evaluate import SCORED_KEY, content_md5, load_evaluation_set, load_policy, policy_results, rescore
-from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, as_dict, load_params
-from tasks.tracking import get_logger, git_commit, stage_run
+from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, as_dict, load_params, stage_io
+from tasks.tracking import get_logger, git_commit, input_hashes, stage_run
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 PENDING, COMPLETE = "pending", "complete"
@@ -120,16 +119,11 @@ def _evaluation_run_id(client, experiment_id: str, evaluation_md5: str, policy: 
     return runs[0].info.run_id if runs else "unknown"
 
 
-def _lock_hashes(root: Path, stages: tuple[str, ...]) -> dict[str, str]:
-    """``dvc.lock``'s md5 of every dep and out of ``stages`` (code files left out: the git commit covers them)."""
-    lock = root / "dvc.lock"
-    data = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.exists() else {}
-    hashes = {}
-    for stage in stages:
-        for entry in (data.get(stage) or {}).get("deps", []) + (data.get(stage) or {}).get("outs", []):
-            if "md5" in entry and not entry["path"].endswith(".py"):
-                hashes[entry["path"]] = entry["md5"]
-    return hashes
+def _data_hashes(root: Path, paths, policy: str) -> dict[str, str]:
+    """DVC hash (dvc.lock's, else computed) of every input of the policy's stage and of the evaluation."""
+    io = stage_io(paths)
+    deps = [*io.get(policy, {}).get("deps", []), *io["evaluate"]["deps"]]
+    return input_hashes(root, list(dict.fromkeys(deps)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +144,7 @@ def _champion_on(client, rule: RegistryParams, root: Path, evaluation_md5: str) 
 
     log = get_logger()
     log.info("registry: champion v%s was scored on evaluation set %s, not %s: re-scoring it on this set",
-             champion.version, champion.tags.get("evaluation.set_md5", "(none recorded)"), evaluation_md5[:8])
+             champion.version, champion.tags.get("evaluation.set_md5", "(none recorded)")[:8], evaluation_md5[:8])
     uri = f"models:/{rule.model_name}/{champion.version}"
     try:
         components = mlflow.transformers.load_model(uri, return_type="components")
@@ -192,7 +186,7 @@ def _log_model(root: Path, policy: str, weights: Path, card) -> tuple[str, str]:
     signature = infer_signature(INPUT_EXAMPLE, ["This movie was great"], params=GENERATION)
     info = mlflow.transformers.log_model(
         {"model": model, "tokenizer": tokenizer}, name="policy", task="text-generation", model_card=card,
-        signature=signature, input_example=(INPUT_EXAMPLE, GENERATION), pip_requirements=pinned_requirements(),
+        signature=signature, input_example=INPUT_EXAMPLE, pip_requirements=pinned_requirements(),
         metadata={"rlhf.policy": policy}, tags={"rlhf.policy": policy})
     return info.model_uri, info.model_id
 
@@ -270,8 +264,7 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     lineage = {"lineage.git_commit": git_commit(root), "lineage.weights_md5": weights_md5,
                "evaluation.set_md5": evaluation_md5,
                "evaluation.run_id": _evaluation_run_id(client, experiment_id, evaluation_md5, name, weights_md5),
-               **{f"dvc.{k}": v for k, v in _lock_hashes(root, (name, "evaluate")).items()},
-               **{f"evaluation.input.{k}": v for k, v in scored.get("evaluation_inputs", {}).items()}}
+               **{f"dvc.{k}": v for k, v in _data_hashes(root, paths, name).items()}}
     decision_tags = {"policy": name, "decision": "promote" if decision.promote else "keep", "reason": decision.reason,
                      "rule": json.dumps(as_dict(rule), sort_keys=True),
                      **{f"metric.{k}": str(v) for k, v in challenger.items()}}

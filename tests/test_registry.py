@@ -117,9 +117,12 @@ def test_evaluate_records_what_it_scored(project):
     scored = _evaluation(project)["scored"]
     assert scored["policies"] == {p: content_md5(project / "models" / p) for p in ("sft", "ppo", "dpo")}
     assert all(h.endswith(".dir") for h in scored["policies"].values())
-    assert scored["evaluation_set"] == load_evaluation_set(project).md5
-    assert set(scored["evaluation_inputs"]) == {"data/prompts_eval.jsonl", "data/heldout.jsonl", "models/sft",
-                                                "models/reward_model"}
+    evaluation_set = load_evaluation_set(project)
+    assert scored["evaluation_set"] == evaluation_set.md5
+    assert set(evaluation_set.inputs) == {"data/prompts_eval.jsonl", "data/heldout.jsonl", "models/sft",
+                                          "models/reward_model"}
+    (project / "data" / "heldout.jsonl").write_text('{"text": "Other held-out text."}\n')  # another set
+    assert load_evaluation_set(project).md5 != evaluation_set.md5
 
 
 def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
@@ -141,7 +144,9 @@ def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     assert tags["lineage.weights_md5"] == content_md5(project / "models" / "ppo")
     assert tags["evaluation.set_md5"] == _evaluation(project)["scored"]["evaluation_set"]
     assert tags["evaluation.run_id"] == evaluate_run.info.run_id
-    assert tags["evaluation.input.data/prompts_eval.jsonl"] == content_md5(project / "data" / "prompts_eval.jsonl")
+    assert tags["dvc.data/prompts_eval.jsonl"] == content_md5(project / "data" / "prompts_eval.jsonl")
+    assert tags["dvc.data/prompts_train.jsonl"] == "missing"  # (PPO's training prompts: not in this tiny project)
+    assert tags["dvc.models/reward_model"] == content_md5(project / "models" / "reward_model")
     assert tags["lineage.git_commit"] and tags["registry.state"] == "complete"
     assert float(tags["metric.gold_reward"]) == _evaluation(project)["ppo"]["gold_reward"]
     assert version.source.startswith("models:/m-")  # a LoggedModel (MLflow 3), not a folder of artifacts
