@@ -119,6 +119,11 @@ def _evaluation_run_id(client, experiment_id: str, evaluation_md5: str, policy: 
     return runs[0].info.run_id if runs else "unknown"
 
 
+def _run_link(experiment_id: str, lineage: dict[str, str]) -> str:
+    run_id = lineage["evaluation.run_id"]
+    return f"[{run_id[:8]}](#/experiments/{experiment_id}/runs/{run_id})" if run_id != "unknown" else "unknown"
+
+
 def _data_hashes(root: Path, paths, policy: str) -> dict[str, str]:
     """DVC hash (dvc.lock's, else computed) of every input of the policy's stage and of the evaluation."""
     io = stage_io(paths)
@@ -185,18 +190,56 @@ def _log_model(root: Path, policy: str, weights: Path, card) -> tuple[str, str]:
     tokenizer = AutoTokenizer.from_pretrained(str(weights))
     signature = infer_signature(INPUT_EXAMPLE, ["This movie was great"], params=GENERATION)
     info = mlflow.transformers.log_model(
-        {"model": model, "tokenizer": tokenizer}, name="policy", task="text-generation", model_card=card,
+        {"model": model, "tokenizer": tokenizer}, name=f"rlhf-{policy}", task="text-generation", model_card=card,
         signature=signature, input_example=INPUT_EXAMPLE, pip_requirements=pinned_requirements(),
         metadata={"rlhf.policy": policy}, tags={"rlhf.policy": policy})
     return info.model_uri, info.model_id
 
 
+def _link_logged_model(client, version) -> None:
+    """Record the version on its MLflow Model (what ``mlflow.register_model`` does: the UI then shows the
+    model as registered, with a link to the version). Safe to repeat."""
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    model_id = version.source.removeprefix("models:/")
+    links = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    entry = {"name": version.name, "version": int(version.version)}
+    if entry not in links:
+        client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*links, entry])})
+
+
 def _complete(client, rule: RegistryParams, version) -> None:
-    """Set the aliases the version's recorded decision asks for, then mark it complete (safe to repeat)."""
+    """Link the MLflow Model, set the aliases the version's recorded decision asks for, then mark the version
+    complete (each step safe to repeat)."""
+    _link_logged_model(client, version)
     client.set_registered_model_alias(rule.model_name, CHALLENGER, version.version)
     if version.tags.get("decision") == "promote":
         client.set_registered_model_alias(rule.model_name, CHAMPION, version.version)
     client.set_model_version_tag(rule.model_name, version.version, "registry.state", COMPLETE)
+
+
+def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: dict[str, float],
+             champion_version: str | None, champion: dict[str, float] | None, rescored: bool,
+             lineage: dict[str, str], evaluation_link: str) -> str:
+    """The version's description (markdown, what the MLflow UI shows first): the decision, the numbers behind
+    it side by side, and where the weights, data and evaluation come from."""
+    verdict = "promoted to `champion`" if decision.promote else "kept as `challenger` (champion unchanged)"
+    lines = [f"**{policy}: {verdict}.** {decision.reason}.", ""]
+    if champion is not None:
+        how = "re-scored now on this evaluation set" if rescored else "as scored on this evaluation set"
+        lines += [f"| metric | this version | champion v{champion_version} ({how}) |", "|---|---|---|"]
+        lines += [f"| {'**' + k + '**' if k == rule.metric else k} | {challenger[k]} | {champion.get(k, '-')} |"
+                  for k in METRIC_KEYS if k in challenger]
+    else:
+        lines += ["| metric | this version |", "|---|---|"] + [f"| {k} | {challenger[k]} |" for k in METRIC_KEYS
+                                                               if k in challenger]
+    lines += ["", f"Rule: `{rule.metric}` must beat the champion by `min_improvement={rule.min_improvement}` on the "
+                  f"same evaluation set, with `kl <= {rule.max_kl}`.", "",
+              f"Lineage: git `{lineage['lineage.git_commit'][:12]}`; weights `{lineage['lineage.weights_md5']}`; "
+              f"evaluation set `{lineage['evaluation.set_md5']}`; evaluation run {evaluation_link}. "
+              "DVC hashes of the data: the `dvc.*` tags. Model card: `model_card.md` in the Source Model's artifacts; "
+              f"load with `mlflow.transformers.load_model(\"models:/{rule.model_name}@champion\")`."]
+    return "\n".join(lines)
 
 
 def _record(rule: RegistryParams, version, registered: bool, reason: str | None = None) -> dict:
@@ -287,7 +330,8 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         version = client.create_model_version(
             rule.model_name, source=source, run_id=run.run_id or None, model_id=model_id,
             tags={**lineage, **decision_tags, "registry.state": PENDING},
-            description=f"{name} policy ({weights_md5[:8]}): {decision_tags['decision']}. {decision.reason}")
+            description=describe(name, decision, rule, challenger, champion.version if champion else None,
+                                 champion_metrics, rescored, lineage, _run_link(experiment_id, lineage)))
         _complete(client, rule, version)
         run_tags = {"registry.decision": decision_tags["decision"], "registry.reason": decision.reason,
                     "registry.version": version.version,

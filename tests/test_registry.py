@@ -150,6 +150,11 @@ def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     assert tags["lineage.git_commit"] and tags["registry.state"] == "complete"
     assert float(tags["metric.gold_reward"]) == _evaluation(project)["ppo"]["gold_reward"]
     assert version.source.startswith("models:/m-")  # a LoggedModel (MLflow 3), not a folder of artifacts
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert logged.name == "rlhf-ppo" and json.loads(logged.tags["mlflow.modelVersions"]) == [
+        {"name": NAME, "version": first["version"]}]  # the UI shows it as registered, linked to the version
+    assert version.description.startswith("**ppo: promoted to `champion`.** no champion yet")
+    assert tags["lineage.weights_md5"] in version.description and evaluate_run.info.run_id in version.description
 
     pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
     assert type(pipe.model).__name__ == "GPT2LMHeadModel"
@@ -219,6 +224,9 @@ def test_champion_scored_on_other_data_is_rescored_before_comparing(project):
     tags = client.get_model_version(NAME, second["version"]).tags
     # the champion (these same weights, loaded from the registry) scored on the new prompts: exactly evaluate's numbers
     assert tags["champion.rescored"] == "true" and tags["champion.version"] == str(first["version"])
+    description = client.get_model_version(NAME, second["version"]).description
+    assert "champion v1 (re-scored now on this evaluation set)" in description
+    assert f"| **gold_reward** | {evaluation['ppo']['gold_reward']} | {evaluation['ppo']['gold_reward']} |" in description
     assert float(tags["champion.metric.gold_reward"]) == evaluation["ppo"]["gold_reward"]
     assert float(tags["champion.metric.kl"]) == evaluation["ppo"]["kl"]
     assert second["decision"] == "keep" and "gain +0.0000" in second["reason"]
