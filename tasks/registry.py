@@ -168,15 +168,17 @@ def _champion_on(client, rule: RegistryParams, root: Path, evaluation_md5: str) 
 # --------------------------------------------------------------------------------------------
 
 
-def _model_card(policy: str, weights: Path, lineage: dict[str, str], decision_tags: dict[str, str]):
-    """The Hugging Face ``ModelCard`` logged with the model: the stage's README.md plus the registry's record."""
+def _model_card(policy: str, weights: Path, lineage: dict[str, str]):
+    """The Hugging Face ``ModelCard`` logged with the model: the stage's README.md plus where the weights come
+    from (per-evaluation decisions live on the registered versions: one model may be registered several times)."""
     from huggingface_hub import ModelCard
 
     card_file = weights / "README.md"
     text = card_file.read_text(encoding="utf-8") if card_file.exists() else (
         f"---\nlibrary_name: rlhf_core\n---\n# rlhf-{policy}\n")
     text += "\n## Registry\n\n| tag | value |\n|---|---|\n" + "".join(
-        f"| {k} | {str(v).replace('|', '/')} |\n" for k, v in {**lineage, **decision_tags}.items())
+        f"| {k} | {str(v).replace('|', '/')} |\n" for k, v in lineage.items()
+        if k.startswith(("lineage.", "dvc.")))
     return ModelCard(text)
 
 
@@ -223,8 +225,8 @@ def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: 
              lineage: dict[str, str], evaluation_link: str) -> str:
     """The version's description (markdown, what the MLflow UI shows first): the decision, the numbers behind
     it side by side, and where the weights, data and evaluation come from."""
-    verdict = "promoted to `champion`" if decision.promote else "kept as `challenger` (champion unchanged)"
-    lines = [f"**{policy}: {verdict}.** {decision.reason}.", ""]
+    verdict = "promoted to champion" if decision.promote else "kept as challenger (champion unchanged)"
+    lines = [f"{policy}: {verdict}. {decision.reason}.", ""]  # plain: the versions list shows it as text
     if champion is not None:
         how = "re-scored now on this evaluation set" if rescored else "as scored on this evaluation set"
         lines += [f"| metric | this version | champion v{champion_version} ({how}) |", "|---|---|---|"]
@@ -321,7 +323,7 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             source = same_weights[-1].source
             model_id = source.removeprefix("models:/")
         else:
-            source, model_id = _log_model(root, name, weights, _model_card(name, weights, lineage, decision_tags))
+            source, model_id = _log_model(root, name, weights, _model_card(name, weights, lineage))
         try:
             client.create_registered_model(rule.model_name, description="RLHF policies evaluated by the pipeline; "
                                            "`champion` = the current best, `challenger` = the latest registered")

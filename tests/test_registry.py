@@ -153,7 +153,7 @@ def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     logged = client.get_logged_model(version.source.removeprefix("models:/"))
     assert logged.name == "rlhf-ppo" and json.loads(logged.tags["mlflow.modelVersions"]) == [
         {"name": NAME, "version": first["version"]}]  # the UI shows it as registered, linked to the version
-    assert version.description.startswith("**ppo: promoted to `champion`.** no champion yet")
+    assert version.description.startswith("ppo: promoted to champion. no champion yet")
     assert tags["lineage.weights_md5"] in version.description and evaluate_run.info.run_id in version.description
 
     pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
