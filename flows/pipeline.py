@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
+from tasks.evaluate import policy_results
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
@@ -111,7 +112,7 @@ def _report(root: str, summary: dict) -> str:
     if evaluation.exists():
         import json
 
-        results = json.loads(evaluation.read_text())
+        results = policy_results(json.loads(evaluation.read_text()))  # without the scored hashes
         keys = list(next(iter(results.values())))
         lines += ["| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         lines += [f"| {p} | " + " | ".join(str(v[k]) for k in keys) + " |" for p, v in results.items()]

@@ -6,7 +6,10 @@ Trainers only call ``log``/``log_table``/``log_params``; which backend receives 
 
 Tracking outages never stop training: ``make_tracker("mlflow")`` returns a ``SpoolingTracker`` that, when the
 tracking server is unreachable (at start or mid-run), warns once and appends everything still to be logged
-(params, metrics with their steps, tables) to a local JSONL spool. Replay it afterwards with::
+(params, metrics with their steps, tables) to a local JSONL spool. Only a connection failure counts as an outage
+(:func:`is_connection_failure`); any other backend error is raised at start and reported (warning + log, naming the
+call) during the run. Tensor and numpy values in metrics and table cells are converted, never an error. Replay a
+spool afterwards with::
 
     python -m rlhf_core.tracking upload <spool.jsonl> [--tracking-uri URI] [--run-id ID]
 """
@@ -45,16 +48,31 @@ def is_secret_name(name: Any) -> bool:
 
 
 def scalar_metrics(stats: Mapping[str, Any]) -> dict[str, float]:
-    """Keep the finite scalar entries of ``stats`` (tensors/arrays of one element included)."""
+    """Keep the finite scalar entries of ``stats`` (tensors/arrays of one element and numeric strings included)."""
     scalars = {}
     for key, value in stats.items():
-        if hasattr(value, "numel") and value.numel() == 1:
-            value = value.item()
-        elif hasattr(value, "size") and hasattr(value, "item") and getattr(value, "size") == 1:
-            value = value.item()
+        value = plain_value(value)
+        if isinstance(value, str):  # "0.5" is a number; "abc" is not a metric
+            try:
+                value = float(value)
+            except ValueError:
+                continue
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
             scalars[key] = float(value)
     return scalars
+
+
+def plain_value(value: Any) -> Any:
+    """A tensor or numpy value as plain Python: one element -> its number, more -> nested lists; the rest as is."""
+    if not (hasattr(value, "tolist") and hasattr(value, "dtype")):  # torch tensors, numpy arrays and scalars
+        return value
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+    return value.reshape(-1).tolist()[0] if _numel(value) == 1 else value.tolist()
+
+
+def _numel(value: Any) -> int:
+    return value.numel() if callable(getattr(value, "numel", None)) else int(getattr(value, "size", 1))
 
 
 def public_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,6 +124,14 @@ class MemoryTracker(Tracker):
         self.params.update(public_params(params))
 
 
+def _table_cell(value: Any) -> Any:
+    """A table cell MLflow can store: numbers and strings as they are, tensors/arrays converted, the rest as text."""
+    value = plain_value(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return json.dumps(value) if isinstance(value, list) else str(value)
+
+
 class MLflowTracker(Tracker):
     """Logs to the active MLflow run, or starts one in experiment ``project_name``."""
 
@@ -129,7 +155,7 @@ class MLflowTracker(Tracker):
             self._mlflow.log_metrics(scalars, step=step, run_id=self.run_id)
 
     def log_table(self, name, columns, rows, step=None):
-        data = {col: [row[i] for row in rows] for i, col in enumerate(columns)}
+        data = {col: [_table_cell(row[i]) for row in rows] for i, col in enumerate(columns)}
         suffix = f"_step{step}" if step is not None else ""
         self._mlflow.log_table(data=data, artifact_file=f"tables/{name}{suffix}.json", run_id=self.run_id)
 
@@ -180,8 +206,8 @@ def _json_safe(value: Any) -> Any:
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
-    if hasattr(value, "item") and getattr(value, "size", getattr(value, "numel", lambda: 0)) in (1,):
-        return value.item()
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        return _json_safe(plain_value(value))
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
@@ -234,17 +260,45 @@ def server_reachable(uri: str | None, timeout: float = 2.0) -> bool:
         return False
 
 
+CONNECTION_ERRORS = frozenset({"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "RetryError",
+                               "MaxRetryError", "NewConnectionError", "ProtocolError", "RemoteDisconnected"})
+"""Exception class names (builtins, requests, urllib3, http.client) that mean the server cannot be reached."""
+UNREACHABLE_WORDS = ("Max retries exceeded", "Connection refused", "Failed to establish a new connection",
+                     "Connection aborted", "Connection reset", "failed with timeout exception")
+"""What MLflow's REST client says when it wraps a connection failure in an ``MlflowException``."""
+
+
+def is_connection_failure(error: BaseException) -> bool:
+    """True when ``error``, or an error it was raised from, means the tracking server cannot be reached
+    (refused, reset, timed out, retries exhausted). A server that answers with an error is not an outage."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names = {cls.__name__ for cls in type(current).__mro__}
+        if isinstance(current, (ConnectionError, TimeoutError)) or names & CONNECTION_ERRORS:
+            return True
+        if "MlflowException" in names and any(words in str(current) for words in UNREACHABLE_WORDS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class SpoolingTracker(Tracker):
-    """A tracker that survives outages: calls go to ``backend`` until one fails, then to a JSONL spool.
+    """A tracker that survives outages: calls go to ``backend`` until the server cannot be reached, then to a
+    JSONL spool.
 
     ``backend_factory`` builds the real tracker (it may fail itself: the server may be down at start). After
-    the first connection failure the run stays on the spool (no retry storms slowing training), a single
-    warning names the spool file and the upload command, and ``finish`` repeats the reminder.
+    the first connection failure (:func:`is_connection_failure`) the run stays on the spool (no retry storms
+    slowing training), a single warning names the spool file and the upload command, and ``finish`` repeats the
+    reminder. Any other backend error is not an outage: at start it is raised; during the run the call's data is
+    not logged, a warning names the call and the error, and the run stays online.
 
     Public hooks for subclasses: ``spool_file_name()`` (the spool's file name), ``offline_message(error)`` (the
     warning), ``on_offline(error)`` (called once, when the run first goes offline), ``remind_on_finish`` (False:
     ``finish`` gives no second warning). ``go_offline(error)`` is how a caller that hit an outage on a side
-    channel (an artifact upload, say) moves the run onto the spool.
+    channel (an artifact upload, say) moves the run onto the spool; ``backend_failed(error, what)`` classifies
+    a side channel's error first (True: an outage, now spooled).
     """
 
     remind_on_finish: bool = True
@@ -264,7 +318,9 @@ class SpoolingTracker(Tracker):
         try:
             self.backend = backend_factory(project_name=project_name, run_name=run_name)
             self.run_id = getattr(self.backend, "run_id", None)
-        except Exception as error:  # noqa: BLE001 - any backend failure must not stop training
+        except Exception as error:  # noqa: BLE001 - only an outage is spooled; anything else is a real error
+            if not is_connection_failure(error):
+                raise
             self.go_offline(error)
 
     @property
@@ -303,13 +359,26 @@ class SpoolingTracker(Tracker):
             fh.flush()
             os.fsync(fh.fileno())
 
+    def backend_failed(self, error: BaseException, what: str) -> bool:
+        """Handle a failed backend call: an outage switches the run to the spool (True: keep the data there);
+        any other error is reported as what it is, with the call it lost (False: the run stays online)."""
+        if is_connection_failure(error):
+            self.go_offline(error)
+            return True
+        message = (f"tracking: {what} was not logged to {self.name}: {type(error).__name__}: {str(error)[:300]} "
+                   "(the tracking server answered: this is not an outage; the run stays online)")
+        logging.getLogger(__name__).error(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return False
+
     def _call(self, method: str, record: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         if self.backend is not None:
             try:
                 getattr(self.backend, method)(*args, **kwargs)
                 return
-            except Exception as error:  # noqa: BLE001
-                self.go_offline(error)
+            except Exception as error:  # noqa: BLE001 - classified: outage -> spool, other -> reported
+                if not self.backend_failed(error, f"{method} {record.get('name') or ''}".strip()):
+                    return
         self._append(record)
 
     def log(self, metrics, step=None):
@@ -330,8 +399,8 @@ class SpoolingTracker(Tracker):
         if self.backend is not None:
             try:
                 self.backend.finish()
-            except Exception as error:  # noqa: BLE001
-                self.go_offline(error)
+            except Exception as error:  # noqa: BLE001 - classified as in _call
+                self.backend_failed(error, "finish")
         if self.spool_path is not None:
             self._append({"kind": "finish"})
             if not self.remind_on_finish:

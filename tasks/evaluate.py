@@ -4,11 +4,20 @@ Per policy: mean gold-judge sentiment (VADER compound, -1..1), mean learned-rewa
 reference, perplexity on held-out text, win rate against SFT under the gold judge. Writes
 ``metrics/evaluate.json`` (one object per policy: gold_reward, rm_reward, kl, perplexity, win_rate; what
 ``dvc metrics show/diff`` read), ``plots/evaluate.csv``, and logs before/after sample tables and a chart.
+
+``evaluate.json`` also records, under ``scored``, the DVC hash of each policy directory it scored (computed
+from the files, not read from dvc.lock) and of the evaluation set (prompts, held-out text, SFT reference,
+reward model, scoring params): the registry refuses weights that differ and compares scores only on one set.
+``load_evaluation_set`` + ``rescore`` score any other policy (a registered champion) exactly as this stage does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -17,7 +26,8 @@ from rlhf_core.data import read_jsonl
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
-from tasks.params import METRIC_KEYS, POLICIES, load_stage
+from tasks.params import METRIC_KEYS, POLICIES, as_dict, load_stage
+from tasks.provenance import md5_dir, md5_file
 from tasks.stage_run import stage_run
 
 
@@ -36,6 +46,112 @@ def _chart(results: dict[str, dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
+SCORED_KEY = "scored"
+"""Key of ``metrics/evaluate.json`` holding the DVC hash of every policy directory scored and of the evaluation set."""
+
+
+@dataclass
+class EvaluationSet:
+    """Everything a policy is scored against: prompts, held-out text, the SFT reference (tokenizer, KL,
+    win-rate baseline), the gold judge and the learned reward model, and the scoring params."""
+
+    params: Any
+    prompts: list[str]
+    heldout: list[str]
+    tokenizer: Any
+    reference: Any
+    gold: Any
+    learned: Any
+    md5: str
+    """Hash of the inputs and params that decide a score: two scores compare only when this is equal."""
+    inputs: dict[str, str]
+    """DVC hash of each input file/directory of the set (``data/...``, ``models/sft``, ``models/reward_model``)."""
+
+
+def content_md5(path: str | Path) -> str:
+    """DVC's hash of the content now on disk: a file's md5, or a directory's ``<md5>.dir`` (never from dvc.lock)."""
+    path = Path(path)
+    if path.is_dir():
+        return md5_dir(path)
+    if path.is_file():
+        return md5_file(path)
+    raise FileNotFoundError(f"{path}: nothing to hash")
+
+
+def load_policy(model_dir: str | Path):
+    """A plain causal LM from a policy directory. A PPO checkpoint's value head (``v_head.*``) is dropped
+    quietly; any other unexpected or missing weight is an error naming the directory."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the load report would list the value head as UNEXPECTED
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(level)
+    unexpected = sorted(k for k in info["unexpected_keys"] if not k.startswith("v_head."))
+    if unexpected or info["missing_keys"] or info["mismatched_keys"]:
+        raise ValueError(f"{model_dir}: not a causal LM checkpoint (missing {sorted(info['missing_keys'])}, "
+                         f"unexpected {unexpected}, mismatched {sorted(info['mismatched_keys'])})")
+    return model
+
+
+def load_evaluation_set(root: str | Path) -> EvaluationSet:
+    """The evaluation set of the project in ``root``, as the evaluate stage scores against it."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rewards import GoldJudge, RewardModelScorer
+
+    root, _, p, io = load_stage(root, "evaluate")
+    prompts_path, heldout_path, sft_dir, rm_dir = io["deps"][:4]
+    prompts = [r["query"] for r in read_jsonl(root / prompts_path)][: p.num_prompts]
+    heldout = [r["text"] for r in read_jsonl(root / heldout_path)]
+    if not prompts or not heldout:
+        raise ValueError(f"{prompts_path} / {heldout_path}: need held-out prompts and texts")
+    tokenizer = AutoTokenizer.from_pretrained(root / sft_dir, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    inputs = {dep: content_md5(root / dep) for dep in (prompts_path, heldout_path, sft_dir, rm_dir)}
+    scoring = {k: v for k, v in as_dict(p).items() if k != "num_samples"}  # num_samples only sizes the tables
+    md5 = hashlib.md5(json.dumps({"inputs": inputs, "params": scoring}, sort_keys=True).encode()).hexdigest()
+    return EvaluationSet(p, prompts, heldout, tokenizer, load_policy(root / sft_dir), GoldJudge(),
+                         RewardModelScorer(str(root / rm_dir), batch_size=p.batch_size), md5, inputs)
+
+
+def score_policy(policy, evaluation: EvaluationSet, baseline_gold=None):
+    """(metrics rounded as in evaluate.json, samples, per-sample gold scores) of one policy on ``evaluation``."""
+    from rlhf_core.evaluation import evaluate_policy
+
+    p = evaluation.params
+    metrics, samples, gold_scores = evaluate_policy(
+        policy, evaluation.reference, evaluation.tokenizer, evaluation.prompts, evaluation.heldout, evaluation.gold,
+        evaluation.learned, baseline_gold=baseline_gold, max_new_tokens=p.max_new_tokens, batch_size=p.batch_size,
+        seed=p.seed)
+    return {k: round(float(metrics[k]), 4) for k in METRIC_KEYS}, samples, gold_scores
+
+
+def rescore(policy, evaluation: EvaluationSet) -> dict[str, float]:
+    """Metrics of ``policy`` on ``evaluation``, exactly as the evaluate stage would record them (the win rate
+    against the SFT reference's samples)."""
+    _, _, sft_gold = score_policy(evaluation.reference, evaluation)
+    return score_policy(policy, evaluation, baseline_gold=sft_gold)[0]
+
+
+def policy_results(evaluation_json: dict) -> dict[str, dict[str, float]]:
+    """The per-policy metrics of an ``evaluate.json`` object (without its ``scored`` hashes)."""
+    return {k: v for k, v in evaluation_json.items() if k != SCORED_KEY}
+
+
+def _set_tags(run, tags: dict[str, str]) -> None:
+    """Tag the stage's MLflow run (how the registry finds the run that scored a policy); skipped offline."""
+    from mlflow import MlflowClient
+    from mlflow.entities import RunTag
+
+    if run.run_id:
+        run._direct("tags", lambda: MlflowClient().log_batch(run.run_id, tags=[RunTag(k, v) for k, v in tags.items()]))
+
+
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Evaluate every policy; returns the content of metrics/evaluate.json."""
@@ -43,40 +159,31 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     require_single_process("evaluate")  # not a training stage: one process (see tasks/distributed.py)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlhf_core.evaluation import evaluate_policy
-    from rlhf_core.rewards import GoldJudge, RewardModelScorer
-
     root, params, p, io = load_stage(root, "evaluate")
     paths = params.paths
     prompts_path, heldout_path, sft_dir, rm_dir, ppo_dir, dpo_dir = io["deps"]
     log = get_logger()
-    prompts = [r["query"] for r in read_jsonl(root / prompts_path)][: p.num_prompts]
-    heldout = [r["text"] for r in read_jsonl(root / heldout_path)]
-    if not prompts or not heldout:
-        raise ValueError(f"{prompts_path} / {heldout_path}: need held-out prompts and texts")
 
     with stage_run("evaluate", root, p, io["deps"], parent_run_id) as run:
-        tokenizer = AutoTokenizer.from_pretrained(root / sft_dir, padding_side="left")
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        reference = AutoModelForCausalLM.from_pretrained(root / sft_dir)
-        policies = {"sft": reference, "ppo": AutoModelForCausalLM.from_pretrained(root / ppo_dir),
-                    "dpo": AutoModelForCausalLM.from_pretrained(root / dpo_dir)}
-        gold, learned = GoldJudge(), RewardModelScorer(str(root / rm_dir), batch_size=p.batch_size)
+        evaluation = load_evaluation_set(root)
+        prompts = evaluation.prompts
+        dirs = {"sft": sft_dir, "ppo": ppo_dir, "dpo": dpo_dir}
+        scored = {name: content_md5(root / dirs[name]) for name in POLICIES}  # before loading: what is scored
+        policies = {"sft": evaluation.reference, "ppo": load_policy(root / ppo_dir), "dpo": load_policy(root / dpo_dir)}
         run.log_dataset(root / prompts_path, "prompts_eval", context="eval")
         run.log_dataset(root / heldout_path, "heldout", context="eval")
         results, samples, gold_scores = {}, {}, {}
         for name in POLICIES:
-            metrics, samples[name], gold_scores[name] = evaluate_policy(
-                policies[name], reference, tokenizer, prompts, heldout, gold, learned,
-                baseline_gold=gold_scores.get("sft"), max_new_tokens=p.max_new_tokens, batch_size=p.batch_size,
-                seed=p.seed)
-            results[name] = {k: round(float(metrics[k]), 4) for k in METRIC_KEYS}
+            results[name], samples[name], gold_scores[name] = score_policy(
+                policies[name], evaluation, baseline_gold=gold_scores.get("sft"))
             log.info("evaluate %s: %s", name, ", ".join(f"{k}={v}" for k, v in results[name].items()))
             run.log_metrics({f"{name}/{k}": v for k, v in results[name].items()})
-        write_json(root / paths.metrics / "evaluate.json", results)
+        if any(content_md5(root / dirs[name]) != scored[name] for name in POLICIES):
+            raise RuntimeError(f"{', '.join(dirs.values())}: a policy directory changed while it was evaluated")
+        # DVC-tracked: hashes only (a function of the inputs); run ids and times stay in MLflow
+        record = {**results, SCORED_KEY: {"policies": scored, "evaluation_set": evaluation.md5}}
+        write_json(root / paths.metrics / "evaluate.json", record)
+        _set_tags(run, {"evaluation.set_md5": evaluation.md5, **{f"evaluation.scored.{n}": h for n, h in scored.items()}})
         write_csv(root / paths.plots / "evaluate.csv", [{"policy": n, **results[n]} for n in POLICIES],
                   ["policy", *METRIC_KEYS])
         # before/after: the same prompt, the SFT response, then each optimised policy's

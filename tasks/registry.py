@@ -1,33 +1,57 @@
-"""Registry step: register the evaluated policy in MLflow and move the champion alias by the rule.
+"""Registry step: register the evaluated policy as an MLflow Model and move the champion alias by the rule.
 
-After ``evaluate``: the best candidate policy (``registry.candidates``, by ``registry.metric``) is logged
-and registered as a new version of ``registry.model_name`` with the alias ``challenger``. The alias
-``champion`` moves to it only when :func:`decide` says so; the decision and its reason are recorded as
-tags on the version and on the registry run. Running again for the same evaluation registers nothing.
+After ``evaluate``: the best candidate policy (``registry.candidates``, by ``registry.metric``) is logged with
+MLflow's transformers flavour (a plain causal LM, its tokenizer, model card, signature, input example and pinned
+requirements: ``mlflow.pyfunc.load_model("models:/rlhf-policy@champion")`` works, and so does
+``mlflow models serve``) and registered as a new version of ``registry.model_name`` with the alias
+``challenger``.
+
+- **Lineage.** Each version is tagged with the git commit, the DVC hashes of its weights and data (dvc.lock),
+  the evaluation set's hash and the MLflow run of the evaluation that scored it. Weights whose hash differs from
+  the one ``evaluate`` scored (``metrics/evaluate.json`` -> ``scored``) are refused.
+- **Same data only.** ``champion`` moves only when :func:`decide` says so, on numbers measured on the same
+  evaluation set: a champion scored on another set is re-scored on this one first (its weights loaded from the
+  registry, scored by ``tasks.evaluate.rescore``). The decision and the numbers behind it are tags on the version.
+- **Idempotent.** A version is identified by (weights hash, evaluation set hash) and is ``registry.state=pending``
+  until the aliases its decision asks for are set. Running again (a Prefect retry after a failed alias call)
+  completes a pending version instead of registering another one; a complete one is left alone. Weights already
+  registered under another evaluation set re-use the same logged MLflow Model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
+from importlib.metadata import version as installed_version
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.distributed import require_single_process
+from tasks.evaluate import SCORED_KEY, content_md5, load_evaluation_set, load_policy, policy_results, rescore
 from tasks.logs import get_logger
-from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, load_params
+from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, as_dict, load_params, stage_io
+from tasks.provenance import git_commit, input_hashes
 from tasks.stage_run import stage_run
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+PENDING, COMPLETE = "pending", "complete"
+REQUIREMENTS = ("mlflow", "transformers", "tokenizers", "torch", "safetensors", "accelerate")
+"""Packages the served model needs; pinned to the versions installed here (offline, MLflow cannot infer them)."""
+INPUT_EXAMPLE = ["This movie was"]
+GENERATION = {"max_new_tokens": 20, "do_sample": True, "top_k": 0}
+"""Default generation params of the served model (a request's ``params`` override them)."""
 
 
 @dataclass(frozen=True)
 class Decision:
     promote: bool
     reason: str
+
+
+class WeightsMismatchError(ValueError):
+    """The weights on disk are not the ones ``evaluate`` scored."""
 
 
 def pick_challenger(results: dict[str, dict[str, float]], rule: RegistryParams) -> str:
@@ -37,14 +61,14 @@ def pick_challenger(results: dict[str, dict[str, float]], rule: RegistryParams) 
 
 def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule: RegistryParams) -> Decision:
     """The registry rule: the challenger replaces the champion only if it stays within ``max_kl`` of the
-    SFT reference and beats the champion's ``metric`` by at least ``min_improvement``."""
+    SFT reference and beats the champion's ``metric`` by at least ``min_improvement``.
+
+    Both dicts must be scores on the same evaluation set (the caller re-scores the champion when not)."""
     m = rule.metric
     if challenger["kl"] > rule.max_kl:
         return Decision(False, f"challenger KL {challenger['kl']:.3f} exceeds registry.max_kl {rule.max_kl}")
     if champion is None:
         return Decision(True, f"no champion yet; challenger {m}={challenger[m]:.4f}")
-    if m not in champion:
-        return Decision(True, f"champion has no recorded {m}; challenger {m}={challenger[m]:.4f}")
     gain = challenger[m] - champion[m]
     if gain >= rule.min_improvement:
         return Decision(True, f"{m} {challenger[m]:.4f} beats champion {champion[m]:.4f} by {gain:+.4f} "
@@ -53,32 +77,188 @@ def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule
                            f"< min_improvement {rule.min_improvement}")
 
 
-def _champion_metrics(client, name: str) -> tuple[str | None, dict[str, float] | None]:
+def pinned_requirements() -> list[str]:
+    """``name==version`` of each package in :data:`REQUIREMENTS` (local labels such as ``+cpu`` dropped)."""
+    return [f"{name}=={installed_version(name).split('+')[0]}" for name in REQUIREMENTS]
+
+
+# --------------------------------------------------------------------------------------------
+# reading the registry
+# --------------------------------------------------------------------------------------------
+
+
+def _alias_version(client, name: str, alias: str):
     from mlflow.exceptions import MlflowException
 
     try:
-        version = client.get_model_version_by_alias(name, CHAMPION)
+        return client.get_model_version_by_alias(name, alias)
     except MlflowException:
-        return None, None
-    metrics = {k: float(version.tags[f"metric.{k}"]) for k in METRIC_KEYS if f"metric.{k}" in version.tags}
-    return version.version, metrics
+        return None
 
 
-def _versions_with_hash(client, name: str, evaluation_hash: str) -> list:
+def _versions(client, name: str, tags: dict[str, str]) -> list:
+    """Versions of ``name`` whose tags include ``tags``, oldest first."""
     from mlflow.exceptions import MlflowException
 
     try:
-        versions = client.search_model_versions(f"name='{name}'")
+        found = client.search_model_versions(f"name='{name}'")
     except MlflowException:
         return []
-    return [v for v in versions if v.tags.get("evaluation_md5") == evaluation_hash]
+    return sorted((v for v in found if all(v.tags.get(k) == val for k, val in tags.items())),
+                  key=lambda v: int(v.version))
+
+
+def _metrics_from_tags(tags: dict[str, str], prefix: str = "metric.") -> dict[str, float]:
+    return {k: float(tags[prefix + k]) for k in METRIC_KEYS if prefix + k in tags}
+
+
+def _evaluation_run_id(client, experiment_id: str, evaluation_md5: str, policy: str, weights_md5: str) -> str:
+    """The latest finished ``evaluate`` run that scored these weights on this set ("unknown" if none)."""
+    runs = client.search_runs([experiment_id], filter_string=(
+        f"tags.`rlhf.stage` = 'evaluate' and tags.`evaluation.set_md5` = '{evaluation_md5}' "
+        f"and tags.`evaluation.scored.{policy}` = '{weights_md5}' and attributes.status = 'FINISHED'"),
+        order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else "unknown"
+
+
+def _run_link(experiment_id: str, lineage: dict[str, str]) -> str:
+    run_id = lineage["evaluation.run_id"]
+    return f"[{run_id[:8]}](#/experiments/{experiment_id}/runs/{run_id})" if run_id != "unknown" else "unknown"
+
+
+def _data_hashes(root: Path, paths, policy: str) -> dict[str, str]:
+    """DVC hash (dvc.lock's, else computed) of every input of the policy's stage and of the evaluation."""
+    io = stage_io(paths)
+    deps = [*io.get(policy, {}).get("deps", []), *io["evaluate"]["deps"]]
+    return input_hashes(root, list(dict.fromkeys(deps)))
+
+
+# --------------------------------------------------------------------------------------------
+# the champion's numbers on this evaluation set
+# --------------------------------------------------------------------------------------------
+
+
+def _champion_on(client, rule: RegistryParams, root: Path, evaluation_md5: str) -> tuple[object, dict | None, bool]:
+    """(champion version or None, its metrics on ``evaluation_md5``, whether they were re-scored now)."""
+    champion = _alias_version(client, rule.model_name, CHAMPION)
+    if champion is None:
+        return None, None, False
+    if champion.tags.get("evaluation.set_md5") == evaluation_md5:
+        metrics = _metrics_from_tags(champion.tags)
+        if rule.metric in metrics and "kl" in metrics:
+            return champion, metrics, False
+    import mlflow
+
+    log = get_logger()
+    log.info("registry: champion v%s was scored on evaluation set %s, not %s: re-scoring it on this set",
+             champion.version, champion.tags.get("evaluation.set_md5", "(none recorded)")[:8], evaluation_md5[:8])
+    uri = f"models:/{rule.model_name}/{champion.version}"
+    try:
+        components = mlflow.transformers.load_model(uri, return_type="components")
+    except Exception as error:  # noqa: BLE001 - named and re-raised: never compared blindly
+        raise RuntimeError(f"registry: champion {uri} cannot be loaded to re-score it on the current evaluation "
+                           f"set ({error}); move or delete the alias `{CHAMPION}` of {rule.model_name}") from error
+    evaluation = load_evaluation_set(root)
+    if evaluation.md5 != evaluation_md5:
+        raise RuntimeError(f"the evaluation set changed since evaluate ran ({evaluation_md5[:8]} in evaluate.json, "
+                           f"{evaluation.md5[:8]} now): run the evaluate stage again")
+    return champion, rescore(components["model"], evaluation), True
+
+
+# --------------------------------------------------------------------------------------------
+# writing the registry
+# --------------------------------------------------------------------------------------------
+
+
+def _model_card(policy: str, weights: Path, lineage: dict[str, str]):
+    """The Hugging Face ``ModelCard`` logged with the model: the stage's README.md plus where the weights come
+    from (per-evaluation decisions live on the registered versions: one model may be registered several times)."""
+    from huggingface_hub import ModelCard
+
+    card_file = weights / "README.md"
+    text = card_file.read_text(encoding="utf-8") if card_file.exists() else (
+        f"---\nlibrary_name: rlhf_core\n---\n# rlhf-{policy}\n")
+    text += "\n## Registry\n\n| tag | value |\n|---|---|\n" + "".join(
+        f"| {k} | {str(v).replace('|', '/')} |\n" for k, v in lineage.items()
+        if k.startswith(("lineage.", "dvc.")))
+    return ModelCard(text)
+
+
+def _log_model(root: Path, policy: str, weights: Path, card) -> tuple[str, str]:
+    """Log the policy (plain causal LM + tokenizer) with the transformers flavour; (model uri, model id)."""
+    import mlflow
+    from mlflow.models import infer_signature
+    from transformers import AutoTokenizer
+
+    model = load_policy(weights)  # a PPO checkpoint's value head is not part of the served model
+    tokenizer = AutoTokenizer.from_pretrained(str(weights))
+    signature = infer_signature(INPUT_EXAMPLE, ["This movie was great"], params=GENERATION)
+    info = mlflow.transformers.log_model(
+        {"model": model, "tokenizer": tokenizer}, name=f"rlhf-{policy}", task="text-generation", model_card=card,
+        signature=signature, input_example=INPUT_EXAMPLE, pip_requirements=pinned_requirements(),
+        metadata={"rlhf.policy": policy}, tags={"rlhf.policy": policy})
+    return info.model_uri, info.model_id
+
+
+def _link_logged_model(client, version) -> None:
+    """Record the version on its MLflow Model (what ``mlflow.register_model`` does: the UI then shows the
+    model as registered, with a link to the version). Safe to repeat."""
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+    model_id = version.source.removeprefix("models:/")
+    links = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    entry = {"name": version.name, "version": int(version.version)}
+    if entry not in links:
+        client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*links, entry])})
+
+
+def _complete(client, rule: RegistryParams, version) -> None:
+    """Link the MLflow Model, set the aliases the version's recorded decision asks for, then mark the version
+    complete (each step safe to repeat)."""
+    _link_logged_model(client, version)
+    client.set_registered_model_alias(rule.model_name, CHALLENGER, version.version)
+    if version.tags.get("decision") == "promote":
+        client.set_registered_model_alias(rule.model_name, CHAMPION, version.version)
+    client.set_model_version_tag(rule.model_name, version.version, "registry.state", COMPLETE)
+
+
+def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: dict[str, float],
+             champion_version: str | None, champion: dict[str, float] | None, rescored: bool,
+             lineage: dict[str, str], evaluation_link: str) -> str:
+    """The version's description (markdown, what the MLflow UI shows first): the decision, the numbers behind
+    it side by side, and where the weights, data and evaluation come from."""
+    verdict = "promoted to champion" if decision.promote else "kept as challenger (champion unchanged)"
+    lines = [f"{policy}: {verdict}. {decision.reason}.", ""]  # plain: the versions list shows it as text
+    if champion is not None:
+        how = "re-scored now on this evaluation set" if rescored else "as scored on this evaluation set"
+        lines += [f"| metric | this version | champion v{champion_version} ({how}) |", "|---|---|---|"]
+        lines += [f"| {'**' + k + '**' if k == rule.metric else k} | {challenger[k]} | {champion.get(k, '-')} |"
+                  for k in METRIC_KEYS if k in challenger]
+    else:
+        lines += ["| metric | this version |", "|---|---|"] + [f"| {k} | {challenger[k]} |" for k in METRIC_KEYS
+                                                               if k in challenger]
+    lines += ["", f"Rule: `{rule.metric}` must beat the champion by `min_improvement={rule.min_improvement}` on the "
+                  f"same evaluation set, with `kl <= {rule.max_kl}`.", "",
+              f"Lineage: git `{lineage['lineage.git_commit'][:12]}`; weights `{lineage['lineage.weights_md5']}`; "
+              f"evaluation set `{lineage['evaluation.set_md5']}`; evaluation run {evaluation_link}. "
+              "DVC hashes of the data: the `dvc.*` tags. Model card: `model_card.md` in the Source Model's artifacts; "
+              f"load with `mlflow.transformers.load_model(\"models:/{rule.model_name}@champion\")`."]
+    return "\n".join(lines)
+
+
+def _record(rule: RegistryParams, version, registered: bool, reason: str | None = None) -> dict:
+    tags = version.tags
+    previous = tags.get("champion.version")
+    return {"registered": registered, "model": rule.model_name, "version": int(version.version),
+            "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
+            "previous_champion": int(previous) if previous else None,
+            f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
 
 
 @task(name="registry", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Register the evaluated challenger; move ``champion`` if it wins. Returns the decision record."""
     require_single_process("registry", "`python -m flows.pipeline` (it runs the registry step after evaluate)")
-    import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -95,45 +275,75 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     evaluation_path = root / paths.metrics / "evaluate.json"
     if not evaluation_path.exists():
         raise FileNotFoundError(f"{evaluation_path}: run the evaluate stage before the registry step")
-    raw = evaluation_path.read_bytes()
-    results = json.loads(raw)
-    # the evaluation and the rule identify a registration: same both -> already done
-    evaluation_hash = hashlib.md5(raw + json.dumps(rule.__dict__, sort_keys=True).encode()).hexdigest()
-    mlflow_setup(root)
-    client = MlflowClient()
-    done = _versions_with_hash(client, rule.model_name, evaluation_hash)
-    if done:
-        v = done[0]
-        log.info("registry: evaluation %s already registered as %s v%s; nothing to do", evaluation_hash[:8],
-                 rule.model_name, v.version)
-        return {"registered": False, "version": v.version, "decision": v.tags.get("decision"),
-                "reason": "already registered for this evaluation"}
-
+    evaluation = json.loads(evaluation_path.read_text())
+    scored = evaluation.get(SCORED_KEY)
+    if not scored:
+        raise ValueError(f"{evaluation_path}: no `{SCORED_KEY}` hashes (written by an older evaluate): run the "
+                         "evaluate stage again before the registry step")
+    results = policy_results(evaluation)
     name = pick_challenger(results, rule)
+    weights = root / paths.models / name
+    weights_md5 = content_md5(weights)
+    if weights_md5 != scored["policies"].get(name):
+        raise WeightsMismatchError(
+            f"{weights}: its content hash {weights_md5} is not the {scored['policies'].get(name)} that evaluate "
+            f"scored ({evaluation_path}); nothing registered. Run the evaluate stage again (`python -m flows.pipeline`)")
+    evaluation_md5 = scored["evaluation_set"]
+    experiment_id = mlflow_setup(root)
+    client = MlflowClient()
+
+    existing = _versions(client, rule.model_name, {"lineage.weights_md5": weights_md5,
+                                                     "evaluation.set_md5": evaluation_md5})
+    if existing:
+        version = existing[-1]
+        if version.tags.get("registry.state") != COMPLETE:  # an earlier attempt stopped half-way: finish it
+            log.warning("registry: %s v%s was created but not completed (decision %s): completing it",
+                        rule.model_name, version.version, version.tags.get("decision"))
+            _complete(client, rule, version)
+            return _record(rule, client.get_model_version(rule.model_name, version.version), True)
+        log.info("registry: %s weights %s on evaluation set %s already registered as v%s; nothing to do",
+                 name, weights_md5[:8], evaluation_md5[:8], version.version)
+        return _record(rule, version, False, "already registered for this evaluation")
+
     challenger = results[name]
-    champion_version, champion = _champion_metrics(client, rule.model_name)
-    decision = decide(challenger, champion, rule)
+    champion, champion_metrics, rescored = _champion_on(client, rule, root, evaluation_md5)
+    decision = decide(challenger, champion_metrics, rule)
+    lineage = {"lineage.git_commit": git_commit(root), "lineage.weights_md5": weights_md5,
+               "evaluation.set_md5": evaluation_md5,
+               "evaluation.run_id": _evaluation_run_id(client, experiment_id, evaluation_md5, name, weights_md5),
+               **{f"dvc.{k}": v for k, v in _data_hashes(root, paths, name).items()}}
+    decision_tags = {"policy": name, "decision": "promote" if decision.promote else "keep", "reason": decision.reason,
+                     "rule": json.dumps(as_dict(rule), sort_keys=True),
+                     **{f"metric.{k}": str(v) for k, v in challenger.items()}}
+    if champion is not None:
+        decision_tags.update({"champion.version": champion.version, "champion.rescored": str(rescored).lower(),
+                              **{f"champion.metric.{k}": str(v) for k, v in champion_metrics.items()}})
     deps = [f"{paths.metrics}/evaluate.json", f"{paths.models}/{name}"]
     with stage_run("registry", root, rule, deps, parent_run_id) as run:
-        mlflow.log_artifacts(str(root / paths.models / name), artifact_path="policy")
-        mlflow.log_dict(results, "evaluate.json")
+        same_weights = _versions(client, rule.model_name, {"lineage.weights_md5": weights_md5})
+        if same_weights and same_weights[-1].source.startswith("models:/m-"):  # scored on another set: re-use
+            source = same_weights[-1].source
+            model_id = source.removeprefix("models:/")
+        else:
+            source, model_id = _log_model(root, name, weights, _model_card(name, weights, lineage))
         try:
-            client.create_registered_model(rule.model_name, description="RLHF policies evaluated by the pipeline")
+            client.create_registered_model(rule.model_name, description="RLHF policies evaluated by the pipeline; "
+                                           "`champion` = the current best, `challenger` = the latest registered")
         except MlflowException:
             pass  # exists
-        tags = {"policy": name, "evaluation_md5": evaluation_hash, "decision": "promote" if decision.promote else "keep",
-                "reason": decision.reason, **{f"metric.{k}": str(v) for k, v in challenger.items()}}
-        version = client.create_model_version(rule.model_name, source=mlflow.get_artifact_uri("policy"),
-                                              run_id=run.run_id, tags=tags,
-                                              description=f"{name} policy; {decision.reason}")
-        client.set_registered_model_alias(rule.model_name, CHALLENGER, version.version)
-        if decision.promote:
-            client.set_registered_model_alias(rule.model_name, CHAMPION, version.version)
-        mlflow.set_tags({"registry.decision": tags["decision"], "registry.reason": decision.reason,
-                         "registry.version": version.version, "registry.previous_champion": champion_version or "none"})
-        record = {"registered": True, "model": rule.model_name, "version": version.version, "policy": name,
-                  "decision": tags["decision"], "reason": decision.reason,
-                  "previous_champion": champion_version, f"challenger_{rule.metric}": challenger[rule.metric]}
-        run.summary.update(record)
-    log.info("registry: %s v%s (%s) -> %s: %s", rule.model_name, version.version, name, tags["decision"], decision.reason)
+        version = client.create_model_version(
+            rule.model_name, source=source, run_id=run.run_id or None, model_id=model_id,
+            tags={**lineage, **decision_tags, "registry.state": PENDING},
+            description=describe(name, decision, rule, challenger, champion.version if champion else None,
+                                 champion_metrics, rescored, lineage, _run_link(experiment_id, lineage)))
+        _complete(client, rule, version)
+        run_tags = {"registry.decision": decision_tags["decision"], "registry.reason": decision.reason,
+                    "registry.version": version.version,
+                    "registry.previous_champion": champion.version if champion else "none"}
+        for key, value in run_tags.items() if run.run_id else ():
+            client.set_tag(run.run_id, key, value)
+        run.summary.update(run_tags)
+    record = _record(rule, client.get_model_version(rule.model_name, version.version), True)
+    log.info("registry: %s v%s (%s) -> %s: %s", rule.model_name, version.version, name, record["decision"],
+             decision.reason)
     return record

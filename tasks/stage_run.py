@@ -75,8 +75,11 @@ class StageRun:
         try:
             call()
         except Exception as error:  # noqa: BLE001 - an outage must not stop the stage
-            self.tracker.go_offline(error)
-            get_logger().warning("stage %s: %s not logged (%s)", self.stage, what, error)
+            failed = getattr(self.tracker, "backend_failed", None)
+            if failed is not None:  # an outage goes to the spool; any other error is reported, the run stays online
+                failed(error, f"stage {self.stage}: {what}")
+            else:
+                get_logger().warning("stage %s: %s not logged (%s)", self.stage, what, error)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log params (names that look like secrets are dropped by the tracker)."""

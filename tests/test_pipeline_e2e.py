@@ -46,7 +46,7 @@ def test_pipeline_end_to_end(harness, project, monkeypatch):
     assert first["ran"] == list(STAGES)
     assert _dvc_status(project) == {}
     results = json.loads((project / "metrics" / "evaluate.json").read_text())
-    assert list(results) == list(POLICIES)
+    assert list(results) == [*POLICIES, "scored"]  # + the hashes evaluate scored (tasks/evaluate.py)
     for policy in POLICIES:
         assert list(results[policy]) == list(METRIC_KEYS)
     assert results["sft"]["kl"] == 0.0 and results["sft"]["win_rate"] == 0.5

@@ -1,17 +1,20 @@
-"""The registry rule, and the registry step against a temporary MLflow store."""
+"""The registry rule, and the registry step against a temporary MLflow store with real tiny policies."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from _pipeline_project import make_project, mlflow_client
 
 from tasks.params import RegistryParams
-from tasks.registry import Decision, decide, pick_challenger, registry_task
+from tasks.registry import Decision, WeightsMismatchError, decide, pick_challenger, registry_task
 
 RULE = RegistryParams(model_name="rlhf-policy", candidates=["ppo", "dpo"], metric="gold_reward",
                       min_improvement=0.05, max_kl=10.0)
+NAME = "rlhf-policy"
 
 
 def m(gold, kl=1.0):
@@ -38,47 +41,243 @@ def test_decide(challenger, champion, promote, words):
     assert words in decision.reason
 
 
-def _evaluation(root, ppo_gold, dpo_gold):
-    (root / "metrics").mkdir(exist_ok=True)
-    (root / "metrics" / "evaluate.json").write_text(json.dumps({"sft": m(0.0), "ppo": m(ppo_gold), "dpo": m(dpo_gold)}))
+# --------------------------------------------------------------------------------------------
+# the registry step on a tiny project: sft, reward model, a PPO checkpoint with a value head, a DPO policy
+# --------------------------------------------------------------------------------------------
 
 
-def test_registry_step_moves_champion_only_when_challenger_wins(tmp_path, monkeypatch):
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _perturbed(model, seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _save_policy(root: Path, name: str, tokenizer, seed: int, value_head: bool = False) -> None:
+    from rlhf_core import AutoModelForCausalLMWithValueHead
+    from rlhf_core.models.tiny import tiny_causal_lm
+
+    out = root / "models" / name
+    model = _perturbed(tiny_causal_lm(tokenizer, num_layers=1), seed)
+    (AutoModelForCausalLMWithValueHead.from_pretrained(model) if value_head else model).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "README.md").write_text(f"---\nlibrary_name: rlhf_core\n---\n# rlhf-{name}\n\nA test policy.\n")
+
+
+@pytest.fixture()
+def project(tmp_path, monkeypatch, tokenizer):
+    """A project with prompts, held-out text and tiny models (PPO saved with its value head), evaluated."""
+    from rlhf_core.models.tiny import tiny_causal_lm, tiny_reward_model
+    from tasks.evaluate import evaluate_task
+
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    root = make_project(tmp_path / "proj", {"registry.min_improvement": 0.05}, git_dvc=False)
-    for policy in ("ppo", "dpo"):
-        (root / "models" / policy).mkdir(parents=True)
-        (root / "models" / policy / "config.json").write_text(json.dumps({"policy": policy}))
-    client = mlflow_client(root)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    root = make_project(tmp_path / "proj", {"registry.min_improvement": 0.05, "registry.candidates": ["ppo"],
+                                            "evaluate.num_prompts": 6, "evaluate.max_new_tokens": 4,
+                                            "evaluate.batch_size": 6}, git_dvc=False)
+    _write_jsonl(root / "data" / "prompts_eval.jsonl", [{"query": q} for q in
+                                                        ("The film", "This movie", "I think", "Acting was", "A", "It")])
+    _write_jsonl(root / "data" / "heldout.jsonl", [{"text": "The movie was good."}, {"text": "I did not like it."}])
+    tiny_causal_lm(tokenizer, num_layers=1).save_pretrained(root / "models" / "sft")
+    tokenizer.save_pretrained(root / "models" / "sft")
+    tiny_reward_model(tokenizer, num_layers=1).save_pretrained(root / "models" / "reward_model")
+    tokenizer.save_pretrained(root / "models" / "reward_model")
+    _save_policy(root, "ppo", tokenizer, seed=1, value_head=True)
+    _save_policy(root, "dpo", tokenizer, seed=2)
+    evaluate_task.fn(str(root))
+    return root
 
-    _evaluation(root, 0.30, 0.40)
-    first = registry_task.fn(str(root))
-    assert first["registered"] and first["policy"] == "dpo" and first["decision"] == "promote"
-    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == first["version"]
 
-    again = registry_task.fn(str(root))  # same evaluation: nothing new
-    assert again["registered"] is False
-    assert len(client.search_model_versions("name='rlhf-policy'")) == 1
+def _evaluation(root: Path) -> dict:
+    return json.loads((root / "metrics" / "evaluate.json").read_text())
 
-    _evaluation(root, 0.42, 0.10)  # better, but by less than min_improvement
-    weak = registry_task.fn(str(root))
+
+def _set_scores(root: Path, **gold: float) -> None:
+    """Pretend evaluate gave these gold rewards to the current weights (hashes recomputed from disk)."""
+    from tasks.evaluate import content_md5
+
+    evaluation = _evaluation(root)
+    for policy, value in gold.items():
+        evaluation[policy]["gold_reward"] = value
+        evaluation["scored"]["policies"][policy] = content_md5(root / "models" / policy)
+    (root / "metrics" / "evaluate.json").write_text(json.dumps(evaluation))
+
+
+def test_evaluate_records_what_it_scored(project):
+    from tasks.evaluate import content_md5, load_evaluation_set
+
+    scored = _evaluation(project)["scored"]
+    assert scored["policies"] == {p: content_md5(project / "models" / p) for p in ("sft", "ppo", "dpo")}
+    assert all(h.endswith(".dir") for h in scored["policies"].values())
+    evaluation_set = load_evaluation_set(project)
+    assert scored["evaluation_set"] == evaluation_set.md5
+    assert set(evaluation_set.inputs) == {"data/prompts_eval.jsonl", "data/heldout.jsonl", "models/sft",
+                                          "models/reward_model"}
+    (project / "data" / "heldout.jsonl").write_text('{"text": "Other held-out text."}\n')  # another set
+    assert load_evaluation_set(project).md5 != evaluation_set.md5
+
+
+def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
+    import mlflow
+
+    from tasks.evaluate import content_md5
+
+    client = mlflow_client(project)
+    capfd.readouterr()
+    first = registry_task.fn(str(project))
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())  # the PPO value head is dropped quietly
+    assert first["registered"] and first["policy"] == "ppo" and first["decision"] == "promote"
+    version = client.get_model_version_by_alias(NAME, "champion")
+    assert version.version == first["version"]
+    assert client.get_model_version_by_alias(NAME, "challenger").version == first["version"]
+    tags = version.tags
+    experiment = client.get_run(version.run_id).info.experiment_id
+    (evaluate_run,) = client.search_runs([experiment], "tags.`rlhf.stage` = 'evaluate'")
+    assert tags["lineage.weights_md5"] == content_md5(project / "models" / "ppo")
+    assert tags["evaluation.set_md5"] == _evaluation(project)["scored"]["evaluation_set"]
+    assert tags["evaluation.run_id"] == evaluate_run.info.run_id
+    assert tags["dvc.data/prompts_eval.jsonl"] == content_md5(project / "data" / "prompts_eval.jsonl")
+    assert tags["dvc.data/prompts_train.jsonl"] == "missing"  # (PPO's training prompts: not in this tiny project)
+    assert tags["dvc.models/reward_model"] == content_md5(project / "models" / "reward_model")
+    assert tags["lineage.git_commit"] and tags["registry.state"] == "complete"
+    assert float(tags["metric.gold_reward"]) == _evaluation(project)["ppo"]["gold_reward"]
+    assert version.source.startswith("models:/m-")  # a LoggedModel (MLflow 3), not a folder of artifacts
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert logged.name == "rlhf-ppo" and json.loads(logged.tags["mlflow.modelVersions"]) == [
+        {"name": NAME, "version": first["version"]}]  # the UI shows it as registered, linked to the version
+    assert version.description.startswith("ppo: promoted to champion. no champion yet")
+    assert tags["lineage.weights_md5"] in version.description and evaluate_run.info.run_id in version.description
+
+    pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
+    assert type(pipe.model).__name__ == "GPT2LMHeadModel"
+    assert not any(k.startswith("v_head") for k in pipe.model.state_dict())
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
+    out = pyfunc.predict(["The film"], params={"max_new_tokens": 3, "do_sample": False})
+    assert len(out) == 1 and isinstance(out[0], str) and out[0].startswith("The film")
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion"))
+    mlmodel = (local / "MLmodel").read_text()
+    assert "transformers" in mlmodel and "text-generation" in mlmodel and "signature" in mlmodel
+    assert "# rlhf-ppo" in (local / "model_card.md").read_text()
+    assert "lineage.weights_md5" in (local / "model_card.md").read_text()
+    requirements = (local / "requirements.txt").read_text().split()
+    assert any(r.startswith("mlflow==") for r in requirements) and any(r.startswith("torch==") for r in requirements)
+
+    again = registry_task.fn(str(project))  # same weights, same evaluation: nothing new
+    assert again["registered"] is False and again["version"] == first["version"]
+    assert len(client.search_model_versions(f"name='{NAME}'")) == 1
+
+
+def test_refuses_weights_that_evaluate_did_not_score(project):
+    client = mlflow_client(project)
+    shutil.rmtree(project / "models" / "ppo")
+    shutil.copytree(project / "models" / "sft", project / "models" / "ppo")  # the issue's "sft copied into ppo"
+    with pytest.raises(WeightsMismatchError, match="models/ppo: its content hash .* is not the .* that evaluate scored"):
+        registry_task.fn(str(project))
+    assert client.search_registered_models() == [] or client.search_model_versions(f"name='{NAME}'") == []
+
+
+def test_champion_moves_only_on_a_win_on_the_same_data(project, tokenizer):
+    client = mlflow_client(project)
+    _set_scores(project, ppo=0.30)
+    first = registry_task.fn(str(project))
+    assert first["decision"] == "promote"
+
+    _save_policy(project, "ppo", tokenizer, seed=3, value_head=True)
+    _set_scores(project, ppo=0.34)  # better, by less than min_improvement
+    weak = registry_task.fn(str(project))
     assert weak["registered"] and weak["decision"] == "keep" and "< min_improvement" in weak["reason"]
-    assert client.get_model_version_by_alias("rlhf-policy", "champion").version == first["version"]
-    assert client.get_model_version_by_alias("rlhf-policy", "challenger").version == weak["version"]
+    assert client.get_model_version_by_alias(NAME, "champion").version == first["version"]
+    assert client.get_model_version_by_alias(NAME, "challenger").version == weak["version"]
+    tags = client.get_model_version(NAME, weak["version"]).tags
+    assert tags["champion.version"] == str(first["version"]) and tags["champion.rescored"] == "false"
+    assert float(tags["champion.metric.gold_reward"]) == 0.30 and float(tags["metric.gold_reward"]) == 0.34
 
-    _evaluation(root, 0.60, 0.10)  # wins
-    strong = registry_task.fn(str(root))
+    _save_policy(project, "ppo", tokenizer, seed=4, value_head=True)
+    _set_scores(project, ppo=0.40)  # wins
+    strong = registry_task.fn(str(project))
     assert strong["decision"] == "promote" and strong["previous_champion"] == first["version"]
-    champion = client.get_model_version_by_alias("rlhf-policy", "champion")
-    assert champion.version == strong["version"]
-    assert champion.tags["policy"] == "ppo" and float(champion.tags["metric.gold_reward"]) == 0.60
-    assert "beats champion" in champion.tags["reason"]
-    files = {a.path for a in mlflow_client(root).list_artifacts(champion.run_id, "policy")}
-    assert "policy/config.json" in files
+    champion = client.get_model_version_by_alias(NAME, "champion")
+    assert champion.version == strong["version"] and "beats champion" in champion.tags["reason"]
+
+
+def test_champion_scored_on_other_data_is_rescored_before_comparing(project):
+    from tasks.evaluate import evaluate_task
+
+    client = mlflow_client(project)
+    first = registry_task.fn(str(project))
+    old_set = _evaluation(project)["scored"]["evaluation_set"]
+    _write_jsonl(project / "data" / "prompts_eval.jsonl", [{"query": q} for q in
+                                                           ("Bad", "Good", "The plot", "Music", "Why", "So")])
+    evaluate_task.fn(str(project))  # same weights, new evaluation set
+    evaluation = _evaluation(project)
+    assert evaluation["scored"]["evaluation_set"] != old_set
+    second = registry_task.fn(str(project))
+    assert second["registered"] and second["version"] != first["version"]
+    tags = client.get_model_version(NAME, second["version"]).tags
+    # the champion (these same weights, loaded from the registry) scored on the new prompts: exactly evaluate's numbers
+    assert tags["champion.rescored"] == "true" and tags["champion.version"] == str(first["version"])
+    description = client.get_model_version(NAME, second["version"]).description
+    assert "champion v1 (re-scored now on this evaluation set)" in description
+    assert f"| **gold_reward** | {evaluation['ppo']['gold_reward']} | {evaluation['ppo']['gold_reward']} |" in description
+    assert float(tags["champion.metric.gold_reward"]) == evaluation["ppo"]["gold_reward"]
+    assert float(tags["champion.metric.kl"]) == evaluation["ppo"]["kl"]
+    assert second["decision"] == "keep" and "gain +0.0000" in second["reason"]
+    assert client.get_model_version_by_alias(NAME, "champion").version == first["version"]
+    # the same weights are one MLflow Model, registered under two evaluations
+    assert client.get_model_version(NAME, second["version"]).source == client.get_model_version(
+        NAME, first["version"]).source
+
+
+def test_retry_after_a_failed_alias_call_completes_the_promotion(project, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow_client(project)
+    real = MlflowClient.set_registered_model_alias
+    failures = []
+
+    def fail_champion_once(self, name, alias, version):
+        if alias == "champion" and not failures:
+            failures.append(version)
+            raise MlflowException("injected: alias call failed")
+        return real(self, name, alias, version)
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", fail_champion_once)
+    with pytest.raises(MlflowException, match="injected"):
+        registry_task.fn(str(project))
+    (pending,) = client.search_model_versions(f"name='{NAME}'")
+    assert pending.tags["decision"] == "promote" and pending.tags["registry.state"] == "pending"
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(NAME, "champion")
+
+    retried = registry_task.fn(str(project))  # what Prefect's retry runs
+    assert retried["registered"] and retried["decision"] == "promote" and retried["version"] == pending.version
+    assert client.get_model_version_by_alias(NAME, "champion").version == pending.version
+    assert client.get_model_version_by_alias(NAME, "challenger").version == pending.version
+    (done,) = client.search_model_versions(f"name='{NAME}'")  # no second version for the same weights
+    assert done.tags["registry.state"] == "complete" and done.tags["decision"] == "promote"
+    assert registry_task.fn(str(project))["registered"] is False
 
 
 def test_registry_without_evaluation_fails_cleanly(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root = make_project(tmp_path / "proj", git_dvc=False)
     with pytest.raises(FileNotFoundError, match="run the evaluate stage"):
+        registry_task.fn(str(root))
+
+
+def test_registry_refuses_an_evaluation_without_hashes(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = make_project(tmp_path / "proj", git_dvc=False)
+    (root / "metrics").mkdir()
+    (root / "metrics" / "evaluate.json").write_text(json.dumps({"sft": m(0.0), "ppo": m(0.3), "dpo": m(0.2)}))
+    with pytest.raises(ValueError, match="evaluate.json: no `scored` hashes"):
         registry_task.fn(str(root))

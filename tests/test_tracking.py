@@ -107,3 +107,41 @@ def test_secret_filter_matches_whole_words_not_substrings():
     secret = {"hub_token": 1, "ppo.hf_token": 1, "accessToken": 1, "token": 1, "db_password": 1, "api_key": 1,
               "apiKey": 1, "tracker.API-KEY": 1, "SECRET_thing": 1, "aws_secret_access_key": 1, "credentials": 1}
     assert public_params({**kept, **secret}) == kept
+
+
+def test_tensor_numpy_and_string_values_are_converted():
+    from rlhf_core.tracking import plain_value
+
+    assert scalar_metrics({"a": "0.25", "b": "abc", "c": torch.tensor([[2.0]]), "d": np.int64(3)}) == {
+        "a": 0.25, "c": 2.0, "d": 3.0}
+    assert plain_value(torch.tensor([1.0, 2.0])) == [1.0, 2.0] and plain_value(np.float32(0.5)) == 0.5
+    assert plain_value(torch.tensor(7)) == 7 and plain_value("x") == "x" and plain_value(torch.zeros(0)) == []
+
+
+def test_log_stats_columns_with_tensor_numpy_and_string_values_reach_mlflow(tmp_path, monkeypatch):
+    """Issue 11.6: a tensor in a log_stats column was reported as "backend unreachable" and spooled."""
+    import json
+    import warnings
+
+    mlflow = pytest.importorskip("mlflow")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    mlflow.set_tracking_uri(store)
+    tracker = make_tracker("mlflow", project_name="values", spool_dir=str(tmp_path / "spool"))
+    run_id = tracker.run_id
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker.log({"kl": torch.tensor(0.5), "mean": np.float64(1.5), "text_number": "2.5", "dist": np.ones(3)}, step=1)
+        tracker.log_table("game_log", ["query", "response", "reward", "ids"],
+                          [[torch.tensor(3), "good", torch.tensor(0.75), np.array([1, 2])],
+                           ["q", np.str_("bad"), np.float32(-0.5), torch.tensor([4, 5])]], step=1)
+        tracker.finish()
+    assert not tracker.offline and not (tmp_path / "spool").exists()
+    assert not [w for w in caught if "unreachable" in str(w.message) or "not logged" in str(w.message)]
+    run = mlflow.get_run(run_id)
+    assert run.data.metrics == {"kl": 0.5, "mean": 1.5, "text_number": 2.5}
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="tables/game_log_step1.json",
+                                                dst_path=str(tmp_path / "dl"))
+    table = json.loads(open(local).read())
+    assert table["columns"] == ["query", "response", "reward", "ids"]
+    assert table["data"] == [[3, "good", 0.75, "[1, 2]"], ["q", "bad", -0.5, "[4, 5]"]]

@@ -119,3 +119,82 @@ def test_upload_rejects_a_file_that_is_not_a_spool(tmp_path):
     bogus.write_text('{"kind": "metrics"}\n')
     with pytest.raises(ValueError, match="not a tracking spool"):
         main(["upload", str(bogus), "--tracking-uri", f"sqlite:///{tmp_path / 'db.sqlite'}"])
+
+
+class ErrorBackend(Tracker):
+    """A backend whose server answers every call with the given error."""
+
+    name = "mlflow"
+    error: BaseException = RuntimeError("unset")
+
+    def __init__(self, project_name, run_name):
+        self.calls = 0
+
+    def log(self, metrics, step=None):
+        self.calls += 1
+        raise self.error
+
+
+def _wrapped_connection_failure() -> BaseException:
+    """What MLflow's REST client raises when the server is down: an MlflowException raised inside the handler
+    of requests' ConnectionError (its message carries urllib3's)."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    try:
+        try:
+            raise requests.exceptions.ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=9): Max retries "
+                                                      "exceeded with url: /api/2.0/mlflow/runs/log-batch")
+        except Exception as e:  # noqa: BLE001
+            raise MlflowException(f"API request to http://127.0.0.1:9/api/2.0/mlflow/runs/log-batch failed with "
+                                  f"exception {e}")
+    except MlflowException as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize("make_error", [
+    lambda: ConnectionRefusedError("[Errno 111] Connection refused"),
+    lambda: __import__("requests").exceptions.ConnectionError("Connection aborted"),
+    lambda: __import__("requests").exceptions.ReadTimeout("read timed out"),
+    _wrapped_connection_failure,
+])
+def test_only_a_connection_failure_spools_with_a_warning_that_says_so(tmp_path, make_error):
+    from rlhf_core.tracking import is_connection_failure
+
+    error = make_error()
+    assert is_connection_failure(error)
+    ErrorBackend.error = error
+    tracker = SpoolingTracker(ErrorBackend, spool_dir=tmp_path, project_name="down")
+    with pytest.warns(RuntimeWarning, match="unreachable"):
+        tracker.log({"loss": 1.0}, step=1)
+    assert tracker.offline
+    records = read_spool(next(tmp_path.glob("*.jsonl")))
+    assert [r["kind"] for r in records] == ["run", "metrics"] and records[1]["data"] == {"loss": 1.0}
+
+
+def test_any_other_backend_error_is_reported_not_treated_as_an_outage(tmp_path, caplog):
+    from mlflow.exceptions import MlflowException
+
+    from rlhf_core.tracking import is_connection_failure
+
+    error = MlflowException("INVALID_PARAMETER_VALUE: Changing param values is not allowed")
+    assert not is_connection_failure(error) and not is_connection_failure(TypeError("not JSON serializable"))
+    ErrorBackend.error = error
+    tracker = SpoolingTracker(ErrorBackend, spool_dir=tmp_path, project_name="answers")
+    with pytest.warns(RuntimeWarning, match="log was not logged to mlflow: MlflowException: INVALID_PARAMETER_VALUE"
+                                            ".*not an outage") as caught:
+        tracker.log({"loss": 1.0}, step=1)
+        tracker.log({"loss": 2.0}, step=2)
+    assert not any("unreachable" in str(w.message) for w in caught)
+    assert not tracker.offline and tracker.backend.calls == 2  # still online: the next call reached the backend
+    assert not list(tmp_path.glob("*.jsonl"))  # no spool
+    assert "Changing param values is not allowed" in caplog.text
+
+
+def test_a_backend_that_fails_to_start_for_another_reason_raises(tmp_path):
+    def broken(project_name, run_name):
+        raise ValueError("experiment name must not be empty")
+
+    with pytest.raises(ValueError, match="experiment name"):
+        SpoolingTracker(broken, spool_dir=tmp_path, project_name="")
+    assert not list(tmp_path.glob("*.jsonl"))
