@@ -84,10 +84,8 @@ def ddpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         pipeline = library["pipeline"](library["tiny"](seed=p.seed), use_lora=p.use_lora)
         recorder = EpochRecorder(run, library["image_grid"], workdir)
         trainer = library["DDPOTrainer"](ddpo_config(p, workdir, library), library["rewards"][p.reward],
-                                         lambda: (random.choice(prompts), {}), pipeline, image_samples_hook=recorder)
-        # The stage run's tracker (the run already has the section's params). DDPOTrainer takes no ``tracker=``
-        # yet and a Tracker in ``DDPOConfig.log_with`` breaks its ``to_dict``: set it on the trainer directly.
-        trainer.tracker = run.tracker
+                                         lambda: (random.choice(prompts), {}), pipeline, image_samples_hook=recorder,
+                                         tracker=run.tracker)
         trainer.train()
         with atomic_dir(root / paths.models / "ddpo") as out:
             trainer.save_pretrained(str(out))

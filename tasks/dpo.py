@@ -46,7 +46,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             trainer = DPOTrainer(model, ref_model=None, beta=p.beta,
                                  args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
-                                 max_prompt_length=p.max_prompt_length, log_with=run.tracker, callbacks=[ck.callback])
+                                 max_prompt_length=p.max_prompt_length, tracker=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
             keys = ("loss", "rewards/accuracies", "rewards/margins")
             curve = loss_curve(trainer.state.log_history, keys)

@@ -58,7 +58,7 @@ def reward_model_task(root: str = ".", parent_run_id: str | None = None) -> dict
         with resumable_training("reward_model", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
             trainer = RewardTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                                     train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
-                                    log_with=run.tracker, callbacks=[ck.callback])
+                                    tracker=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/reward_model-*; SIGTERM -> Preempted (exit 75)
             curve = loss_curve(trainer.state.log_history)
             scorer = RewardModelScorer(trainer.model, tokenizer, max_length=p.max_length)

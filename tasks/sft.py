@@ -62,7 +62,7 @@ def sft_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             trainer = SFTTrainer(
                 model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                 train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
-                max_seq_length=p.max_seq_length, tokenizer=tokenizer, log_with=run.tracker, callbacks=[ck.callback])
+                max_seq_length=p.max_seq_length, tokenizer=tokenizer, tracker=run.tracker, callbacks=[ck.callback])
             result = ck.train(trainer)  # resumes from .checkpoints/sft-*; SIGTERM -> Preempted (exit 75)
             curve = loss_curve(trainer.state.log_history)
             final_loss = curve[-1]["loss"] if curve else float(result.training_loss)

@@ -211,3 +211,18 @@ def test_sft_trainer_with_completion_only_collator(tokenizer, tmp_path):
     scored = (batch["labels"] != IGNORE_INDEX).sum(1).tolist()
     assert answer_len in scored and all(n <= 3 for n in scored)
     trainer.train()
+
+
+def test_sft_trainer_takes_a_ready_tracker_as_tracker_argument(tokenizer, tmp_path):
+    """The tracker reaches the Trainer-based trainers as ``tracker=``, not smuggled through ``log_with``."""
+    from rlhf_core.tracking import MemoryTracker
+
+    memory = MemoryTracker()
+    trainer = SFTTrainer(
+        model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=2), tracker=memory,
+        train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer, dataset_text_field="text",
+        max_seq_length=16,
+    )
+    trainer.train()
+    assert trainer.tracker is memory
+    assert [step for step, row in memory.metrics if "loss" in row] and "learning_rate" in memory.params

@@ -60,7 +60,10 @@ class DDPOTrainer:
         prompt_function: Callable[[], tuple[str, Any]],
         sd_pipeline: DDPOStableDiffusionPipeline,
         image_samples_hook: Callable[[Any, Any, Any], Any] | None = None,
+        *,
+        tracker: Any = None,
     ) -> None:
+        """``tracker``: a ready ``rlhf_core.tracking.Tracker`` (else the one ``config.log_with`` names)."""
         if not isinstance(config, DDPOConfig):
             raise ValueError(f"config must be a DDPOConfig, got {type(config).__name__}")
         for name, fn in (("reward_function", reward_function), ("prompt_function", prompt_function)):
@@ -93,7 +96,9 @@ class DDPOTrainer:
         self.checkpoint_dir = self._checkpoint_dir()
         if config.resume_from:
             self.load_checkpoint(config.resume_from)
-        self.tracker = make_tracker(config.log_with, config.tracker_project_name, **(config.tracker_kwargs or {}))
+        if tracker is None:
+            tracker = make_tracker(config.log_with, config.tracker_project_name, **(config.tracker_kwargs or {}))
+        self.tracker = tracker
         self.tracker.log_params(config.to_dict())
 
     # ------------------------------------------------------------------------------------------

@@ -331,6 +331,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         log_with: Any = None,
         tracker_project_name: str = "trl",
         tracker_kwargs: Mapping[str, Any] | None = None,
+        tracker: Any = None,
     ) -> None:
         args = default_training_args(args, self.trainer_name, DPOConfig)
         keywords = dict(
@@ -400,7 +401,7 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
         if precompute_ref_log_probs:
             self._precompute_all_reference_logps()
         self._tag_model()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
 
     # ---- setup ---------------------------------------------------------------------------
 

@@ -280,6 +280,7 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
         log_with: Any = None,
         tracker_project_name: str = "trl",
         tracker_kwargs: Mapping[str, Any] | None = None,
+        tracker: Any = None,
     ) -> None:
         args = self._resolve_args(model, args)
         if train_dataset is None:
@@ -326,7 +327,7 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
             self.ref_model.to(self.args.device)
         if self.precompute_ref_logps:
             self._precompute_all_reference_logps()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
 
     # ---- setup ---------------------------------------------------------------------------
 

@@ -180,6 +180,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         log_with: Any = None,
         tracker_project_name: str = "trl",
         tracker_kwargs: dict[str, Any] | None = None,
+        tracker: Any = None,
     ) -> None:
         if args is None:  # TRL 1.16's default: <model name>-GRPO / -RLOO
             args = self.config_class(output_dir=f"{self._model_id(model)}-{self.trainer_name.upper()}")
@@ -228,7 +229,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model: set beta > 0 (and no peft_config)")
             self.add_callback(_RefSyncCallback(self))
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
 
     # ---- setup helpers
 

@@ -124,6 +124,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         log_with: Any = None,
         tracker_project_name: str = "trl",
         tracker_kwargs: Mapping[str, Any] | None = None,
+        tracker: Any = None,
     ) -> None:
         args = default_training_args(args, self.trainer_name)
         tokenizer = resolve_processing_class(tokenizer, processing_class)
@@ -156,7 +157,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         )
         self.model_accepts_loss_kwargs = False  # our loss is a per-pair mean: scale by gradient accumulation
         self._tag_model()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
 
     @staticmethod
     def _check_one_output(model: Any) -> None:

@@ -142,6 +142,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         log_with: Any = None,
         tracker_project_name: str = "trl",
         tracker_kwargs: Mapping[str, Any] | None = None,
+        tracker: Any = None,
     ) -> None:
         args = default_training_args(args, self.trainer_name, SFTConfig)
         keywords = dict(
@@ -190,7 +191,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self._tag_model()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs)
+        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
 
     @staticmethod
     def _resolve_max_seq_length(max_seq_length: int | None, model: Any) -> int:
