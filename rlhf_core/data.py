@@ -253,23 +253,6 @@ class IncomingData:
     pairs: list[dict]
 
 
-def read_incoming(path: str | Path, text_field: str = "text") -> IncomingData:
-    """Read every supported file under ``path``: records with prompt/chosen/rejected are preference pairs,
-    records with ``text_field`` (or lines of .txt files) are reviews. Anything else is a format error."""
-    path = Path(path)
-    reviews: list[str] = []
-    pairs: list[dict] = []
-    if not path.exists():
-        return IncomingData(reviews, pairs)
-    for file, lineno, record in iter_records(path, text_field):
-        if any(k in record for k in PREFERENCE_KEYS):
-            pair = {k: _require_text(file, lineno, record, k, strip=k == "prompt") for k in PREFERENCE_KEYS}
-            pairs.append(check_preference_pair(pair, file, lineno))
-        else:
-            reviews.append(_require_text(file, lineno, record, text_field))
-    return IncomingData(reviews, pairs)
-
-
 def load_hub_texts(name: str, split: str = "train", text_field: str = "text", revision: str = "", limit: int = 0) -> list[str]:
     """Review texts from a hub dataset (e.g. ``stanfordnlp/imdb``, ``rotten_tomatoes``); needs a network."""
     from datasets import load_dataset

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_core.data import DataFormatError, iter_records
+from rlhf_core.data import DataFormatError, check_preference_pair, iter_records
 
 KIND_FIELDS = {"pairs": ("prompt", "chosen", "rejected"), "ratings": ("prompt", "completion", "label")}
 SUFFIXES = (".jsonl", ".csv", ".parquet")
@@ -114,8 +114,8 @@ def canonical_row(path: Path, line: int, kind: str, record: Mapping, limits: Int
         else:
             text = _text(path, line, record, key, limits)
             row[key] = text.strip() if key == "prompt" else text
-    if kind == "pairs" and row["chosen"].strip() == row["rejected"].strip():
-        raise DataFormatError(path, line, "'chosen' and 'rejected' are identical: the pair states no preference")
+    if kind == "pairs":
+        check_preference_pair(row, path, line)  # chosen == rejected (ignoring surrounding space) states no preference
     return row
 
 

@@ -24,7 +24,6 @@ from rlhf_core.data import (
     make_preference_pairs,
     make_prompts,
     pairs_with_margin,
-    read_incoming,
     read_text_records,
     split_train_eval,
     write_jsonl,

@@ -13,7 +13,6 @@ from rlhf_core.data import (
     generate_reviews,
     make_preference_pairs,
     make_prompts,
-    read_incoming,
     read_text_records,
     split_train_eval,
 )
@@ -121,21 +120,6 @@ def test_unsupported_and_missing_paths(tmp_path):
         read_text_records(tmp_path / "x.docx")
     with pytest.raises(FileNotFoundError):
         read_text_records(tmp_path / "absent.jsonl")
-
-
-def test_incoming_splits_reviews_and_pairs(tmp_path):
-    (tmp_path / "README.md").write_text("not data")
-    (tmp_path / "new.jsonl").write_text(
-        json.dumps({"prompt": "The film", "chosen": " was great.", "rejected": " was bad."}) + "\n"
-        + json.dumps({"text": "A new review."}) + "\n"
-    )
-    incoming = read_incoming(tmp_path)
-    assert incoming.reviews == ["A new review."]
-    assert incoming.pairs == [{"prompt": "The film", "chosen": " was great.", "rejected": " was bad."}]
-    (tmp_path / "worse.jsonl").write_text(json.dumps({"prompt": "x", "chosen": " y"}) + "\n")
-    with pytest.raises(DataFormatError, match=r"worse.jsonl:1: missing field 'rejected'"):
-        read_incoming(tmp_path)
-    assert read_incoming(tmp_path / "absent").pairs == []
 
 
 @pytest.mark.skipif(not RT_POLARITY.is_dir(), reason="../shared/data/rt-polarity not present")

@@ -152,8 +152,9 @@ def test_left_padded_logprobs_equal_each_row_alone(tok):
         # without position ids (TRL 1.16's forward) the padded short row is scored at shifted positions
         no_pos = dict(together.model_inputs)
         no_pos.pop("position_ids")
-        shifted, _ = token_logprobs_and_entropy(model, type(together)(no_pos, together.response_index,
-                                                                       together.response_mask, "input_ids"))
+        without = type(together)(model_inputs=no_pos, response_index=together.response_index,
+                                 response_mask=together.response_mask, token_ids_key="input_ids")
+        shifted, _ = token_logprobs_and_entropy(model, without)
     padded = int((together.model_inputs["attention_mask"][:, 0] == 0).nonzero()[0])
     n = len(responses[padded])
     assert (shifted[padded, :n] - batched[padded, :n]).abs().max() > 1e-2

@@ -16,7 +16,6 @@ from rlhf_core.data import (
     check_preference_pair,
     pairs_with_margin,
     prompt_token_budget,
-    read_incoming,
     review_overlong,
 )
 from rlhf_core.models.tiny import DEFAULT_CORPUS, _bounded_runs, build_tokenizer
@@ -44,8 +43,10 @@ def test_identical_chosen_and_rejected_is_an_error_naming_file_and_line(tmp_path
     good = {"prompt": "The film", "chosen": " was fine.", "rejected": " was bad."}
     same = {"prompt": "The film", "chosen": " was fine.", "rejected": "was fine.  "}
     (tmp_path / "pairs.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(same) + "\n")
+    from rlhf_core.feedback import validate_batch  # the feedback intake's check (nothing is ingested on failure)
+
     with pytest.raises(DataFormatError, match=rf"^{tmp_path / 'pairs.jsonl'}:2: 'chosen' and 'rejected' are the same"):
-        read_incoming(tmp_path)
+        validate_batch(tmp_path / "pairs.jsonl")
     assert check_preference_pair(good, "f", 1) is good
 
 
@@ -72,27 +73,24 @@ def project(tmp_path, monkeypatch):
 
 
 def test_prepare_bounds_hostile_reviews_and_counts_them(project):
+    """Hostile reviews in ``prepare.source`` are dropped and counted; none reaches a dataset."""
+    import yaml
+
     from tasks.prepare import prepare_task
 
     hostile = [f"{LONG_WORD} movie was terrible and long", "y" * 1_000_000 + " was a film",
                "Unbelievably overcomplicated incomprehensibilities notwithstanding, fine"]
-    (project / "incoming" / "hostile.txt").write_text("\n".join(hostile) + "\n")
+    normal = [f"This movie number {i} was {'great' if i % 2 else 'awful'} and the acting was fine" for i in range(300)]
+    source = project / "reviews.txt"
+    source.write_text("\n".join(hostile + normal) + "\n")  # first: prepare reads the first num_reviews
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["prepare"]["source"] = "reviews.txt"
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     metrics = prepare_task.fn(str(project))
-    assert metrics["num_incoming_reviews"] == 3 and metrics["num_dropped_overlong"] == 3
+    assert metrics["num_dropped_overlong"] == 3
     assert json.loads((project / "metrics" / "prepare.json").read_text())["num_dropped_overlong"] == 3
     for name in ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences"):
         text = (project / "data" / f"{name}.jsonl").read_text()
         assert "aaaaaaaaaa" not in text and "yyyyyyyyyy" not in text
     for line in (project / "data" / "prompts_train.jsonl").read_text().splitlines():
         assert len(json.loads(line)["query"].encode()) <= prompt_token_budget(4)
-
-
-def test_prepare_refuses_a_degenerate_incoming_pair_and_writes_nothing(project):
-    from tasks.prepare import prepare_task
-
-    same = {"prompt": "The film", "chosen": " was fine.", "rejected": " was fine."}
-    bad = project / "incoming" / "feedback.jsonl"
-    bad.write_text(json.dumps(same) + "\n")
-    with pytest.raises(DataFormatError, match=rf"{bad}:1: 'chosen' and 'rejected' are the same text"):
-        prepare_task.fn(str(project))
-    assert not (project / "data").exists() or not os.listdir(project / "data")

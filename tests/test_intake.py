@@ -65,7 +65,7 @@ def test_ratings_from_parquet(tmp_path):
     ([PAIR, {"prompt": "x", "chosen": " a"}], r"bad\.jsonl:2: fields \['chosen', 'prompt'\] match no feedback schema"),
     ([PAIR, {**PAIR, "chosen": "   "}], r"bad\.jsonl:2: field 'chosen' is empty"),
     ([{**PAIR, "prompt": ""}], r"bad\.jsonl:1: field 'prompt' is empty"),
-    ([PAIR, {**PAIR, "rejected": " wonderful. "}], r"bad\.jsonl:2: 'chosen' and 'rejected' are identical"),
+    ([PAIR, {**PAIR, "rejected": " wonderful. "}], r"bad\.jsonl:2: 'chosen' and 'rejected' are the same text"),
     ([PAIR, {**PAIR, "chosen": 3}], r"bad\.jsonl:2: field 'chosen' must be a string, got int"),
     ([PAIR, {"prompt": "p", "completion": " c", "label": True}], r"bad\.jsonl:2: a ratings record in a file of pairs"),
     ([{"prompt": "p", "completion": " c", "label": "maybe"}], r"bad\.jsonl:1: field 'label' must be true or false"),
