@@ -1,7 +1,7 @@
 """The whole pipeline as one Prefect flow: ``python -m flows.pipeline``.
 
 For each stage in order, ask DVC whether it is stale; if so run its task and record it in dvc.lock
-(optional stages, ddpo, only when their section says ``enabled: true``). Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
+(a stage whose section says ``enabled: false`` writes placeholder outputs and is recorded too, so ``dvc status`` is clean). Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
 parameter re-runs ppo and evaluate only. ``dvc repro`` runs the same tasks through ``flows.stage``.
 """
 
@@ -20,7 +20,7 @@ from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
-from tasks.params import ALL_STAGES, PARAMS_FILE, load_params, stage_enabled
+from tasks.params import ALL_STAGES, PARAMS_FILE, load_params
 from tasks.registry import registry_task
 
 WHERE_TO_LOOK = """Where to look:
@@ -38,7 +38,7 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     parent = start_pipeline_run(root, entry="prefect")
     ran, skipped = [], []
     try:
-        for name in [s for s in ALL_STAGES if stage_enabled(params, s)]:  # ddpo only when ddpo.enabled
+        for name in ALL_STAGES:  # a disabled stage (``enabled: false``) runs too: placeholder outputs, recorded
             changes = stage_status(root, name)
             if changes or force:
                 log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))

@@ -34,7 +34,7 @@ from tasks.params import PPOParams, as_dict, load_stage
 from tasks.paths import stage_checkpoint_dir
 from tasks.stage_run import stage_run
 
-STAGE_ONLY = ("total_steps", "max_new_tokens", "reward")
+STAGE_ONLY = ("enabled", "total_steps", "max_new_tokens", "reward")
 
 
 def ppo_config(p: PPOParams, model_name: str, query_dataset: str, log_with: Any = "mlflow"):
@@ -67,6 +67,10 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     after the same step. Resuming a multi-process run continues from that state, but not bit for bit: the saved
     RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
     """
+    from tasks.policy import disabled_placeholder
+
+    if (skipped := disabled_placeholder(root, "ppo", ("step", "reward_mean", "kl", "kl_coef"))) is not None:
+        return skipped  # ppo.enabled: false
     import torch
     from transformers import AutoTokenizer
 
