@@ -152,7 +152,7 @@ def test_input_hashes_match_dvc_file_hashes(tmp_path):
 
 
 DDPO_TINY = {"ddpo.num_epochs": 2, "ddpo.sample_num_steps": 2, "ddpo.sample_batch_size": 4,
-             "ddpo.sample_num_batches_per_epoch": 1, "ddpo.train_batch_size": 2}
+             "ddpo.sample_num_batches_per_epoch": 1, "ddpo.train_batch_size": 2, "ddpo.enabled": True}
 
 
 def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
@@ -164,6 +164,9 @@ def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
     from tasks.ddpo import ddpo_task
     from tasks.mlflow_runs import mlflow_setup
 
+    write_params(project, {**DDPO_TINY, "ddpo.enabled": False})  # off (the default): a placeholder, in a blink
+    assert ddpo_task.fn(str(project)) == {"enabled": False}
+    assert [p.name for p in (project / "models" / "ddpo").iterdir()] == ["DISABLED"]
     write_params(project, DDPO_TINY)
     metrics = ddpo_task.fn(str(project))
     assert metrics["epochs"] == 2 and metrics["reward_gain"] == metrics["reward_last"] - metrics["reward_first"]
