@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.logs import get_logger
-from tasks.outputs import atomic_dir, write_atomic, write_csv, write_json
+from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import as_dict, load_stage, stage_enabled
 
 PLACEHOLDER = "DISABLED"
