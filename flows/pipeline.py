@@ -1,7 +1,7 @@
 """The whole pipeline as one Prefect flow: ``python -m flows.pipeline``.
 
 For each stage in order, ask DVC whether it is stale; if so run its task and record it in dvc.lock
-(optional stages, ddpo, only when their section says ``enabled: true``). Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
+(a stage whose section says ``enabled: false`` writes placeholder outputs and is recorded too, so ``dvc status`` is clean). Then register the evaluated policy. A second run with nothing changed trains nothing; changing a PPO
 parameter re-runs ppo and evaluate only. ``dvc repro`` runs the same tasks through ``flows.stage``.
 """
 
@@ -23,7 +23,7 @@ from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
 from tasks.orphans import clean_after_dead_runs, detach_temporary_server
-from tasks.params import ALL_STAGES, PARAMS_FILE, load_params, stage_enabled
+from tasks.params import ALL_STAGES, PARAMS_FILE, load_params
 from tasks.paths import remove_stage_checkpoints
 from tasks.registry import registry_task
 
@@ -48,7 +48,7 @@ def _run_pipeline(root: str, params, force: bool, run_registry: bool) -> dict:
     parent = start_pipeline_run(root, entry="prefect")
     ran, skipped = [], []
     try:
-        for name in [s for s in ALL_STAGES if stage_enabled(params, s)]:  # ddpo only when ddpo.enabled
+        for name in ALL_STAGES:  # a disabled stage (``enabled: false``) runs too: placeholder outputs, recorded
             changes = stage_status(root, name)
             if changes or force:
                 log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))

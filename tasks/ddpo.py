@@ -1,8 +1,9 @@
 """Stage ``ddpo``: DDPO fine-tuning of a tiny Stable-Diffusion-shaped pipeline on a JPEG reward (offline).
 
 Image diffusion, separate from the text pipeline: it reads no other stage's outputs (the pipeline is built
-from configs, randomly initialised) and is off in the default run (``make run``) unless ``ddpo.enabled`` is
-true; ``python -m flows.stage ddpo`` or ``dvc repro ddpo`` runs it on its own. Hyper-parameters come from
+from configs, randomly initialised) and is off unless ``ddpo.enabled`` is true: disabled, the stage (run by the
+pipeline flow like every stage, so DVC records it) writes placeholder outputs in a blink (``tasks/policy.py``);
+enabled, ``python -m flows.stage ddpo`` or ``dvc repro ddpo`` also runs it on its own. Hyper-parameters come from
 ``params.yaml:ddpo`` (``DDPOConfig`` keys + ``DDPOStageParams``). Writes ``models/ddpo`` (the trained
 pipeline, or its LoRA weights), ``metrics/ddpo.json`` and ``plots/ddpo.csv`` (reward per epoch); MLflow gets
 the params, the step metrics and one sample grid per epoch through the stage run.
@@ -71,6 +72,10 @@ def ddpo_config(p: DDPOParams, workdir: Path, library: dict[str, Any]):
 @task(name="ddpo", cache_policy=NO_CACHE)  # training: no retries
 def ddpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Train ``models/ddpo``; returns the metrics written to metrics/ddpo.json."""
+    from tasks.policy import disabled_placeholder
+
+    if (skipped := disabled_placeholder(root, "ddpo", ("epoch", "step", "reward_mean", "reward_std"))) is not None:
+        return skipped  # ddpo.enabled: false
     require_single_process("ddpo")
     root, params, p, io = load_stage(root, "ddpo")
     paths = params.paths

@@ -19,6 +19,10 @@ from tasks.stage_run import stage_run
 @task(name="dpo", cache_policy=NO_CACHE)  # training: no retries
 def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Train ``models/dpo`` from ``data/preferences.jsonl``; returns the metrics written to metrics/dpo.json."""
+    from tasks.policy import disabled_placeholder
+
+    if (skipped := disabled_placeholder(root, "dpo", ("step", "loss", "reward_accuracy", "reward_margin"))) is not None:
+        return skipped  # dpo.enabled: false
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

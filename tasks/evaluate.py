@@ -1,4 +1,6 @@
-"""Stage ``evaluate``: compare the SFT, PPO and DPO policies on held-out prompts.
+"""Stage ``evaluate``: compare SFT and every enabled policy (ppo, dpo, grpo, rloo, kto) on held-out prompts.
+
+A disabled policy stage's placeholder (``tasks.policy.is_placeholder``) is skipped: it has no entry in the results.
 
 Per policy: mean gold-judge sentiment (VADER compound, -1..1), mean learned-reward score, KL to the SFT
 reference, perplexity on held-out text, win rate against SFT under the gold judge. Writes
@@ -26,7 +28,8 @@ from rlhf_core.data import read_jsonl
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
-from tasks.params import METRIC_KEYS, POLICIES, as_dict, load_stage
+from tasks.params import METRIC_KEYS, POLICY_STAGES, as_dict, load_stage
+from tasks.policy import is_placeholder
 from tasks.provenance import md5_dir, md5_file
 from tasks.stage_run import stage_run
 
@@ -161,43 +164,47 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     root, params, p, io = load_stage(root, "evaluate")
     paths = params.paths
-    prompts_path, heldout_path, sft_dir, rm_dir, ppo_dir, dpo_dir = io["deps"]
+    prompts_path, heldout_path, sft_dir, rm_dir, *policy_dirs = io["deps"]  # then models/<stage> per POLICY_STAGES
+    trained = {s: d for s, d in zip(POLICY_STAGES, policy_dirs) if not is_placeholder(root / d)}
+    names = ("sft", *trained)  # the policies of this run, in order
     log = get_logger()
 
     with stage_run("evaluate", root, p, io["deps"], parent_run_id) as run:
         evaluation = load_evaluation_set(root)
         prompts = evaluation.prompts
-        dirs = {"sft": sft_dir, "ppo": ppo_dir, "dpo": dpo_dir}
-        scored = {name: content_md5(root / dirs[name]) for name in POLICIES}  # before loading: what is scored
-        policies = {"sft": evaluation.reference, "ppo": load_policy(root / ppo_dir), "dpo": load_policy(root / dpo_dir)}
+        dirs = {"sft": sft_dir, **trained}
+        scored = {name: content_md5(root / dirs[name]) for name in names}  # before loading: what is scored
+        policies = {"sft": evaluation.reference, **{s: load_policy(root / d) for s, d in trained.items()}}
+        log.info("evaluate: %s (disabled, skipped: %s)", ", ".join(names),
+                 ", ".join(s for s in POLICY_STAGES if s not in trained) or "none")
         run.log_dataset(root / prompts_path, "prompts_eval", context="eval")
         run.log_dataset(root / heldout_path, "heldout", context="eval")
         results, samples, gold_scores = {}, {}, {}
-        for name in POLICIES:
+        for name in names:
             results[name], samples[name], gold_scores[name] = score_policy(
                 policies[name], evaluation, baseline_gold=gold_scores.get("sft"))
             log.info("evaluate %s: %s", name, ", ".join(f"{k}={v}" for k, v in results[name].items()))
             run.log_metrics({f"{name}/{k}": v for k, v in results[name].items()})
-        if any(content_md5(root / dirs[name]) != scored[name] for name in POLICIES):
+        if any(content_md5(root / dirs[name]) != scored[name] for name in names):
             raise RuntimeError(f"{', '.join(dirs.values())}: a policy directory changed while it was evaluated")
         # DVC-tracked: hashes only (a function of the inputs); run ids and times stay in MLflow
         record = {**results, SCORED_KEY: {"policies": scored, "evaluation_set": evaluation.md5}}
         write_json(root / paths.metrics / "evaluate.json", record)
         _set_tags(run, {"evaluation.set_md5": evaluation.md5, **{f"evaluation.scored.{n}": h for n, h in scored.items()}})
-        write_csv(root / paths.plots / "evaluate.csv", [{"policy": n, **results[n]} for n in POLICIES],
+        write_csv(root / paths.plots / "evaluate.csv", [{"policy": n, **results[n]} for n in names],
                   ["policy", *METRIC_KEYS])
         # before/after: the same prompt, the SFT response, then each optimised policy's
         rows = [{"prompt": prompts[i],
-                 **{f"{n}_response": samples[n].responses[i] for n in POLICIES},
-                 **{f"{n}_gold": round(gold_scores[n][i], 3) for n in POLICIES}} for i in range(min(p.num_samples, len(prompts)))]
+                 **{f"{n}_response": samples[n].responses[i] for n in names},
+                 **{f"{n}_gold": round(gold_scores[n][i], 3) for n in names}} for i in range(min(p.num_samples, len(prompts)))]
         run.log_table("before_after", rows)
-        for n in POLICIES:
+        for n in names:
             run.log_table(f"samples_{n}", [{"query": q, "response": r, "gold": round(g, 3)} for q, r, g in
                                            zip(samples[n].prompts, samples[n].responses, gold_scores[n])][: 4 * p.num_samples])
         with tempfile.TemporaryDirectory() as tmp:
             _chart(results, Path(tmp) / "evaluate.png")
             run.log_artifact(Path(tmp) / "evaluate.png", artifact_path="plots")
-        for n in ("ppo", "dpo"):
+        for n in trained:
             run.summary[f"{n}_gold_gain"] = round(results[n]["gold_reward"] - results["sft"]["gold_reward"], 4)
-        run.summary.update({f"{n}.{k}": v for n in POLICIES for k, v in results[n].items()})
+        run.summary.update({f"{n}.{k}": v for n in names for k, v in results[n].items()})
     return results

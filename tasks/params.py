@@ -29,7 +29,12 @@ from tasks.paths import resolve_output_path
 PARAMS_FILE = "params.yaml"
 
 # The DVC stages of the default pipeline, in order (registry is an MLflow step, not a DVC stage).
-STAGES = ("prepare", "sft", "reward_model", "ppo", "dpo", "evaluate")
+STAGES = ("prepare", "sft", "reward_model", "ppo", "dpo", "grpo", "rloo", "kto", "evaluate")
+
+POLICY_STAGES = ("ppo", "dpo", "grpo", "rloo", "kto")
+"""Stages that train a policy from the SFT model; each runs only when its section's ``enabled`` is true (a disabled
+one still runs, writing a placeholder ``models/<stage>`` and ``metrics/<stage>.json`` = ``{"enabled": false}``,
+so DVC records it and ``dvc status`` stays clean). ``evaluate`` scores SFT and every enabled policy."""
 
 OPTIONAL_STAGES = ("ddpo",)
 """DVC stages outside the default run: run by name, or by the pipeline flow when their section's ``enabled``."""
@@ -149,6 +154,8 @@ PPO_CONFIG_KEYS = (
 class PPOStageParams:
     """The ppo section's keys that are not ``PPOConfig`` fields."""
 
+    enabled: bool
+    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
     total_steps: int
     """Number of PPO steps (batches of rollouts)."""
     max_new_tokens: int
@@ -243,10 +250,79 @@ class DDPOParams(ConfigSection):
     STAGE: ClassVar[type] = DDPOStageParams
 
 
+GRPO_CONFIG_KEYS = (
+    "learning_rate", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
+    "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations", "temperature", "seed",
+)
+"""The ``GRPOConfig`` fields (TRL 1.16 names) the grpo section sets, in params.yaml's order (docs: ``GRPOConfig``)."""
+
+RLOO_CONFIG_KEYS = (
+    "learning_rate", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
+    "beta", "epsilon", "num_iterations", "normalize_advantages", "temperature", "seed",
+)
+"""The ``RLOOConfig`` fields (TRL 1.16 names) the rloo section sets, in params.yaml's order (docs: ``RLOOConfig``)."""
+
+KTO_CONFIG_KEYS = (
+    "beta", "learning_rate", "num_train_epochs", "per_device_train_batch_size", "max_length", "desirable_weight",
+    "undesirable_weight", "seed",
+)
+"""The ``KTOConfig`` fields (TRL 1.16 names) the kto section sets, in params.yaml's order (docs: ``KTOConfig``)."""
+
+ONLINE_REWARDS = ("reward_model", "gold")
+"""What GRPO/RLOO optimise: the learned reward model (``models/reward_model``) or the gold judge (VADER)."""
+
+
+@dataclass(frozen=True)
+class OnlineStageParams:
+    """The grpo/rloo sections' keys that are not ``GRPOConfig``/``RLOOConfig`` fields."""
+
+    enabled: bool
+    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
+    reward: str
+    """``reward_model`` (the learned RM, as PPO) or ``gold`` (VADER: a verifiable reward, for experiments)."""
+
+
+@dataclass(frozen=True)
+class PolicySwitch:
+    """The kto section's key that is not a ``KTOConfig`` field."""
+
+    enabled: bool
+    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
+
+
+@dataclass(frozen=True)
+class GRPOParams(ConfigSection):
+    """GRPO of the SFT policy against the reward (group-relative advantages): ``GRPOConfig`` keys + stage keys."""
+
+    CONFIG: ClassVar[str] = "GRPOConfig"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = GRPO_CONFIG_KEYS
+    STAGE: ClassVar[type] = OnlineStageParams
+
+
+@dataclass(frozen=True)
+class RLOOParams(ConfigSection):
+    """RLOO of the SFT policy against the reward (leave-one-out baseline): ``RLOOConfig`` keys + stage keys."""
+
+    CONFIG: ClassVar[str] = "RLOOConfig"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = RLOO_CONFIG_KEYS
+    STAGE: ClassVar[type] = OnlineStageParams
+
+
+@dataclass(frozen=True)
+class KTOParams(ConfigSection):
+    """KTO of the SFT policy on the unpaired thumbs-up/down ratings: ``KTOConfig`` keys + ``enabled``."""
+
+    CONFIG: ClassVar[str] = "KTOConfig"
+    CONFIG_KEYS: ClassVar[tuple[str, ...]] = KTO_CONFIG_KEYS
+    STAGE: ClassVar[type] = PolicySwitch
+
+
 @dataclass(frozen=True)
 class DPOParams:
     """Direct preference optimisation of the SFT policy on the preference pairs."""
 
+    enabled: bool
+    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
     beta: float
     """Strength of the implicit KL constraint to the reference."""
     learning_rate: float
@@ -265,7 +341,7 @@ class DPOParams:
 
 @dataclass(frozen=True)
 class EvaluateParams:
-    """Compare the SFT, PPO and DPO policies on held-out prompts."""
+    """Compare SFT and every enabled policy (ppo, dpo, grpo, rloo, kto) on held-out prompts."""
 
     num_prompts: int
     """Held-out prompts sampled per policy."""
@@ -305,6 +381,9 @@ class Params:
     reward_model: RewardModelParams
     ppo: PPOParams
     dpo: DPOParams
+    grpo: GRPOParams
+    rloo: RLOOParams
+    kto: KTOParams
     evaluate: EvaluateParams
     ddpo: DDPOParams
     registry: RegistryParams
@@ -315,7 +394,8 @@ class Params:
 
 SECTIONS: dict[str, type] = {
     "paths": PathsParams, "prepare": PrepareParams, "sft": SFTParams, "reward_model": RewardModelParams,
-    "ppo": PPOParams, "dpo": DPOParams, "evaluate": EvaluateParams, "ddpo": DDPOParams, "registry": RegistryParams,
+    "ppo": PPOParams, "dpo": DPOParams,
+    "grpo": GRPOParams, "rloo": RLOOParams, "kto": KTOParams, "evaluate": EvaluateParams, "ddpo": DDPOParams, "registry": RegistryParams,
 }
 
 
@@ -404,8 +484,17 @@ def validate(p: Params, source: str = PARAMS_FILE) -> None:
          "ppo.reward must be reward_model, gold or pipeline:<model>")
     need(p.dpo.max_prompt_length < p.dpo.max_length, "dpo.max_prompt_length must be < dpo.max_length")
     need(p.sft.hidden_size % p.sft.num_heads == 0, "sft.hidden_size must be divisible by sft.num_heads")
-    need(set(p.registry.candidates) <= {"sft", "ppo", "dpo"} and p.registry.candidates,
-         "registry.candidates must be a non-empty subset of [sft, ppo, dpo]")
+    need(set(p.registry.candidates) <= set(POLICIES) and p.registry.candidates,
+         f"registry.candidates must be a non-empty subset of {list(POLICIES)}")
+    need(any(stage_enabled(p, c) for c in p.registry.candidates),
+         "registry.candidates names no enabled policy (sft, or a policy stage whose section has enabled: true)")
+    for stage in ("grpo", "rloo"):
+        section = p.section(stage)
+        need(section.reward in ONLINE_REWARDS, f"{stage}.reward must be one of {ONLINE_REWARDS}")
+        need(section.max_steps >= 1, f"{stage}.max_steps must be >= 1")
+        need(section.num_generations >= 2, f"{stage}.num_generations must be >= 2")
+        need(section.per_device_train_batch_size % section.num_generations == 0,
+             f"{stage}.per_device_train_batch_size must be a multiple of {stage}.num_generations")
     need(p.registry.metric in METRIC_KEYS, f"registry.metric must be one of {METRIC_KEYS}")
     need(p.ddpo.reward in DDPO_REWARDS, f"ddpo.reward must be one of {DDPO_REWARDS}")
     need(1 <= p.ddpo.num_prompts <= 24, "ddpo.num_prompts must be in [1, 24] (the animal prompts)")
@@ -416,7 +505,7 @@ DDPO_REWARDS = ("compressibility", "incompressibility")
 
 
 # evaluate.json: one object per policy with these keys.
-POLICIES = ("sft", "ppo", "dpo")
+POLICIES = ("sft",) + POLICY_STAGES
 METRIC_KEYS = ("gold_reward", "rm_reward", "kl", "perplexity", "win_rate")
 
 
@@ -475,8 +564,10 @@ def stage_param_keys(stage: str) -> list[str]:
 # What each stage reads and writes, relative to the paths section. dvc.yaml must say the same
 # (tests/test_params.py). Code deps are listed in dvc.yaml only.
 def stage_enabled(params: Params, stage: str) -> bool:
-    """Whether the default pipeline flow runs ``stage``: always for ``STAGES``, else its section's ``enabled``."""
-    return stage in STAGES or bool(getattr(params.section(stage), "enabled", False))
+    """Whether ``stage`` does its work: ``sft`` and the non-policy stages always; a policy stage and ddpo when their
+    section's ``enabled`` is true (a disabled one still runs and is recorded, writing a placeholder)."""
+    section = params.section(stage) if stage in SECTIONS else None
+    return bool(getattr(section, "enabled", True))
 
 
 def load_stage(root: str | Path, stage: str) -> tuple[Path, Params, Any, dict[str, list[str]]]:
@@ -491,13 +582,16 @@ def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
     io = {
         "prepare": {"deps": [paths.incoming],
                     "outs": [f"{d}/sft_train.jsonl", f"{d}/heldout.jsonl", f"{d}/prompts_train.jsonl",
-                             f"{d}/prompts_eval.jsonl", f"{d}/preferences.jsonl"]},
+                             f"{d}/prompts_eval.jsonl", f"{d}/preferences.jsonl", f"{d}/ratings.jsonl"]},
         "sft": {"deps": [f"{d}/sft_train.jsonl"], "outs": [f"{m}/sft"]},
         "reward_model": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft"], "outs": [f"{m}/reward_model"]},
         "ppo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model"], "outs": [f"{m}/ppo"]},
         "dpo": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft"], "outs": [f"{m}/dpo"]},
+        "grpo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model"], "outs": [f"{m}/grpo"]},
+        "rloo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model"], "outs": [f"{m}/rloo"]},
+        "kto": {"deps": [f"{d}/ratings.jsonl", f"{m}/sft"], "outs": [f"{m}/kto"]},
         "evaluate": {"deps": [f"{d}/prompts_eval.jsonl", f"{d}/heldout.jsonl", f"{m}/sft", f"{m}/reward_model",
-                              f"{m}/ppo", f"{m}/dpo"], "outs": []},
+                              *(f"{m}/{s}" for s in POLICY_STAGES)], "outs": []},
         "ddpo": {"deps": [], "outs": [f"{m}/ddpo"]},
     }
     for stage, entry in io.items():
@@ -512,5 +606,6 @@ __all__ = [
     "load_params", "parse_params", "build_section", "apply_overrides", "as_dict", "stage_param_keys", "stage_io",
     "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",
     "section_keys", "ALL_STAGES", "OPTIONAL_STAGES", "DDPOParams", "DDPOStageParams", "DDPO_CONFIG_KEYS",
-    "DDPO_REWARDS", "stage_enabled",
+    "DDPO_REWARDS", "stage_enabled", "POLICY_STAGES", "GRPOParams", "RLOOParams", "KTOParams", "OnlineStageParams",
+    "PolicySwitch", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
 ]

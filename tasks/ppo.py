@@ -55,6 +55,10 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     after the same step. Resuming a multi-process run continues from that state, but not bit for bit: the saved
     RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
     """
+    from tasks.policy import disabled_placeholder
+
+    if (skipped := disabled_placeholder(root, "ppo", ("step", "reward_mean", "kl", "kl_coef"))) is not None:
+        return skipped  # ppo.enabled: false
     from rlhf_core.checkpointing import GracefulStop, Preempted
     from rlhf_core.trainers.ppo_loop import run_ppo
 

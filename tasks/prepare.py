@@ -1,4 +1,5 @@
-"""Stage ``prepare``: reviews -> SFT corpus, held-out text, prompts, gold-labelled preference pairs.
+"""Stage ``prepare``: reviews -> SFT corpus, held-out text, prompts, gold-labelled preference pairs and unpaired
+thumbs-up/down ratings (``data/ratings.jsonl``, for KTO).
 
 Reads ``params.yaml:prepare`` and the source it names (the synthetic default, local files or a hub dataset)
 plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
@@ -23,6 +24,7 @@ from rlhf_core.data import (
     load_hub_texts,
     make_preference_pairs,
     make_prompts,
+    make_unpaired_ratings,
     pairs_with_margin,
     read_text_records,
     split_train_eval,
@@ -37,6 +39,10 @@ from tasks.params import ParamsError, PrepareParams, load_stage
 from tasks.stage_run import stage_run
 
 MIN_REVIEWS = 10
+
+NEUTRAL_BAND = 0.05
+"""Ratings: a continuation is desirable when the gold score of prompt + completion is > 0; rows within this
+distance of 0 (VADER's neutral band, also used for prepare's share_positive/negative) are dropped."""
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
@@ -64,7 +70,8 @@ def load_source(p: PrepareParams, root: Path) -> list[str]:
 
 def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[dict], judge,
                    dropped: dict[str, int] | None = None) -> dict[str, list[dict]]:
-    """Pure shaping: cleaned reviews -> the five datasets (lists of records).
+    """Pure shaping: cleaned reviews -> the six datasets (lists of records; ``ratings``: unpaired
+    prompt/completion/label rows for KTO).
 
     Hostile data is bounded here, not left to crash a later stage (issue 12.3): reviews with an overlong word or
     prompt (``rlhf_core.data.review_overlong``) and incoming pairs the gold judge does not prefer by
@@ -98,6 +105,8 @@ def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[di
         "prompts_train": [{"query": q} for q in make_prompts(train, p.prompt_min_words, p.prompt_max_words, seed=p.seed)],
         "prompts_eval": [{"query": q} for q in make_prompts(heldout, p.prompt_min_words, p.prompt_max_words, seed=p.seed + 1)],
         "preferences": pairs,
+        "ratings": make_unpaired_ratings(train, judge, p.prompt_min_words, p.prompt_max_words, threshold=0.0,
+                                         min_margin=NEUTRAL_BAND, seed=p.seed),
     }
 
 
@@ -143,7 +152,8 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         metrics = {
             "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
             "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],
-            "num_pairs": counts["preferences"], "num_incoming_reviews": len(incoming.reviews),
+            "num_pairs": counts["preferences"], "num_ratings": counts["ratings"],
+            "num_desirable": sum(r["label"] for r in datasets["ratings"]), "num_incoming_reviews": len(incoming.reviews),
             "num_incoming_pairs": len(incoming.pairs), **dropped,
             "gold_mean": round(statistics.fmean(gold), 4),
             "share_positive": round(sum(g > 0.05 for g in gold) / len(gold), 4),
@@ -155,7 +165,7 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                 for lo, hi in zip(bins[:-1], bins[1:])]
         write_csv(root / paths.plots / "prepare.csv", hist)
         run.log_metrics(metrics)
-        for name in ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences"):
+        for name in ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences", "ratings"):
             run.log_dataset(root / paths.data / f"{name}.jsonl", name, context="eval" if "eval" in name or name == "heldout" else "training")
         run.log_table("preference_samples", [{k: r[k] for k in ("prompt", "chosen", "rejected", "chosen_score", "rejected_score")}
                                              for r in datasets["preferences"][:20]])

@@ -55,8 +55,12 @@ class WeightsMismatchError(ValueError):
 
 
 def pick_challenger(results: dict[str, dict[str, float]], rule: RegistryParams) -> str:
-    """The candidate policy with the highest ``rule.metric`` (ties: the first listed)."""
-    return max(rule.candidates, key=lambda name: (results[name][rule.metric], -rule.candidates.index(name)))
+    """The candidate policy with the highest ``rule.metric`` (ties: the first listed); candidates that were not
+    evaluated (their stage is disabled) do not compete."""
+    present = [name for name in rule.candidates if name in results]
+    if not present:
+        raise ValueError(f"registry.candidates {rule.candidates}: none was evaluated (all disabled?)")
+    return max(present, key=lambda name: (results[name][rule.metric], -rule.candidates.index(name)))
 
 
 def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule: RegistryParams) -> Decision:

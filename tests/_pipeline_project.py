@@ -21,6 +21,9 @@ TINY = {
     "reward_model.num_train_epochs": 1.0, "reward_model.per_device_train_batch_size": 32,
     "ppo.batch_size": 8, "ppo.mini_batch_size": 4, "ppo.ppo_epochs": 1, "ppo.total_steps": 2, "ppo.max_new_tokens": 8,
     "dpo.num_train_epochs": 1.0, "dpo.per_device_train_batch_size": 32,
+    "grpo.per_device_train_batch_size": 8, "grpo.num_generations": 4, "grpo.max_completion_length": 8,
+    "grpo.max_steps": 2, "rloo.per_device_train_batch_size": 8, "rloo.num_generations": 4,
+    "rloo.max_completion_length": 8, "rloo.max_steps": 2, "kto.per_device_train_batch_size": 32,
     "evaluate.num_prompts": 8, "evaluate.max_new_tokens": 8, "evaluate.batch_size": 8, "evaluate.num_samples": 4,
     "registry.max_kl": 1000.0,
 }
@@ -41,17 +44,6 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None) -> str:
     return out.stdout
 
 
-def _drop_optional_stages(dvc_yaml: Path) -> None:
-    """The test profile is the default pipeline: optional stages (ddpo) leave the copy's dvc.yaml, so ``dvc status``
-    and ``dvc repro`` there cover exactly the stages the flow runs."""
-    from tasks.params import OPTIONAL_STAGES
-
-    data = yaml.safe_load(dvc_yaml.read_text())
-    for stage in OPTIONAL_STAGES:
-        data["stages"].pop(stage, None)
-    dvc_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True) -> Path:
     """Copy the code and config into ``root`` (a git + DVC repo with a local remote) with tiny params."""
     root.mkdir(parents=True, exist_ok=True)
@@ -62,7 +54,6 @@ def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, dst)
-    _drop_optional_stages(root / "dvc.yaml")
     write_params(root, overrides)
     (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.dvc-remote/\n__pycache__/\n")
     if git_dvc:

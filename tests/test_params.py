@@ -11,6 +11,8 @@ import yaml
 from tasks.params import (
     ALL_STAGES,
     DDPO_CONFIG_KEYS,
+    POLICIES,
+    POLICY_STAGES,
     PPO_CONFIG_KEYS,
     SECTIONS,
     STAGES,
@@ -27,7 +29,7 @@ from tasks.params import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-PPO_STAGE_ONLY = {"total_steps", "max_new_tokens", "reward", "save_steps"}
+PPO_STAGE_ONLY = {"enabled", "total_steps", "max_new_tokens", "reward", "save_steps"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def test_no_defaults_params_yaml_is_the_one_source_of_values():
 
 def test_dvc_stages_in_order(dvc_stages):
     assert tuple(dvc_stages) == ALL_STAGES == STAGES + ("ddpo",)
+    assert STAGES.index("evaluate") > max(STAGES.index(s) for s in POLICY_STAGES)
 
 
 @pytest.mark.parametrize("stage", ALL_STAGES)
@@ -120,6 +123,44 @@ def test_ddpo_params_are_ddpo_config_fields_plus_stage_keys(raw):
     DDPOConfig(**p.config, mixed_precision="no")
 
 
+@pytest.mark.parametrize("stage,config", [("grpo", "GRPOConfig"), ("rloo", "RLOOConfig"), ("kto", "KTOConfig")])
+def test_new_policy_sections_are_trl_config_fields_plus_stage_keys(raw, stage, config, tmp_path):
+    import rlhf_core
+
+    cls = getattr(rlhf_core, config)
+    config_fields = {f.name for f in dataclasses.fields(cls)}
+    section = load_params(ROOT / "params.yaml").section(stage)
+    assert set(section.config) <= config_fields, set(section.config) - config_fields
+    stage_keys = set(raw[stage]) - set(section.config)
+    assert "enabled" in stage_keys and not stage_keys & config_fields  # a stage key never shadows a config field
+    assert section.enabled is True  # every policy runs in the default pipeline
+    cls(output_dir=str(tmp_path), **section.config)  # every key is accepted by the config it documents
+
+
+def test_every_policy_stage_has_an_enable_switch_and_is_a_candidate(raw):
+    for stage in (*POLICY_STAGES, "ddpo"):
+        assert isinstance(raw[stage]["enabled"], bool), stage
+    assert POLICIES == ("sft", *POLICY_STAGES)
+    assert raw["registry"]["candidates"] == list(POLICY_STAGES)
+    evaluate_deps = stage_io(load_params(ROOT / "params.yaml").paths)["evaluate"]["deps"]
+    assert [f"models/{s}" for s in POLICY_STAGES] == evaluate_deps[-len(POLICY_STAGES):]
+
+
+def test_online_reward_and_batch_rules(raw):
+    with pytest.raises(ParamsError, match=r"grpo.reward must be one of"):
+        parse_params(apply_overrides(raw, {"grpo.reward": "pipeline:x"}))
+    with pytest.raises(ParamsError, match=r"rloo.per_device_train_batch_size must be a multiple of rloo.num_generations"):
+        parse_params(apply_overrides(raw, {"rloo.per_device_train_batch_size": 60}))
+    assert parse_params(apply_overrides(raw, {"grpo.reward": "gold"})).grpo.reward == "gold"
+
+
+def test_registry_needs_an_enabled_candidate(raw):
+    off = {f"{s}.enabled": False for s in ("ppo", "dpo", "grpo", "rloo", "kto")}
+    with pytest.raises(ParamsError, match="registry.candidates names no enabled policy"):
+        parse_params(apply_overrides(raw, off))
+    assert parse_params(apply_overrides(raw, {**off, "registry.candidates": ["sft"]})).kto.enabled is False
+
+
 def test_ppo_config_key_is_type_checked_from_ppo_config(raw):
     with pytest.raises(ParamsError, match=r"ppo.kl_penalty: expected str, got int"):
         parse_params(apply_overrides(raw, {"ppo.kl_penalty": 3}))
@@ -143,7 +184,7 @@ def test_missing_key_rejected(raw):
 
 def test_unknown_and_missing_sections_rejected(raw):
     bad = apply_overrides(raw, {})
-    bad["grpo"] = {}
+    bad["sac"] = {}
     with pytest.raises(ParamsError, match="unknown section"):
         parse_params(bad)
     bad = apply_overrides(raw, {})

@@ -13,7 +13,7 @@ from tasks.outputs import atomic_dir
 from tasks.provenance import input_hashes
 
 RT_POLARITY = Path(__file__).resolve().parents[2] / "shared" / "data" / "rt-polarity"
-DATA_FILES = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences")
+DATA_FILES = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences", "ratings")
 
 
 @pytest.fixture
@@ -45,6 +45,16 @@ def test_prepare_synthetic(project):
     assert json.loads((project / "metrics" / "prepare.json").read_text()) == metrics
     assert (project / "plots" / "prepare.csv").read_text().startswith("gold_bin,count")
     assert not list(data.glob(".*tmp*"))  # no temp files left behind
+    from rlhf_core.data import read_ratings
+    from rlhf_core.rewards import GoldJudge
+
+    ratings = read_ratings(data / "ratings.jsonl")  # the KTO data: validated rows from the training reviews
+    assert len(ratings) == metrics["num_ratings"] and 0 < metrics["num_desirable"] < len(ratings)
+    train_texts = {r["text"] for r in train}
+    scores = GoldJudge()([r["prompt"] + r["completion"] for r in ratings])
+    for row, score in zip(ratings, scores):
+        assert row["prompt"] + row["completion"] in train_texts
+        assert row["label"] == (score > 0) and abs(score) >= 0.05
 
 
 def test_prepare_merges_incoming_pairs(project):
@@ -149,7 +159,7 @@ def test_input_hashes_match_dvc_file_hashes(tmp_path):
 
 
 DDPO_TINY = {"ddpo.num_epochs": 2, "ddpo.sample_num_steps": 2, "ddpo.sample_batch_size": 4,
-             "ddpo.sample_num_batches_per_epoch": 1, "ddpo.train_batch_size": 2}
+             "ddpo.sample_num_batches_per_epoch": 1, "ddpo.train_batch_size": 2, "ddpo.enabled": True}
 
 
 def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
@@ -161,6 +171,9 @@ def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
     from tasks.ddpo import ddpo_task
     from tasks.mlflow_runs import mlflow_setup
 
+    write_params(project, {**DDPO_TINY, "ddpo.enabled": False})  # off (the default): a placeholder, in a blink
+    assert ddpo_task.fn(str(project)) == {"enabled": False}
+    assert [p.name for p in (project / "models" / "ddpo").iterdir()] == ["DISABLED"]
     write_params(project, DDPO_TINY)
     metrics = ddpo_task.fn(str(project))
     assert metrics["epochs"] == 2 and metrics["reward_gain"] == metrics["reward_last"] - metrics["reward_first"]
@@ -179,3 +192,50 @@ def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
         [round(float(r["reward_mean"]), 6) for r in rows]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
     assert len(artifacts) == 2
+
+
+def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabled(project):
+    """grpo/rloo/kto train from the SFT model (TRL 1.16 configs from params.yaml); a disabled policy stage writes
+    placeholders in a blink, evaluate skips it and the registry's candidates are the enabled policies."""
+    import csv
+
+    from tasks.evaluate import evaluate_task
+    from tasks.grpo import grpo_task
+    from tasks.kto import kto_task
+    from tasks.policy import PLACEHOLDER, is_placeholder
+    from tasks.ppo import ppo_task
+    from tasks.prepare import prepare_task
+    from tasks.reward_model import reward_model_task
+    from tasks.rloo import rloo_task
+    from tasks.sft import sft_task
+
+    write_params(project, {"ppo.enabled": False, "grpo.reward": "gold"})
+    for stage_task in (prepare_task, sft_task, reward_model_task):
+        stage_task.fn(str(project))
+    assert ppo_task.fn(str(project)) == {"enabled": False}
+    assert is_placeholder(project / "models" / "ppo")
+    assert [p.name for p in (project / "models" / "ppo").iterdir()] == [PLACEHOLDER]
+    assert json.loads((project / "metrics" / "ppo.json").read_text()) == {"enabled": False}
+    assert (project / "plots" / "ppo.csv").read_text() == "step,reward_mean,kl,kl_coef\n"
+    for stage, stage_task in (("grpo", grpo_task), ("rloo", rloo_task), ("kto", kto_task)):
+        metrics = stage_task.fn(str(project))
+        out = project / "models" / stage
+        assert metrics["enabled"] is True and metrics["steps"] >= 1, stage
+        assert not is_placeholder(out) and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+        assert json.loads((project / "metrics" / f"{stage}.json").read_text()) == metrics
+        rows = list(csv.DictReader((project / "plots" / f"{stage}.csv").open()))
+        assert len(rows) == metrics["steps"], stage  # one row per optimizer step (logging_steps 1)
+    assert json.loads((project / "metrics" / "grpo.json").read_text())["completions_per_step"] == 8
+    from tasks.dpo import dpo_task
+
+    write_params(project, {"ppo.enabled": False, "dpo.enabled": False, "grpo.reward": "gold"})
+    dpo_task.fn(str(project))
+    results = evaluate_task.fn(str(project))
+    assert list(results) == ["sft", "grpo", "rloo", "kto"]  # the disabled ppo and dpo are skipped
+    from tasks.params import RegistryParams
+    from tasks.registry import pick_challenger
+
+    rule = RegistryParams(model_name="m", candidates=["ppo", "dpo", "grpo", "rloo", "kto"], metric="gold_reward",
+                          min_improvement=0.0, max_kl=1e9)
+    best = max(("grpo", "rloo", "kto"), key=lambda n: results[n]["gold_reward"])
+    assert pick_challenger(results, rule) == best
