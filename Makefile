@@ -59,11 +59,6 @@ clean: ## remove .venv and pytest caches
 
 run: setup ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> ppo/dpo -> evaluate -> registry)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
-	@echo ""
-	@echo "Where to look:"
-	@echo "  MLflow UI:  make mlflow-ui   -> http://127.0.0.1:5000 (experiment rlhf-pipeline, registered model rlhf-policy)"
-	@echo "  DVC:        $(VENV)/bin/dvc metrics show   |   $(VENV)/bin/dvc status   |   plots/*.csv"
-	@echo "  Prefect UI: make prefect-ui  -> http://127.0.0.1:4200 (flow runs, logs, artifacts)"
 
 pipeline: run ## same as run
 

@@ -19,17 +19,35 @@ from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
 from tasks.logs import get_logger
+from flows.summary import end_block, load_results
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
 from tasks.params import ALL_STAGES, PARAMS_FILE, load_params, stage_enabled
 from tasks.registry import registry_task
 
-WHERE_TO_LOOK = """Where to look:
-  MLflow UI:   make mlflow-ui   (http://127.0.0.1:5000, experiment rlhf-pipeline, model rlhf-policy)
-  DVC:         dvc metrics show   |   dvc metrics diff   |   dvc status   |   plots/*.csv (charts: MLflow evaluate run)
-  Prefect UI:  prefect server start --host 127.0.0.1   (http://127.0.0.1:4200; runs, logs, artifacts)"""
+def flow_run_name() -> str:
+    """The Prefect flow run's name while it runs: ``pipeline: running`` (``pipeline: all (forced)`` with
+    ``force``); ``rename_flow_run`` names it after the stages it ran when it ends (``pipeline: ppo,evaluate``)."""
+    from prefect.runtime import flow_run
+
+    return "pipeline: all (forced)" if (flow_run.parameters or {}).get("force") else "pipeline: running"
 
 
-@flow(name="rlhf-pipeline", log_prints=False)  # see flows/__init__.py
+def rename_flow_run(name: str) -> None:
+    """Rename the current Prefect flow run (nothing outside a run; a failure only logs)."""
+    try:
+        from prefect import get_client
+        from prefect.context import FlowRunContext
+
+        context = FlowRunContext.get()
+        if context is None or context.flow_run is None:
+            return
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_name(context.flow_run.id, name=name)
+    except Exception as error:  # noqa: BLE001 - a name is not worth failing a finished pipeline
+        get_logger().debug("flow run not renamed: %s", error)
+
+
+@flow(name="rlhf-pipeline", flow_run_name=flow_run_name, log_prints=False)  # see flows/__init__.py
 def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
     """Run every stale stage of the pipeline in ``root``, then the registry step."""
     root = str(Path(root).resolve())
@@ -37,6 +55,7 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     log = get_logger()
     parent = start_pipeline_run(root, entry="prefect")
     ran, skipped = [], []
+    name, decision = "", None
     try:
         for name in [s for s in ALL_STAGES if stage_enabled(params, s)]:  # ddpo only when ddpo.enabled
             changes = stage_status(root, name)
@@ -48,19 +67,26 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
             else:
                 log.info("stage %s: up to date, skipped", name)
                 skipped.append(name)
+        name = "registry"
         decision = registry_task(root, parent) if run_registry else {"registered": False, "reason": "registry disabled"}
     except Preempted as stopped:  # earlier stages stay recorded; this one is not; no registry step
         log.warning("stage %s stopped (%s); run the pipeline again to resume it", name, stopped)
-        end_pipeline_run(root, parent, "KILLED", {"ran": ",".join(ran), "preempted": name})
+        end_pipeline_run(root, parent, "KILLED", {"ran": ",".join(ran), "preempted": name}, params=params, ran=ran,
+                         skipped=skipped, failed_stage=name, error=stopped)
         raise
-    except BaseException:
-        end_pipeline_run(root, parent, "FAILED", {"ran": ",".join(ran)})
+    except BaseException as error:
+        rename_flow_run(f"pipeline: FAILED at {name}")
+        end_pipeline_run(root, parent, "FAILED", {"ran": ",".join(ran)}, params=params, ran=ran, skipped=skipped,
+                         failed_stage=name, error=error)
         raise
-    end_pipeline_run(root, parent, "FINISHED", {"ran": ",".join(ran) or "nothing", "registry": decision.get("reason")})
-    summary = {"ran": ran, "skipped": skipped, "registry": decision, "mlflow_run": parent}
+    rename_flow_run(f"pipeline: {','.join(ran) or 'up to date'}")
+    kept = end_pipeline_run(root, parent, "FINISHED", {"ran": ",".join(ran) or "nothing",
+                                                       "registry": decision.get("reason")},
+                            params=params, ran=ran, skipped=skipped, registry=decision)
+    url = mlflow_ui_link(mlflow_setup(root), parent) if parent and kept else None
+    summary = {"ran": ran, "skipped": skipped, "registry": decision, "mlflow_run": parent if kept else ""}
     create_markdown_artifact(_report(root, summary), key="rlhf-pipeline-summary", description="pipeline summary")
-    print(f"Stages run: {', '.join(ran) or 'none (everything up to date)'}; registry: {decision.get('reason')}")
-    print(WHERE_TO_LOOK)
+    print(end_block(load_results(Path(root) / params.paths.metrics / "evaluate.json"), ran, decision, url), flush=True)
     return summary
 
 
@@ -79,7 +105,7 @@ def _describe(changes: dict) -> str:
 def _report(root: str, summary: dict) -> str:
     parent = summary["mlflow_run"]
     link = (f"[{parent}]({mlflow_ui_link(mlflow_setup(root), parent)})" if parent
-            else "none (tracking server unreachable: stages spooled to tracking-spool/, `make tracking-upload`)")
+            else "none (nothing ran, or the tracking server was unreachable: then `make tracking-upload`)")
     lines = ["## RLHF pipeline", "", f"- stages run: {', '.join(summary['ran']) or 'none'}",
              f"- skipped (up to date): {', '.join(summary['skipped']) or 'none'}",
              f"- registry: {summary['registry'].get('reason')}",

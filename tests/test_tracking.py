@@ -43,7 +43,7 @@ def test_mlflow_tracker_logs_metrics_tables_and_params(tmp_path, monkeypatch):
     assert run.data.metrics == {"objective/kl": 0.5, "ppo/loss/total": 1.25}
     assert run.data.params == {"learning_rate": "0.1"}
     artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "tables")]
-    assert artifacts == ["tables/game_log_step3.json"]
+    assert artifacts == ["tables/game_log_step000003.json"]
 
 
 def test_tensorboard_tracker_writes_event_files(tmp_path):
