@@ -18,10 +18,11 @@ from prefect.artifacts import create_markdown_artifact
 from flows.stages import STAGE_TASKS
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
-from tasks.logs import get_logger
 from flows.summary import end_block, load_results
+from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
-from tasks.params import ALL_STAGES, PARAMS_FILE, load_params, stage_enabled
+from tasks.params import ALL_STAGES, PARAMS_FILE, ParamsError, load_params, stage_enabled
+from tasks.prepare import check_source
 from tasks.registry import registry_task
 
 def flow_run_name() -> str:
@@ -52,6 +53,7 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     """Run every stale stage of the pipeline in ``root``, then the registry step."""
     root = str(Path(root).resolve())
     params = load_params(Path(root) / PARAMS_FILE)  # bad params fail here, before any state changes
+    check_source(params.prepare, Path(root))  # and a bad prepare.source, before any run or model starts
     log = get_logger()
     parent = start_pipeline_run(root, entry="prefect")
     ran, skipped = [], []
@@ -121,8 +123,12 @@ def _report(root: str, summary: dict) -> str:
     return "\n".join(lines)
 
 
+EXIT_CONFIG = 2
+"""Exit status of ``main`` when params.yaml or the data it names is wrong (nothing started)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 done, 1 failed, 75 (``EXIT_PREEMPTED``) a stage was stopped by SIGTERM/SIGINT after saving
+    """Exit status: 0 done, 1 failed, 2 a configuration error (params.yaml, ``prepare.source``), 75 (``EXIT_PREEMPTED``) a stage was stopped by SIGTERM/SIGINT after saving
     its state: earlier stages are recorded, the registry untouched; run the pipeline again to resume."""
     install_stop_handlers()
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
@@ -130,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
     parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
     args = parser.parse_args(argv)
+    try:  # configuration errors first: before Prefect starts its server or any model loads
+        root = Path(args.root).resolve()
+        check_source(load_params(root / PARAMS_FILE).prepare, root)
+    except (ParamsError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         pipeline(args.root, force=args.force, run_registry=not args.no_register)
     except Preempted as stopped:
