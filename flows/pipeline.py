@@ -22,7 +22,7 @@ from flows.summary import end_block, load_results
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
 from tasks.params import ALL_STAGES, PARAMS_FILE, ParamsError, load_params, stage_enabled
-from tasks.prepare import check_source
+from tasks.prepare import check_source, source_changed
 from tasks.registry import registry_task
 
 def flow_run_name() -> str:
@@ -61,6 +61,9 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     try:
         for name in [s for s in ALL_STAGES if stage_enabled(params, s)]:  # ddpo only when ddpo.enabled
             changes = stage_status(root, name)
+            if name == "prepare" and not changes:  # DVC cannot see the file prepare.source names: compare it here
+                why = source_changed(params.prepare, Path(root), Path(root) / params.paths.data)
+                changes = {"prepare": [why]} if why else {}
             if changes or force:
                 log.info("stage %s: running (%s)", name, "forced" if not changes else _describe(changes))
                 STAGE_TASKS[name](root, parent)

@@ -7,6 +7,7 @@ plus any new data under ``paths.incoming``; writes ``data/*.jsonl``, ``metrics/p
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -31,6 +32,7 @@ from tasks.distributed import LauncherError, require_single_process
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
 from tasks.params import ParamsError, PrepareParams, load_stage
+from tasks.provenance import md5_dir, md5_file
 from tasks.stage_run import stage_run
 
 MIN_REVIEWS = 10
@@ -94,6 +96,35 @@ def size_warning(num_reviews: int) -> str | None:
     return (f"prepare: only {num_reviews} reviews; at least {RECOMMENDED_REVIEWS} are needed to train meaningfully "
             f"(a few hundred gave SFT perplexity ~600 and PPO below SFT). Add data to prepare.source or incoming/, "
             f"or raise prepare.num_reviews")
+
+
+SOURCE_FINGERPRINT = ".source-fingerprint.json"
+"""In ``paths.data``: the md5 of the local file/directory ``prepare.source`` named when prepare last ran. DVC
+cannot depend on a path held in a param (``synthetic`` is not a file), so the pipeline flow compares it
+(``source_changed``) and re-runs prepare when the file was edited."""
+
+
+def source_fingerprint(p: PrepareParams, root: Path) -> dict[str, str]:
+    """``{"source", "md5"}`` of ``prepare.source`` (md5 empty for synthetic/hub: params cover those)."""
+    path = source_path(p, root)
+    if path is None or not path.exists():
+        return {"source": p.source, "md5": ""}
+    return {"source": p.source, "md5": md5_dir(path) if path.is_dir() else md5_file(path)}
+
+
+def source_changed(p: PrepareParams, root: Path, data_dir: Path) -> str | None:
+    """Why prepare is stale although DVC says it is not (the source file's content changed, or was never
+    recorded), else None. Synthetic and hub sources: always None (their params are DVC params)."""
+    current = source_fingerprint(p, root)
+    if not current["md5"]:
+        return None
+    try:
+        recorded = json.loads((data_dir / SOURCE_FINGERPRINT).read_text())
+    except (OSError, ValueError):
+        return f"prepare.source {p.source}: no recorded fingerprint"
+    if recorded != current:
+        return f"prepare.source {p.source}: content changed"
+    return None
 
 
 def load_source(p: PrepareParams, root: Path) -> list[str]:
@@ -169,6 +200,7 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     with stage_run("prepare", root, p, io["deps"], parent_run_id) as run:
         counts = _write_datasets(root / paths.data, datasets)
+        (root / paths.data / SOURCE_FINGERPRINT).write_text(json.dumps(source_fingerprint(p, root)))
         gold = judge([r["text"] for r in datasets["sft_train"]])
         metrics = {
             "num_train": counts["sft_train"], "num_heldout": counts["heldout"],

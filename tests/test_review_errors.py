@@ -71,3 +71,40 @@ def test_pipeline_main_stops_on_a_bad_source_before_anything_starts(tmp_path, ca
     monkeypatch.setattr(fp, "pipeline", lambda *a, **k: pytest.fail("the flow must not start"))
     assert fp.main(["--root", str(tmp_path)]) == fp.EXIT_CONFIG
     assert "error: prepare.source: /nonexistent/x.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_editing_the_source_file_makes_prepare_stale(prepare_params, tmp_path):
+    from tasks.prepare import SOURCE_FINGERPRINT, source_changed, source_fingerprint
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    source = tmp_path / "reviews.jsonl"
+    source.write_text(json.dumps({"text": "a good film with a plot"}) + "\n")
+    p = dataclasses.replace(prepare_params, source="reviews.jsonl")
+    assert source_changed(p, tmp_path, data_dir) == "prepare.source reviews.jsonl: no recorded fingerprint"
+    (data_dir / SOURCE_FINGERPRINT).write_text(json.dumps(source_fingerprint(p, tmp_path)))
+    assert source_changed(p, tmp_path, data_dir) is None
+    source.write_text(source.read_text() + json.dumps({"text": "a bad film with no plot"}) + "\n")
+    assert source_changed(p, tmp_path, data_dir) == "prepare.source reviews.jsonl: content changed"
+    assert source_changed(dataclasses.replace(prepare_params, source="synthetic"), tmp_path, data_dir) is None
+
+
+def test_prepare_task_records_the_source_fingerprint(tmp_path, monkeypatch):
+    from _pipeline_project import make_project, write_params
+
+    from tasks.params import load_params
+    from tasks.prepare import SOURCE_FINGERPRINT, prepare_task, source_changed
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    project = make_project(tmp_path / "proj", git_dvc=False)
+    source = tmp_path / "reviews.jsonl"
+    words = ["great", "awful", "fine", "dull", "superb", "weak"]
+    source.write_text("".join(json.dumps({"text": f"the film was {w} and the cast was {v}"}) + "\n"
+                              for w in words for v in words))
+    write_params(project, {"prepare.source": str(source)})
+    prepare_task.fn(str(project))
+    p = load_params(project / PARAMS_FILE).prepare
+    assert json.loads((project / "data" / SOURCE_FINGERPRINT).read_text())["source"] == str(source)
+    assert source_changed(p, project, project / "data") is None
+    source.write_text(source.read_text() + json.dumps({"text": "one more review of the film"}) + "\n")
+    assert source_changed(p, project, project / "data").endswith("content changed")
