@@ -31,6 +31,12 @@ DEFAULT_EXPERIMENT = "rlhf-pipeline"
 PARENT_ENV = "RLHF_PARENT_RUN_ID"
 """Environment variable carrying the parent (pipeline) run id to stages run by ``dvc repro``."""
 
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
+                   "mlflow.note.content": "RLHF pipeline runs: one parent run per `python -m flows.pipeline` (named for "
+                                          "what it did), one child run per stage. Open a parent's children with the "
+                                          "+ in the run list; charts in each run's Model metrics tab."}
+"""Experiment tags: the UI opens the experiment on its "Model training" runs view (not the GenAI overview)."""
+
 SPOOL_DIR = "tracking-spool"
 """Where stages keep tracking data while the server is unreachable (in the project; git- and DVC-ignored)."""
 
@@ -61,7 +67,10 @@ def mlflow_setup(root: str | Path) -> str:
     exp = client.get_experiment_by_name(experiment_name())
     if exp is None:
         artifacts = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-        return client.create_experiment(experiment_name(), artifact_location=artifacts)
+        return client.create_experiment(experiment_name(), artifact_location=artifacts, tags=EXPERIMENT_TAGS)
+    if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):  # an experiment made by an older version
+        for key, value in EXPERIMENT_TAGS.items():
+            client.set_experiment_tag(exp.experiment_id, key, value)
     return exp.experiment_id
 
 

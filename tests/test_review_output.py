@@ -118,6 +118,8 @@ def test_parent_run_named_with_params_metrics_note_and_changes(store, monkeypatc
     mlflow_runs.end_pipeline_run(store, second, params=_params(2e-4), ran=["ppo", "evaluate"], skipped=["sft"],
                                  registry={"registered": True, "reason": "kept"})
     run = mlflow.MlflowClient().get_run(second)
+    experiment = mlflow.MlflowClient().get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # UI: the training view
     assert run.data.tags["mlflow.runName"] == "[exp-abc] ppo,evaluate | ppo.learning_rate=0.0002 | data=synthetic"
     assert run.data.tags["dvc.exp_name"] == "exp-abc" and run.data.tags["rlhf.changed_params"] == "ppo.learning_rate"
     assert run.data.params["ppo.learning_rate"] == "0.0002" and "sft.learning_rate" in run.data.params
