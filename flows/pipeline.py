@@ -89,10 +89,11 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
                                                        "registry": decision.get("reason")},
                             params=params, ran=ran, skipped=skipped, registry=decision)
     url = mlflow_ui_link(mlflow_setup(root), parent) if parent and kept else None
-    summary = {"ran": ran, "skipped": skipped, "registry": decision, "mlflow_run": parent if kept else ""}
+    summary = {"ran": ran, "skipped": skipped, "registry": decision, "mlflow_run": parent if kept else "",
+               "end_block": end_block(load_results(Path(root) / params.paths.metrics / "evaluate.json"), ran,
+                                      decision, url)}
     create_markdown_artifact(_report(root, summary), key="rlhf-pipeline-summary", description="pipeline summary")
-    print(end_block(load_results(Path(root) / params.paths.metrics / "evaluate.json"), ran, decision, url), flush=True)
-    return summary
+    return summary  # ``main`` prints ``end_block`` last, after Prefect's own closing lines
 
 
 def _describe(changes: dict) -> str:
@@ -131,8 +132,9 @@ EXIT_CONFIG = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 done, 1 failed, 2 a configuration error (params.yaml, ``prepare.source``), 75 (``EXIT_PREEMPTED``) a stage was stopped by SIGTERM/SIGINT after saving
-    its state: earlier stages are recorded, the registry untouched; run the pipeline again to resume."""
+    """Exit status: 0 done (the end block printed last), 1 failed, 2 a configuration error (params.yaml,
+    ``prepare.source``: nothing started), 75 (``EXIT_PREEMPTED``) a stage was stopped by SIGTERM/SIGINT after
+    saving its state: earlier stages are recorded, the registry untouched; run the pipeline again to resume."""
     install_stop_handlers()
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
@@ -146,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        pipeline(args.root, force=args.force, run_registry=not args.no_register)
+        summary = pipeline(args.root, force=args.force, run_registry=not args.no_register)
     except Preempted as stopped:
         print(f"pipeline stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
+    print(summary["end_block"], flush=True)
     return 0
 
 

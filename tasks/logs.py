@@ -73,6 +73,23 @@ def install_load_report_filter() -> None:
         logger.addFilter(ExpectedLoadReportFilter())
 
 
+DVC_LOGGERS = ("dvc", "dvc_objects", "dvc_data")
+"""The loggers ``import dvc`` gives their own stdout/stderr handlers (``dvc.logger.setup``)."""
+
+
+def single_dvc_output() -> None:
+    """Drop the console handlers ``import dvc`` adds, so each DVC message (``Updating lock file``) is printed
+    once, by the pipeline's own handlers, instead of twice (DVC's plain line plus the propagated record)."""
+    root_console = any(isinstance(h, logging.StreamHandler) for h in logging.getLogger().handlers)
+    if not root_console:  # nothing would print DVC's warnings: keep its handlers
+        return
+    for name in DVC_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler).__module__.startswith("dvc"):
+                logger.removeHandler(handler)
+
+
 def get_logger() -> logging.Logger | logging.LoggerAdapter:
     """The Prefect run logger inside a flow/task run (logs stream into the Prefect UI), else a plain one.
     (Also installs ``ExpectedLoadReportFilter``: stages get their logger before they load models.)"""
@@ -183,6 +200,6 @@ def stage_progress_callback(stage: str) -> Any:
     return StageProgressCallback()
 
 
-__all__ = ["EXPECTED_LOAD_REPORTS", "ExpectedLoadReportFilter", "bar_safe_logging", "explain_load_report",
+__all__ = ["DVC_LOGGERS", "EXPECTED_LOAD_REPORTS", "ExpectedLoadReportFilter", "bar_safe_logging", "explain_load_report",
            "install_load_report_filter", "load_report_rows", "console_loggers", "get_logger", "log_line", "on_terminal", "progress",
-           "quiet_trainer_output", "stage_progress_callback"]
+           "quiet_trainer_output", "single_dvc_output", "stage_progress_callback"]

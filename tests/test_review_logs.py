@@ -99,3 +99,19 @@ def test_trainer_prints_no_raw_dicts_and_logs_lines(tmp_path, capsys):
     assert [line.split(":")[0] for line in lines] == ["tiny step 2/4 (epoch 0.50)", "tiny step 4/4 (epoch 1.00)",
                                                        "tiny step 4/4 (epoch 1.00)"]
     assert "train_loss" in lines[-1]  # the Trainer's end-of-training summary, as a line
+
+
+def test_dvc_messages_are_printed_once(monkeypatch):
+    import dvc  # noqa: F401  (adds DVC's own console handlers)
+
+    from tasks.logs import single_dvc_output
+
+    root = logging.getLogger()
+    console = logging.StreamHandler()
+    monkeypatch.setattr(root, "handlers", [*root.handlers, console])
+    dvc_logger = logging.getLogger("dvc")
+    monkeypatch.setattr(dvc_logger, "handlers", list(dvc_logger.handlers))
+    assert any(type(h).__module__.startswith("dvc") for h in dvc_logger.handlers)
+    single_dvc_output()
+    assert not any(type(h).__module__.startswith("dvc") for h in dvc_logger.handlers)
+    assert dvc_logger.propagate  # the record still reaches the pipeline's handlers (once)
