@@ -152,8 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stopped:
         print(f"pipeline stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
+    _stop_temporary_prefect_server()  # its "Stopping temporary server" line comes before the block, not after
     print(summary["end_block"], flush=True)
     return 0
+
+
+def _stop_temporary_prefect_server() -> None:
+    """Stop the temporary Prefect server a flow started without ``PREFECT_API_URL`` (Prefect would at exit)."""
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
+    except Exception:  # noqa: BLE001 - Prefect still stops it at exit
+        pass
 
 
 if __name__ == "__main__":

@@ -113,7 +113,10 @@ def pipeline_run_name(source: str, ran: list[str], changed: Mapping[str, str], d
     data=synthetic`` or ``[exp-1a2b3] ...`` under ``dvc exp run``; ``NOOP_NAME`` when nothing ran."""
     if not ran and not failed_stage:
         return NOOP_NAME
-    what = ",".join(ran) if not failed_stage else f"FAILED at {failed_stage}"
+    from tasks.params import STAGES
+
+    what = ("all stages" if set(STAGES) <= set(ran) else ",".join(ran)) if not failed_stage else \
+        f"FAILED at {failed_stage}"
     parts = [what]
     if changed:
         shown = [f"{k}={v}" for k, v in list(changed.items())[:3]]

@@ -115,3 +115,15 @@ def test_dvc_messages_are_printed_once(monkeypatch):
     single_dvc_output()
     assert not any(type(h).__module__.startswith("dvc") for h in dvc_logger.handlers)
     assert dvc_logger.propagate  # the record still reaches the pipeline's handlers (once)
+
+
+def test_no_weight_loading_bars_under_the_flows(monkeypatch):
+    import importlib
+
+    import flows
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    importlib.reload(flows)
+    import os
+
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"

@@ -64,6 +64,9 @@ def test_pipeline_run_name_says_what_it_did():
     assert pipeline_run_name("/data/reviews.jsonl", ["prepare"], {}, dvc_exp="exp-1a2b") == \
         "[exp-1a2b] prepare | data=reviews.jsonl"
     assert pipeline_run_name("synthetic", [], {}) == NOOP_NAME
+    from tasks.params import STAGES
+
+    assert pipeline_run_name("synthetic", list(STAGES), {}) == "all stages | data=synthetic"
     assert pipeline_run_name("synthetic", ["prepare"], {}, failed_stage="sft").startswith("FAILED at sft")
     many = {f"ppo.k{i}": str(i) for i in range(5)}
     assert "(+2)" in pipeline_run_name("synthetic", ["ppo"], many)
