@@ -75,9 +75,10 @@ def mlflow_setup(root: str | Path) -> str:
 
 
 def mlflow_ui_link(experiment_id: str, run_id: str) -> str:
-    """The MLflow UI page of a run (``$RLHF_MLFLOW_UI_URL``, default ``http://127.0.0.1:5000``)."""
+    """The MLflow UI page of a run (``$RLHF_MLFLOW_UI_URL``, default ``http://127.0.0.1:5000``), opened in the
+    UI's "Model training" view (``workflowType=machine_learning``; without it a fresh browser shows GenAI)."""
     base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 RUNNING_NAME = "pipeline (running)"

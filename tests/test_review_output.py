@@ -182,3 +182,17 @@ def test_prefect_stage_run_name():
     assert stage_run_name("ppo", {"learning_rate": 1e-4, "total_steps": 20, "x": 1}) == "stage ppo lr=0.0001 steps=20"
     assert stage_run_name("dpo", {"beta": 0.1}) == "stage dpo beta=0.1"
     assert stage_run_name("evaluate", {}) == "stage evaluate"
+
+
+def test_run_link_opens_the_training_view(monkeypatch):
+    from tasks.mlflow_runs import mlflow_ui_link
+
+    monkeypatch.delenv("RLHF_MLFLOW_UI_URL", raising=False)
+    assert mlflow_ui_link("3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+
+
+def test_stage_note_lists_the_summary():
+    from tasks.stage_run import stage_note
+
+    note = stage_note("ppo", {"kl_last": 4.58491, "steps": 20})
+    assert note.splitlines()[2:] == ["| key | value |", "|---|---|", "| kl_last | 4.5849 |", "| steps | 20 |"]
