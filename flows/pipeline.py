@@ -91,7 +91,7 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) ->
     url = mlflow_ui_link(mlflow_setup(root), parent) if parent and kept else None
     summary = {"ran": ran, "skipped": skipped, "registry": decision, "mlflow_run": parent if kept else "",
                "end_block": end_block(load_results(Path(root) / params.paths.metrics / "evaluate.json"), ran,
-                                      decision, url)}
+                                      decision, url, noop=bool(parent) and not kept)}
     create_markdown_artifact(_report(root, summary), key="rlhf-pipeline-summary", description="pipeline summary")
     return summary  # ``main`` prints ``end_block`` last, after Prefect's own closing lines
 
@@ -152,20 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stopped:
         print(f"pipeline stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
-    _stop_temporary_prefect_server()  # its "Stopping temporary server" line comes before the block, not after
-    print(summary["end_block"], flush=True)
+    print(summary["end_block"], flush=True)  # (Prefect's "Stopping temporary server" line follows, at exit)
     return 0
-
-
-def _stop_temporary_prefect_server() -> None:
-    """Stop the temporary Prefect server a flow started without ``PREFECT_API_URL`` (Prefect would at exit)."""
-    try:
-        from prefect.server.api.server import SubprocessASGIServer
-
-        for server in list(SubprocessASGIServer._instances.values()):
-            server.stop()
-    except Exception:  # noqa: BLE001 - Prefect still stops it at exit
-        pass
 
 
 if __name__ == "__main__":

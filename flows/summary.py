@@ -61,15 +61,21 @@ def champion_of(decision: Mapping[str, object]) -> str | None:
 
 
 def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decision: Mapping[str, object],
-              run_url: str | None) -> str:
-    """The block printed once at the end of ``python -m flows.pipeline`` (and so of ``make run``)."""
+              run_url: str | None, noop: bool = False) -> str:
+    """The block printed once at the end of ``python -m flows.pipeline`` (and so of ``make run``); ``noop``: the
+    run trained and registered nothing, so its MLflow run was not kept (no link)."""
     champion = champion_of(decision)
     lines = ["", "=" * 72, f"RLHF pipeline: stages run: {', '.join(ran) or 'none (everything up to date)'}",
              f"registry: {decision.get('reason') or 'not run'}", "", results_table(results, champion), ""]
     if champion is None and decision.get("policy"):
         lines[-1:] = [f"(registry kept the previous champion; challenger was {decision.get('policy')})", ""]
-    lines.append(f"MLflow run: {run_url}" if run_url else
-                 "MLflow run: none (tracking server unreachable; stages spooled, upload with `make tracking-upload`)")
+    if run_url:
+        lines.append(f"MLflow run: {run_url}")
+    elif noop:
+        lines.append("MLflow run: none kept (nothing ran; the latest runs are in `make mlflow-ui`)")
+    else:
+        lines.append("MLflow run: none (tracking server unreachable; stages spooled, upload with "
+                     "`make tracking-upload`)")
     if run_url:
         lines.append("            (start the UI first: make mlflow-ui)")
     lines += ["", "Next:"]
