@@ -16,9 +16,9 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.stages import STAGE_TASKS
+from flows.summary import end_block, load_results
 from rlhf_core.checkpointing import Preempted, install_stop_handlers
 from tasks.dvc_ops import record_stage, stage_status
-from flows.summary import end_block, load_results
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, mlflow_setup, mlflow_ui_link, start_pipeline_run
 from tasks.params import ALL_STAGES, PARAMS_FILE, ParamsError, load_params, stage_enabled

@@ -217,6 +217,8 @@ def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED",
         noop = status == "FINISHED" and not ran and not (registry or {}).get("registered")
         source = params.prepare.source
         name = pipeline_run_name(source, ran, changed, os.environ.get("DVC_EXP_NAME"), failed_stage)
+        if status == "KILLED":  # a stop request (SIGTERM/SIGINT), not a failure
+            name = name.replace("FAILED at", "stopped at", 1)
         results = _evaluation(Path(root), params)
         error_text = f"stage {failed_stage}: {type(error).__name__}: {error}" if error is not None else None
         client.set_tag(run_id, "mlflow.runName", name)
