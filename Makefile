@@ -64,13 +64,8 @@ clean: ## remove .venv and pytest caches
 
 run: setup remote ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
-	$(PY) -m flows.report readme
-	$(MAKE) --no-print-directory push
-	@echo ""
-	@echo "Where to look:"
-	@echo "  MLflow UI:  make mlflow-ui   -> http://127.0.0.1:5000 (experiment rlhf-pipeline, registered model rlhf-policy)"
-	@echo "  DVC:        $(VENV)/bin/dvc metrics show   |   $(VENV)/bin/dvc status   |   plots/*.csv"
-	@echo "  Prefect UI: make prefect-ui  -> http://127.0.0.1:4200 (flow runs, logs, artifacts)"
+	$(PY) -m flows.report readme --quiet
+	$(DVC) push -q  # quiet: the pipeline's summary block stays the last thing printed
 
 pipeline: run ## same as run
 

@@ -40,7 +40,35 @@ EXIT_USAGE = 2
 """A non-training stage started by a launcher with several processes."""
 
 
-@flow(name="rlhf-stage", log_prints=False)  # see flows/__init__.py
+NAME_KEYS = (("learning_rate", "lr"), ("beta", "beta"), ("total_steps", "steps"), ("num_train_epochs", "epochs"),
+             ("source", "source"))
+"""(params key, short label) shown in a stage's Prefect flow run name when its section has it."""
+
+
+def stage_run_name(stage: str, section: dict) -> str:
+    """``stage ppo lr=0.0001 steps=64``: the stage and the headline params of its section."""
+    shown = [f"{label}={section[key]}" for key, label in NAME_KEYS if key in section]
+    return " ".join([f"stage {stage}", *shown])
+
+
+def flow_run_name() -> str:
+    """The Prefect flow run's name (``stage_run_name`` from params.yaml; ``stage <name>`` if it cannot be read)."""
+    from pathlib import Path
+
+    from prefect.runtime import flow_run
+
+    from tasks.params import PARAMS_FILE, as_dict, load_params
+
+    args = flow_run.parameters or {}
+    name = str(args.get("name", "?"))
+    try:
+        params = load_params(Path(args.get("root", ".")) / PARAMS_FILE)
+        return stage_run_name(name, as_dict(params.section(name)))
+    except Exception:  # noqa: BLE001 - the stage itself reports a params error
+        return f"stage {name}"
+
+
+@flow(name="rlhf-stage", flow_run_name=flow_run_name, log_prints=False)  # see flows/__init__.py
 def stage(name: str, root: str = ".") -> dict:
     """Run the task of stage ``name`` in ``root``, holding the checkout lock (re-entrant for the run that started
     this process), and fail with :class:`StageInputsChanged` if its params or deps changed while it ran (DVC

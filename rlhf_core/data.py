@@ -36,9 +36,11 @@ prompt in tokens; ``tasks/param_rules.py`` checks that it plus the sampled token
 class DataFormatError(ValueError):
     """A malformed input file; the message starts with ``<file>:<line>:``."""
 
-    def __init__(self, path: str | Path, line: int | None, message: str):
+    def __init__(self, path: str | Path, line: int | None, message: str, hint_field: str | None = None):
         self.path = str(path)
         self.line = line
+        self.hint_field = hint_field
+        """For a missing text field: the record's field that looks like the text (a caller may suggest it)."""
         where = f"{path}:{line}" if line is not None else f"{path}"
         super().__init__(f"{where}: {message}")
 
@@ -144,7 +146,7 @@ def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DataFormatError(path, lineno, f"invalid JSON ({err.msg})") from None
+                    raise DataFormatError(path, lineno, f"invalid JSON at column {err.colno} ({err.msg})") from None
                 if not isinstance(record, dict):
                     raise DataFormatError(path, lineno, f"expected a JSON object, got {type(record).__name__}")
                 yield lineno, record
@@ -236,9 +238,17 @@ def read_text_records(path: str | Path, text_field: str = "text", limit: int = 0
     return texts
 
 
+def text_like_field(record: dict) -> str | None:
+    """The field of ``record`` holding the longest string of several words (a likely review text), if any."""
+    texts = {str(k): v for k, v in record.items() if isinstance(v, str) and len(v.split()) >= 3}
+    return max(texts, key=lambda k: len(texts[k])) if texts else None
+
+
 def _require_text(file: Path, lineno: int, record: dict, key: str, strip: bool = True) -> str:
     if key not in record:
-        raise DataFormatError(file, lineno, f"missing field {key!r} (fields: {', '.join(map(str, record)) or 'none'})")
+        hint = text_like_field(record)
+        raise DataFormatError(file, lineno, f"missing field {key!r} (fields: {', '.join(map(str, record)) or 'none'})"
+                              + (f"; the text looks like it is in {hint!r}" if hint else ""), hint_field=hint)
     value = record[key]
     if not isinstance(value, str) or not value.strip():
         raise DataFormatError(file, lineno, f"field {key!r} must be a non-empty string, got {value!r}")

@@ -156,8 +156,7 @@ class MLflowTracker(Tracker):
 
     def log_table(self, name, columns, rows, step=None):
         data = {col: [_table_cell(row[i]) for row in rows] for i, col in enumerate(columns)}
-        suffix = f"_step{step}" if step is not None else ""
-        self._mlflow.log_table(data=data, artifact_file=f"tables/{name}{suffix}.json", run_id=self.run_id)
+        self._mlflow.log_table(data=data, artifact_file=table_artifact_file(name, step), run_id=self.run_id)
 
     def log_params(self, params):
         clean = {_mlflow_key(k): str(v)[:6000] for k, v in public_params(params).items()}
@@ -168,6 +167,12 @@ class MLflowTracker(Tracker):
         active = self._mlflow.active_run()
         if self._owns_run and active is not None and active.info.run_id == self.run_id:
             self._mlflow.end_run()
+
+
+def table_artifact_file(name: str, step: int | None) -> str:
+    """MLflow artifact path of a table: ``tables/<name>_step000012.json`` (zero-padded, so the UI lists the
+    steps in order), ``tables/<name>.json`` without a step."""
+    return f"tables/{name}_step{int(step):06d}.json" if step is not None else f"tables/{name}.json"
 
 
 class TensorBoardTracker(Tracker):
@@ -457,8 +462,7 @@ def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str
                 client.log_batch(run_id, params=params)
         elif kind == "table":
             data = {c: [row[i] for row in record["rows"]] for i, c in enumerate(record["columns"])}
-            suffix = f"_step{record['step']}" if record["step"] is not None else ""
-            client.log_table(run_id, data=data, artifact_file=f"tables/{record['name']}{suffix}.json")
+            client.log_table(run_id, data=data, artifact_file=table_artifact_file(record["name"], record["step"]))
     if any(r["kind"] == "finish" for r in records) and client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id)
     spool.rename(spool.with_name(spool.name + ".uploaded"))

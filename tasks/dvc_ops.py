@@ -35,6 +35,10 @@ def _repo(root: str | Path) -> Iterator:
     against the current directory; from outside the repo its outputs look foreign)."""
     from dvc.repo import Repo
 
+    from tasks.logs import single_dvc_output
+
+    single_dvc_output()  # each DVC message printed once
+
     previous = os.getcwd()
     os.chdir(root)
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlhf_core.feedback import MANIFEST, Batch, IntakeLimits, canonical_bytes, stored_keys, validate_files
 from tasks.dvc_ops import _repo
-from tasks.tracking import get_logger
+from tasks.logs import get_logger
 
 EVENT = "rlhf.feedback.ingested"
 

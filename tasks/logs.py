@@ -2,15 +2,98 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from tasks.ranks import is_main_process
 
 
+EXPECTED_LOAD_REPORTS = {
+    ("MISSING", "score."): "the score head is new (expected: the reward model starts from the SFT language model "
+                           "and trains this head)",
+    ("UNEXPECTED", "v_head."): "the PPO value head is not loaded (expected: a policy is used as a plain language "
+                               "model; the value head only served PPO training)",
+}
+"""(status, key prefix) of transformers load-report rows this pipeline expects -> the one-line explanation."""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def load_report_rows(message: str) -> list[tuple[str, str]]:
+    """The (key, status) rows of a transformers ``LOAD REPORT`` message (ANSI colours removed)."""
+    rows = []
+    for line in _ANSI.sub("", message).splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) >= 2 and cells[1] in ("MISSING", "UNEXPECTED", "MISMATCH", "CONVERSION"):
+            rows.append((cells[0], cells[1]))
+    return rows
+
+
+def explain_load_report(message: str) -> str | None:
+    """One line for a load report whose every row is expected (``EXPECTED_LOAD_REPORTS``); None for any other
+    report (it is then shown in full: a real mismatch must stay visible)."""
+    rows = load_report_rows(message)
+    if not rows:
+        return None
+    reasons = []
+    for key, status in rows:
+        reason = next((text for (st, prefix), text in EXPECTED_LOAD_REPORTS.items()
+                       if st == status and key.startswith(prefix)), None)
+        if reason is None:
+            return None
+        if reason not in reasons:
+            reasons.append(reason)
+    head = _ANSI.sub("", message).splitlines()[0].replace(" LOAD REPORT", "").strip()  # "<Class> from: <path>"
+    keys = ", ".join(key for key, _ in rows)
+    return f"load {head}: {keys}: " + "; ".join(reasons)
+
+
+class ExpectedLoadReportFilter(logging.Filter):
+    """Turns an expected transformers load report (a multi-line warning table) into one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - never break logging
+            return True
+        if "LOAD REPORT" in message and (line := explain_load_report(message)) is not None:
+            record.msg, record.args = line, ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def install_load_report_filter() -> None:
+    """Attach ``ExpectedLoadReportFilter`` to the logger transformers reports loads on (once)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(f, ExpectedLoadReportFilter) for f in logger.filters):
+        logger.addFilter(ExpectedLoadReportFilter())
+
+
+DVC_LOGGERS = ("dvc", "dvc_objects", "dvc_data")
+"""The loggers ``import dvc`` gives their own stdout/stderr handlers (``dvc.logger.setup``)."""
+
+
+def single_dvc_output() -> None:
+    """Drop the console handlers ``import dvc`` adds, so each DVC message (``Updating lock file``) is printed
+    once, by the pipeline's own handlers, instead of twice (DVC's plain line plus the propagated record)."""
+    root_console = any(isinstance(h, logging.StreamHandler) for h in logging.getLogger().handlers)
+    if not root_console:  # nothing would print DVC's warnings: keep its handlers
+        return
+    for name in DVC_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler).__module__.startswith("dvc"):
+                logger.removeHandler(handler)
+
+
 def get_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run logger inside a flow/task run (logs stream into the Prefect UI), else a plain one."""
+    """The Prefect run logger inside a flow/task run (logs stream into the Prefect UI), else a plain one.
+    (Also installs ``ExpectedLoadReportFilter``: stages get their logger before they load models.)"""
+    install_load_report_filter()
     try:
         from prefect import get_run_logger
         from prefect.exceptions import MissingContextError
@@ -33,11 +116,90 @@ def on_terminal() -> bool:
     return sys.stderr.isatty()
 
 
-def progress(iterable: Iterable, **kwargs) -> Iterable:
-    """``tqdm`` over ``iterable``, shown only on a terminal and on the main process."""
+def console_loggers() -> list[logging.Logger]:
+    """Every configured logger (root included) with a handler writing to the terminal (stdout/stderr)."""
+    candidates = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                         if isinstance(lg, logging.Logger))]
+    return [lg for lg in candidates if any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                                           and getattr(h, "stream", None) in (sys.stdout, sys.stderr)
+                                           for h in lg.handlers)]
+
+
+@contextlib.contextmanager
+def bar_safe_logging(enabled: bool = True) -> Iterator[None]:
+    """While a progress bar is open, log records go through ``tqdm.write`` (above the bar, never into it)."""
+    if not enabled:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=console_loggers()):
+        yield
+
+
+def progress(iterable: Iterable, **kwargs) -> Iterator:
+    """``tqdm`` over ``iterable``, shown only on a terminal and on the main process; log lines written while it
+    runs appear above the bar (``bar_safe_logging``)."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, disable=not on_terminal() or not is_main_process(), **kwargs)
+    shown = on_terminal() and is_main_process()
+    with bar_safe_logging(shown), tqdm(iterable, disable=not shown, dynamic_ncols=True, **kwargs) as bar:
+        yield from bar
 
 
-__all__ = ["get_logger", "on_terminal", "progress"]
+def log_line(stage: str, step: int, max_steps: int, logs: Mapping[str, Any]) -> str:
+    """One readable line for a Trainer log record, e.g. ``sft step 20/64: loss 1.234, grad_norm 0.5``
+    (numbers to 4 significant digits; ``total_flos`` and strings dropped)."""
+    shown = [f"{k} {v:.4g}" for k, v in logs.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("total_flos", "epoch", "step")]
+    epoch = f" (epoch {logs['epoch']:.2f})" if isinstance(logs.get("epoch"), (int, float)) else ""
+    return f"{stage} step {step}/{max_steps}{epoch}: " + (", ".join(shown) or "-")
+
+
+def quiet_trainer_output(trainer: Any, stage: str) -> None:
+    """Replace transformers' log printers (``PrinterCallback`` prints raw dicts; ``ProgressCallback`` writes them
+    under its bar) with ``StageProgressCallback``: one bar on a terminal, one log line per logging step."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(stage_progress_callback(stage))
+
+
+def stage_progress_callback(stage: str) -> Any:
+    """A ``TrainerCallback`` for one training stage: a tqdm bar named after it on a terminal (log records routed
+    above it), and each Trainer log record as one ``log_line`` through the stage's logger (no raw dicts)."""
+    from transformers import TrainerCallback
+
+    class StageProgressCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.bar, self.redirect = None, contextlib.ExitStack()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.is_world_process_zero and on_terminal():
+                from tqdm.auto import tqdm
+
+                self.redirect.enter_context(bar_safe_logging())
+                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=stage, unit="step",
+                                dynamic_ncols=True)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs:
+                get_logger().info(log_line(stage, state.global_step, state.max_steps, logs))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            self.redirect.close()
+
+    return StageProgressCallback()
+
+
+__all__ = ["DVC_LOGGERS", "EXPECTED_LOAD_REPORTS", "ExpectedLoadReportFilter", "bar_safe_logging", "explain_load_report",
+           "install_load_report_filter", "load_report_rows", "console_loggers", "get_logger", "log_line", "on_terminal", "progress",
+           "quiet_trainer_output", "single_dvc_output", "stage_progress_callback"]

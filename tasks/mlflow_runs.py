@@ -31,6 +31,12 @@ DEFAULT_EXPERIMENT = "rlhf-pipeline"
 PARENT_ENV = "RLHF_PARENT_RUN_ID"
 """Environment variable carrying the parent (pipeline) run id to stages run by ``dvc repro``."""
 
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development",
+                   "mlflow.note.content": "RLHF pipeline runs: one parent run per `python -m flows.pipeline` (named for "
+                                          "what it did), one child run per stage. Open a parent's children with the "
+                                          "+ in the run list; charts in each run's Model metrics tab."}
+"""Experiment tags: the UI opens the experiment on its "Model training" runs view (not the GenAI overview)."""
+
 SPOOL_DIR = "tracking-spool"
 """Where stages keep tracking data while the server is unreachable (in the project; git- and DVC-ignored)."""
 
@@ -61,19 +67,106 @@ def mlflow_setup(root: str | Path) -> str:
     exp = client.get_experiment_by_name(experiment_name())
     if exp is None:
         artifacts = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-        return client.create_experiment(experiment_name(), artifact_location=artifacts)
+        return client.create_experiment(experiment_name(), artifact_location=artifacts, tags=EXPERIMENT_TAGS)
+    if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):  # an experiment made by an older version
+        for key, value in EXPERIMENT_TAGS.items():
+            client.set_experiment_tag(exp.experiment_id, key, value)
     return exp.experiment_id
 
 
 def mlflow_ui_link(experiment_id: str, run_id: str) -> str:
-    """The MLflow UI page of a run (``$RLHF_MLFLOW_UI_URL``, default ``http://127.0.0.1:5000``)."""
+    """The MLflow UI page of a run (``$RLHF_MLFLOW_UI_URL``, default ``http://127.0.0.1:5000``), opened in the
+    UI's "Model training" view (``workflowType=machine_learning``; without it a fresh browser shows GenAI)."""
     base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+RUNNING_NAME = "pipeline (running)"
+"""The parent run's name until it ends and is named for what it did (``pipeline_run_name``)."""
+
+NOOP_NAME = "no-op: up to date"
+"""The name of a parent run that trained and registered nothing (it is then deleted: hidden in the UI)."""
+
+
+def flat_params(params: Any) -> dict[str, str]:
+    """Every resolved section of ``params`` (a ``tasks.params.Params``) as ``<section>.<key>`` -> str."""
+    from tasks.params import SECTIONS, as_dict
+
+    flat: dict[str, str] = {}
+    for section in SECTIONS:
+        if section == "paths":
+            continue
+        for key, value in as_dict(params.section(section)).items():
+            flat[f"{section}.{key}"] = str(value)[:6000]
+    return flat
+
+
+def changed_params(current: Mapping[str, str], previous: Mapping[str, str] | None) -> dict[str, str]:
+    """The params of ``current`` whose value differs from ``previous`` (new keys included); {} with no previous."""
+    if not previous:
+        return {}
+    return {k: v for k, v in current.items() if previous.get(k) != v}
+
+
+def pipeline_run_name(source: str, ran: list[str], changed: Mapping[str, str], dvc_exp: str | None = None,
+                      failed_stage: str | None = None) -> str:
+    """What a pipeline run did, in the run list's name column, e.g. ``ppo,evaluate | ppo.learning_rate=1e-4 |
+    data=synthetic`` or ``[exp-1a2b3] ...`` under ``dvc exp run``; ``NOOP_NAME`` when nothing ran."""
+    if not ran and not failed_stage:
+        return NOOP_NAME
+    from tasks.params import STAGES
+
+    what = ("all stages" if set(STAGES) <= set(ran) else ",".join(ran)) if not failed_stage else \
+        f"FAILED at {failed_stage}"
+    parts = [what]
+    if changed:
+        shown = [f"{k}={v}" for k, v in list(changed.items())[:3]]
+        parts.append(" ".join(shown) + (f" (+{len(changed) - 3})" if len(changed) > 3 else ""))
+    parts.append(f"data={Path(source).name if source not in ('synthetic', '') else source}")
+    name = " | ".join(parts)
+    return (f"[{dvc_exp}] " if dvc_exp else "") + name[:240]
+
+
+def pipeline_note(ran: list[str], skipped: list[str], changed: Mapping[str, str], source: str,
+                  results: Mapping[str, Mapping[str, float]], registry: Mapping[str, Any] | None,
+                  error: str | None = None) -> str:
+    """Markdown description of a pipeline run (the ``mlflow.note.content`` tag shown on the run page)."""
+    lines = [f"**Pipeline run** on data `{source}`.", "",
+             f"- stages run: {', '.join(ran) or 'none'}", f"- up to date (skipped): {', '.join(skipped) or 'none'}",
+             "- params changed since the previous pipeline run: "
+             + (", ".join(f"`{k}={v}`" for k, v in changed.items()) or "none (or first run)")]
+    if registry is not None:
+        lines.append(f"- registry: {registry.get('reason')}")
+    if error:
+        lines += ["", f"**Failed**: {error}"]
+    if results:
+        keys = list(next(iter(results.values())))
+        lines += ["", "| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        lines += [f"| {p} | " + " | ".join(str(v.get(k, "")) for k in keys) + " |" for p, v in results.items()]
+    lines += ["", "Stage runs are the children of this run (expand it in the run list); charts: the evaluate run."]
+    return "\n".join(lines)
+
+
+def headline_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """``metrics/evaluate.json`` as flat MLflow metrics ``<policy>.<metric>`` (numbers only)."""
+    return {f"{policy}.{key}": float(value) for policy, row in results.items() for key, value in row.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def previous_pipeline_params(client: Any, exp_id: str, exclude_run: str) -> dict[str, str] | None:
+    """The params of the latest finished pipeline run other than ``exclude_run`` (None when there is none)."""
+    runs = client.search_runs([exp_id], filter_string="tags.`rlhf.kind` = 'pipeline' and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time DESC"], max_results=5)
+    for run in runs:
+        if run.info.run_id != exclude_run and run.data.params:
+            return dict(run.data.params)
+    return None
 
 
 def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None) -> str:
     """Create the parent MLflow run of one pipeline run; returns its id (the run is not made active).
 
+    It is named ``RUNNING_NAME`` until ``end_pipeline_run`` names it for what it did.
     The pipeline flow is single-process: under a launcher it fails here, before any stage runs."""
     import mlflow
 
@@ -87,25 +180,79 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
     exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
     tags = {"rlhf.kind": "pipeline", "rlhf.entry": entry, "git.commit": git_commit(root),
-            "prefect.flow_run_id": prefect_flow_run_id(),
-            "mlflow.runName": run_name or f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"}
+            "prefect.flow_run_id": prefect_flow_run_id(), "mlflow.runName": run_name or RUNNING_NAME}
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
     tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
     run = client.create_run(exp_id, tags=tags)
     return run.info.run_id
 
 
 def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED",
-                     summary: Mapping[str, Any] | None = None) -> None:
-    """End the parent run with ``status``, each ``summary`` entry as an ``rlhf.<key>`` tag (no-op offline)."""
+                     summary: Mapping[str, Any] | None = None, *, params: Any = None, ran: list[str] | None = None,
+                     skipped: list[str] | None = None, registry: Mapping[str, Any] | None = None,
+                     failed_stage: str | None = None, error: BaseException | None = None) -> bool:
+    """End the parent run with ``status``: each ``summary`` entry as an ``rlhf.<key>`` tag; with ``params`` (the
+    resolved ``Params``) also its name (``pipeline_run_name``), every stage's params, the headline metrics of
+    ``metrics/evaluate.json``, a description, and on failure the failing stage and error as tags.
+
+    A finished run that ran nothing and registered nothing is tagged ``rlhf.noop=true`` and deleted (the UI hides
+    deleted runs). Returns False when the run was deleted (or there is none), else True."""
     import mlflow
+    from mlflow.entities import Metric, Param
 
     if not run_id or not tracking_reachable(root):
-        return
-    mlflow_setup(root)
+        return False
+    exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
     for key, value in (summary or {}).items():
         client.set_tag(run_id, f"rlhf.{key}", str(value)[:5000])
+    if failed_stage:
+        client.set_tag(run_id, "rlhf.failed_stage", failed_stage)
+    if error is not None:
+        client.set_tag(run_id, "rlhf.error", f"{type(error).__name__}: {error}"[:5000])
+    if params is not None:
+        ran, skipped = list(ran or []), list(skipped or [])
+        flat = flat_params(params)
+        changed = changed_params(flat, previous_pipeline_params(client, exp_id, run_id))
+        noop = status == "FINISHED" and not ran and not (registry or {}).get("registered")
+        source = params.prepare.source
+        name = pipeline_run_name(source, ran, changed, os.environ.get("DVC_EXP_NAME"), failed_stage)
+        if status == "KILLED":  # a stop request (SIGTERM/SIGINT), not a failure
+            name = name.replace("FAILED at", "stopped at", 1)
+        results = _evaluation(Path(root), params)
+        error_text = f"stage {failed_stage}: {type(error).__name__}: {error}" if error is not None else None
+        client.set_tag(run_id, "mlflow.runName", name)
+        client.set_tag(run_id, "mlflow.note.content",
+                       pipeline_note(ran, skipped, changed, source, results, registry, error_text))
+        client.set_tag(run_id, "rlhf.changed_params", ",".join(changed)[:5000] or "none")
+        if noop:
+            client.set_tag(run_id, "rlhf.noop", "true")
+        else:
+            items = [Param(k, v) for k, v in flat.items()]
+            for start in range(0, len(items), 100):  # MLflow's log_batch takes at most 100 params
+                client.log_batch(run_id, params=items[start:start + 100])
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, 0) for k, v in headline_metrics(results).items()] if ran else []
+            if metrics:
+                client.log_batch(run_id, metrics=metrics)
+        client.set_terminated(run_id, status=status)
+        if noop:
+            client.delete_run(run_id)
+            return False
+        return True
     client.set_terminated(run_id, status=status)
+    return True
+
+
+def _evaluation(root: Path, params: Any) -> dict:
+    import json
+
+    path = root / params.paths.metrics / "evaluate.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        return {}
 
 
 class StageSpoolingTracker(SpoolingTracker):
@@ -114,6 +261,16 @@ class StageSpoolingTracker(SpoolingTracker):
     log, and the end-of-stage reminder is the stage's own (``stage_run``), not a second one from ``finish``."""
 
     remind_on_finish = False
+
+    def log_params(self, params):
+        """Log ``params``, dropping an unprefixed key (a trainer's own config, e.g. ``learning_rate``) whose value
+        the stage already logged as ``<stage>.<key>`` (``ppo.learning_rate``): each param appears once."""
+        logged = self.__dict__.setdefault("_logged_params", {})
+        fresh = {k: v for k, v in params.items()
+                 if not ("." not in k and logged.get(f"{self.run_name}.{k}") == str(v))}
+        logged.update({k: str(v) for k, v in fresh.items()})
+        if fresh:
+            super().log_params(fresh)
 
     def spool_file_name(self) -> str:
         return f"{self.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}.jsonl"
@@ -143,6 +300,8 @@ def stage_tracker(root: Path, stage: str) -> StageSpoolingTracker:
 
 
 __all__ = [
-    "DEFAULT_EXPERIMENT", "PARENT_ENV", "SPOOL_DIR", "StageSpoolingTracker", "end_pipeline_run", "experiment_name",
-    "mlflow_setup", "mlflow_ui_link", "stage_tracker", "start_pipeline_run", "tracking_reachable", "tracking_uri",
+    "DEFAULT_EXPERIMENT", "NOOP_NAME", "PARENT_ENV", "RUNNING_NAME", "SPOOL_DIR", "StageSpoolingTracker",
+    "changed_params", "end_pipeline_run", "experiment_name", "flat_params", "headline_metrics", "mlflow_setup",
+    "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "stage_tracker",
+    "start_pipeline_run", "tracking_reachable", "tracking_uri",
 ]

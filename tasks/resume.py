@@ -17,7 +17,7 @@ from typing import Any
 from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint
 from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.distributed import any_process, check_replicas_identical, is_main_process
-from tasks.logs import get_logger, on_terminal
+from tasks.logs import get_logger, on_terminal, quiet_trainer_output
 from tasks.params import as_dict
 from tasks.paths import stage_checkpoint_dir
 from tasks.stage_run import StageRun
@@ -77,6 +77,7 @@ class Resumable:
         """``trainer.train()`` from the latest complete checkpoint; ``Preempted`` if a signal stopped it early;
         under data parallelism, checks that every rank ended with the same weights."""
         log = get_logger()
+        quiet_trainer_output(trainer, self.stage)  # one bar on a terminal, one log line per logging step
         last = latest_checkpoint(self.checkpoints)
         if last is not None:
             log.info("%s: resuming from %s", self.stage, last)

@@ -220,6 +220,9 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
         raise
     handle.summary.setdefault("seconds", round(time.time() - started, 1))
     tracker.log({"stage_seconds": time.time() - started})
+    if run_id and not handle.offline:  # the run page's Description: what the stage did
+        with contextlib.suppress(Exception):
+            mlflow.MlflowClient().set_tag(run_id, "mlflow.note.content", stage_note(stage, handle.summary))
     end("FINISHED")
     if handle.offline:
         handle.summary["tracking_spool"] = str(handle.spool_path)
@@ -227,6 +230,13 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
                              stage, handle.spool_path)
     create_stage_artifact(handle)
     barrier()  # the other ranks leave only once the outputs and the run are complete
+
+
+def stage_note(stage: str, summary: Mapping[str, Any]) -> str:
+    """Markdown description of a finished stage run: its summary as a two-column table."""
+    rows = [f"| {k} | {round(v, 4) if isinstance(v, float) else v} |" for k, v in summary.items()]
+    return "\n".join([f"**Stage `{stage}`** of the RLHF pipeline (the parent run describes the whole run).", "",
+                      "| key | value |", "|---|---|", *rows])
 
 
 def create_stage_artifact(handle: StageRun) -> None:
@@ -243,4 +253,4 @@ def create_stage_artifact(handle: StageRun) -> None:
         description=f"{handle.stage}: MLflow run link")
 
 
-__all__ = ["StageRun", "create_stage_artifact", "stage_run"]
+__all__ = ["StageRun", "create_stage_artifact", "stage_note", "stage_run"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.tracking import get_logger
+from tasks.logs import get_logger
 
 RECORDED = ("dvc.lock", "metrics", "plots")
 TRAILER = "Retrained-branch"

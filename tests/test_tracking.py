@@ -43,7 +43,7 @@ def test_mlflow_tracker_logs_metrics_tables_and_params(tmp_path, monkeypatch):
     assert run.data.metrics == {"objective/kl": 0.5, "ppo/loss/total": 1.25}
     assert run.data.params == {"learning_rate": "0.1"}
     artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "tables")]
-    assert artifacts == ["tables/game_log_step3.json"]
+    assert artifacts == ["tables/game_log_step000003.json"]
 
 
 def test_tensorboard_tracker_writes_event_files(tmp_path):
@@ -140,7 +140,7 @@ def test_log_stats_columns_with_tensor_numpy_and_string_values_reach_mlflow(tmp_
     assert not [w for w in caught if "unreachable" in str(w.message) or "not logged" in str(w.message)]
     run = mlflow.get_run(run_id)
     assert run.data.metrics == {"kl": 0.5, "mean": 1.5, "text_number": 2.5}
-    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="tables/game_log_step1.json",
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="tables/game_log_step000001.json",
                                                 dst_path=str(tmp_path / "dl"))
     table = json.loads(open(local).read())
     assert table["columns"] == ["query", "response", "reward", "ids"]

@@ -70,7 +70,7 @@ def test_ppo_stage_against_a_refusing_server_completes_and_uploads_later(tokeniz
     assert history[-1].value == pytest.approx(float(stats["objective/kl"]))
     assert run.data.params["batch_size"] == "2" and run.info.status == "FINISHED"
     tables = {a.path for a in client.list_artifacts(run.info.run_id, "tables")}
-    assert tables == {"tables/game_log_step1.json", "tables/game_log_step2.json"}
+    assert tables == {"tables/game_log_step000001.json", "tables/game_log_step000002.json"}
     assert not spool.exists() and spool.with_name(spool.name + ".uploaded").exists()  # never replayed twice
 
 

@@ -1,0 +1,94 @@
+"""The one block a pipeline run ends with: results table, the MLflow run's address, the next commands.
+
+``results_table`` is the plain-text table of ``metrics/evaluate.json`` (one row per policy, the champion
+marked); ``end_block`` puts it together with the link and the commands. Both are pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+COLUMNS = (("gold_reward", "gold reward", 3), ("rm_reward", "RM score", 3), ("kl", "KL", 2),
+           ("perplexity", "perplexity", 2), ("win_rate", "win rate", 3))
+"""(metric key in evaluate.json, column header, decimals), in display order."""
+
+NEXT_COMMANDS = (
+    ("make mlflow-ui", "MLflow UI on http://127.0.0.1:5000 (runs, charts, registered model rlhf-policy)"),
+    (".venv/bin/dvc metrics show", "the metrics of this workspace"),
+    (".venv/bin/dvc plots show", "the plots as offline HTML (dvc_plots/index.html)"),
+    (".venv/bin/dvc status", "which stages are stale"),
+    ("make prefect-ui", "Prefect UI on http://127.0.0.1:4200 (flow runs, logs, artifacts)"),
+)
+"""(command as it runs from the project root with or without the venv activated, what it shows)."""
+
+
+def _cell(value: object, decimals: int) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value is None else str(value)
+    return f"{value:.{decimals}f}"
+
+
+def results_table(results: Mapping[str, Mapping[str, float]], champion: str | None = None) -> str:
+    """Aligned text table of ``results`` (policy -> metric -> value); the ``champion`` row ends in ``<- champion``.
+
+    Columns are ``COLUMNS`` that any policy has, then any other metric in the file's order."""
+    if not results:
+        return "(no evaluation results: metrics/evaluate.json is missing or empty)"
+    present = [key for row in results.values() for key in row]
+    known = [(k, h, d) for k, h, d in COLUMNS if k in present]
+    extra = [(k, k, 3) for k in dict.fromkeys(present) if k not in {c[0] for c in COLUMNS}]
+    columns = known + extra
+    header = ["policy", *(h for _, h, _ in columns)]
+    rows = [[policy, *(_cell(row.get(k), d) for k, _, d in columns)] for policy, row in results.items()]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    for policy, cells in zip(results, rows):
+        out.append(line(cells) + ("  <- champion" if policy == champion else ""))
+    return "\n".join(out)
+
+
+def champion_of(decision: Mapping[str, object]) -> str | None:
+    """The policy the registry step made champion in this run (None when it kept the old one or did nothing)."""
+    if decision.get("registered") and decision.get("decision") == "promote":
+        return str(decision.get("policy"))
+    return None
+
+
+def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decision: Mapping[str, object],
+              run_url: str | None, noop: bool = False) -> str:
+    """The block printed once at the end of ``python -m flows.pipeline`` (and so of ``make run``); ``noop``: the
+    run trained and registered nothing, so its MLflow run was not kept (no link)."""
+    champion = champion_of(decision)
+    lines = ["", "=" * 72, f"RLHF pipeline: stages run: {', '.join(ran) or 'none (everything up to date)'}",
+             f"registry: {decision.get('reason') or 'not run'}", "", results_table(results, champion), ""]
+    if champion is None and decision.get("policy"):
+        lines[-1:] = [f"(registry kept the previous champion; challenger was {decision.get('policy')})", ""]
+    if run_url:
+        lines.append(f"MLflow run: {run_url}")
+    elif noop:
+        lines.append("MLflow run: none kept (nothing ran; the latest runs are in `make mlflow-ui`)")
+    else:
+        lines.append("MLflow run: none (tracking server unreachable; stages spooled, upload with "
+                     "`make tracking-upload`)")
+    if run_url:
+        lines.append("            (start the UI first: make mlflow-ui)")
+    lines += ["", "Next:"]
+    width = max(len(c) for c, _ in NEXT_COMMANDS)
+    lines += [f"  {command.ljust(width)}   # {what}" for command, what in NEXT_COMMANDS]
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def load_results(path: str | Path) -> dict:
+    """The evaluation results at ``path`` (``metrics/evaluate.json``), or ``{}`` when there are none yet."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+__all__ = ["COLUMNS", "NEXT_COMMANDS", "champion_of", "end_block", "load_results", "results_table"]
