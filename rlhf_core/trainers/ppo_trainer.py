@@ -4,7 +4,9 @@
 (per-token KL + score on the last real token) -> GAE -> minibatch epochs -> stats -> KL update.
 The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Neighbours:
 ``generation`` (sampling), ``ppo_validation`` (step/generate input checks), ``ppo_state`` (exact resume),
-``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader).
+``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader),
+``ppo_setup`` (accelerator config, tracker, optimizer, collator), ``ppo_stats`` (the step's stats and their
+logging), ``ppo_hub`` (pushing to the Hub) and ``timing`` (the phase timer).
 
 As in classic TRL, every forward pass of ``step`` runs with dropout disabled (``model.eval()``), so
 the first mini-batch's probability ratio is exactly 1 and rollout and learning see the same model.
