@@ -16,6 +16,7 @@ import torch
 from accelerate.utils import ProjectConfiguration
 from torch.utils.data import default_collate
 
+from rlhf_core.kl_control import AdaptiveKLController, FixedKLController
 from rlhf_core.tracking import Tracker, make_tracker
 from rlhf_core.trainers.ppo_config import PPOConfig
 
@@ -87,6 +88,13 @@ def build_tracker(config: PPOConfig) -> Tracker:
 
         return WandbTracker(config.tracker_project_name, **kwargs)
     return make_tracker(config.log_with, config.tracker_project_name, **kwargs)
+
+
+def kl_controller(config: PPOConfig) -> AdaptiveKLController | FixedKLController:
+    """The KL coefficient's controller: adaptive toward ``target`` over ``horizon`` (``adap_kl_ctrl``), else fixed."""
+    if config.adap_kl_ctrl:
+        return AdaptiveKLController(config.init_kl_coef, config.target, config.horizon)
+    return FixedKLController(config.init_kl_coef)
 
 
 def default_adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:

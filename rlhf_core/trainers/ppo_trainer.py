@@ -46,7 +46,7 @@ from rlhf_core.trainers.generation import (
     pad_id_of,
 )
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
-from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo_config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
 from rlhf_core.trainers.ppo_validation import (
@@ -101,27 +101,10 @@ class PPOTrainer:
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, data_collator)
         if optimizer is None:
             optimizer = ppo_setup.default_adam([p for p in model.parameters() if p.requires_grad], config.learning_rate)
-        self.kl_ctl = (
-            AdaptiveKLController(config.init_kl_coef, config.target, config.horizon)
-            if config.adap_kl_ctrl
-            else FixedKLController(config.init_kl_coef)
-        )
-        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()
-        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
-        if self.dataloader is not None:
-            self.dataloader = ppo_state.track_data_position(
-                self.accelerator.prepare(self.dataloader), config.batch_size * self.accelerator.num_processes)
-        if self.ref_model is not None:
-            self.ref_model = self.ref_model.to(self.accelerator.device)
+        self.kl_ctl = ppo_setup.kl_controller(config)
+        self._prepare(model, optimizer, lr_scheduler)
         self.running = RunningMoments(self.accelerator)
-        if not self.accelerator.is_main_process:
-            tracker = make_tracker(None)
-        elif tracker is None:  # ``tracker=``: a ready Tracker; else the one ``config.log_with`` names
-            tracker = ppo_setup.build_tracker(config)
-        self.tracker = tracker
-        if self.accelerator.is_main_process:
-            self.tracker.log_params(config.to_dict())
+        self.tracker = self._setup_tracker(tracker)
         ppo_hub.init_push_if_best(self, config)
         self.current_step = 0
         self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
@@ -146,6 +129,27 @@ class PPOTrainer:
             raise ValueError("tokenizer must be a transformers tokenizer (PreTrainedTokenizerBase)")
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
             raise ValueError("tokenizer needs a pad_token or an eos_token to pad batches")
+
+    def _prepare(self, model, optimizer, lr_scheduler) -> None:
+        """Hand model, optimizer, scheduler and dataloader to accelerate; put the reference model on the device."""
+        if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
+        if self.dataloader is not None:
+            self.dataloader = ppo_state.track_data_position(
+                self.accelerator.prepare(self.dataloader), self.config.batch_size * self.accelerator.num_processes)
+        if self.ref_model is not None:
+            self.ref_model = self.ref_model.to(self.accelerator.device)
+
+    def _setup_tracker(self, tracker: Tracker | None) -> Tracker:
+        """``tracker=`` (a ready Tracker), else the one ``config.log_with`` names; a no-op one off the main
+        process. The main process logs the config as the run's parameters."""
+        if not self.accelerator.is_main_process:
+            return make_tracker(None)
+        if tracker is None:
+            tracker = ppo_setup.build_tracker(self.config)
+        tracker.log_params(self.config.to_dict())
+        return tracker
 
     def _resolve_reference(self, model, ref_model, num_shared_layers):
         if ref_model is not None:
