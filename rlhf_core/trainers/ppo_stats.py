@@ -54,11 +54,12 @@ def _length_stats(kind: str, sequences: Sequence[torch.Tensor]) -> dict[str, tor
 def record_step_stats(kl_coef: float, *, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                       non_score_reward: torch.Tensor, train_stats: Mapping[str, torch.Tensor], masks: torch.Tensor,
                       queries: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
-                      kls: torch.Tensor) -> dict[str, Any]:
+                      kls: torch.Tensor, **_ignored: Any) -> dict[str, Any]:
     """The classic stats dict (objective/*, ppo/*, tokens/*), tensors detached.
 
     ``scores`` (B,); ``logprobs``, ``ref_logprobs``, ``non_score_reward``, ``kls``, ``masks`` (B, A);
-    ``train_stats`` maps a name to the stacked per-mini-batch values, averaged over dim 0 here.
+    ``train_stats`` maps a name to the stacked per-mini-batch values, averaged over dim 0 here. Other keyword
+    arguments are ignored, as classic TRL's ``record_step_stats(kl_coef, **data)`` ignores extra keys.
     """
     stats = _kl_stats(kls, logprobs, ref_logprobs, masks, kl_coef)
     stats.update({
