@@ -259,23 +259,29 @@ def _record(rule: RegistryParams, version, registered: bool, reason: str | None 
             f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
 
 
-@task(name="registry", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
-    """Register the evaluated challenger; move ``champion`` if it wins. Returns the decision record."""
-    require_single_process("registry", "`python -m flows.pipeline` (it runs the registry step after evaluate)")
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
+# --------------------------------------------------------------------------------------------
+# the registry step, in named steps
+# --------------------------------------------------------------------------------------------
 
-    from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
 
-    root = Path(root).resolve()
-    params = load_params(root / PARAMS_FILE)
-    rule, paths = params.registry, params.paths
-    log = get_logger()
-    if not tracking_reachable(root):  # the registry lives on the server: nothing to spool, run it again later
-        log.warning("registry: tracking server %s unreachable; nothing registered. Run `python -m flows.pipeline` "
-                    "again when it is back (trained stages are not re-run).", tracking_uri(root))
-        return {"registered": False, "reason": "tracking server unreachable"}
+@dataclass(frozen=True)
+class Challenger:
+    """The evaluated policy to register, as ``evaluate`` scored it."""
+
+    name: str
+    """The policy (stage) name, e.g. ``ppo``: the best of ``registry.candidates`` by ``registry.metric``."""
+    weights: Path
+    """Its weights directory (``paths.models``/name)."""
+    weights_md5: str
+    """Content hash of the weights, equal to the one ``evaluate`` scored."""
+    evaluation_md5: str
+    """Hash of the evaluation set it was scored on."""
+    metrics: dict[str, float]
+    """Its metrics on that evaluation set (``metrics/evaluate.json``)."""
+
+
+def _load_challenger(root: Path, rule: RegistryParams, paths) -> Challenger:
+    """Read ``metrics/evaluate.json``, pick the challenger and check its weights are the ones evaluate scored."""
     evaluation_path = root / paths.metrics / "evaluate.json"
     if not evaluation_path.exists():
         raise FileNotFoundError(f"{evaluation_path}: run the evaluate stage before the registry step")
@@ -292,62 +298,121 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         raise WeightsMismatchError(
             f"{weights}: its content hash {weights_md5} is not the {scored['policies'].get(name)} that evaluate "
             f"scored ({evaluation_path}); nothing registered. Run the evaluate stage again (`python -m flows.pipeline`)")
-    evaluation_md5 = scored["evaluation_set"]
+    return Challenger(name, weights, weights_md5, scored["evaluation_set"], results[name])
+
+
+def _finish_earlier_attempt(client, rule: RegistryParams, challenger: Challenger) -> dict | None:
+    """The record of the version already registered for these weights on this evaluation set (completing it
+    first when an earlier attempt stopped half-way), or None when there is none."""
+    existing = _versions(client, rule.model_name, {"lineage.weights_md5": challenger.weights_md5,
+                                                     "evaluation.set_md5": challenger.evaluation_md5})
+    if not existing:
+        return None
+    log, version = get_logger(), existing[-1]
+    if version.tags.get("registry.state") != COMPLETE:
+        log.warning("registry: %s v%s was created but not completed (decision %s): completing it",
+                    rule.model_name, version.version, version.tags.get("decision"))
+        _complete(client, rule, version)
+        return _record(rule, client.get_model_version(rule.model_name, version.version), True)
+    log.info("registry: %s weights %s on evaluation set %s already registered as v%s; nothing to do",
+             challenger.name, challenger.weights_md5[:8], challenger.evaluation_md5[:8], version.version)
+    return _record(rule, version, False, "already registered for this evaluation")
+
+
+def _lineage(client, root: Path, paths, experiment_id: str, challenger: Challenger) -> dict[str, str]:
+    """Lineage tags: git commit, weights and evaluation-set hashes, the evaluation run, DVC hashes of the data."""
+    c = challenger
+    return {"lineage.git_commit": git_commit(root), "lineage.weights_md5": c.weights_md5,
+            "evaluation.set_md5": c.evaluation_md5,
+            "evaluation.run_id": _evaluation_run_id(client, experiment_id, c.evaluation_md5, c.name, c.weights_md5),
+            **{f"dvc.{k}": v for k, v in _data_hashes(root, paths, c.name).items()}}
+
+
+def _decision_tags(challenger: Challenger, decision: Decision, rule: RegistryParams, champion,
+                   champion_metrics: dict[str, float] | None, rescored: bool) -> dict[str, str]:
+    """Decision tags: policy, promote/keep and why, the rule, and both sides' metrics."""
+    tags = {"policy": challenger.name, "decision": "promote" if decision.promote else "keep",
+            "reason": decision.reason, "rule": json.dumps(as_dict(rule), sort_keys=True),
+            **{f"metric.{k}": str(v) for k, v in challenger.metrics.items()}}
+    if champion is not None:
+        tags.update({"champion.version": champion.version, "champion.rescored": str(rescored).lower(),
+                     **{f"champion.metric.{k}": str(v) for k, v in champion_metrics.items()}})
+    return tags
+
+
+def _model_source(client, rule: RegistryParams, root: Path, challenger: Challenger,
+                  lineage: dict[str, str]) -> tuple[str, str]:
+    """(model uri, model id) to register: the MLflow Model logged for the same weights on another evaluation
+    set when there is one, else a newly logged one."""
+    same_weights = _versions(client, rule.model_name, {"lineage.weights_md5": challenger.weights_md5})
+    if same_weights and same_weights[-1].source.startswith("models:/m-"):  # scored on another set: re-use
+        source = same_weights[-1].source
+        return source, source.removeprefix("models:/")
+    card = _model_card(challenger.name, challenger.weights, lineage)
+    return _log_model(root, challenger.name, challenger.weights, card)
+
+
+def _register_version(client, rule: RegistryParams, run_id: str | None, source: str, model_id: str,
+                      tags: dict[str, str], description: str):
+    """Create the registered model if needed and a new ``pending`` version; set its aliases; mark it complete."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(rule.model_name, description="RLHF policies evaluated by the pipeline; "
+                                       "`champion` = the current best, `challenger` = the latest registered")
+    except MlflowException:
+        pass  # exists
+    version = client.create_model_version(rule.model_name, source=source, run_id=run_id or None, model_id=model_id,
+                                          tags={**tags, "registry.state": PENDING}, description=description)
+    _complete(client, rule, version)
+    return version
+
+
+def _tag_run(client, run, decision_tags: dict[str, str], decision: Decision, version, champion) -> None:
+    """Tag the registry's MLflow run (when there is one) with the outcome, and put it in the stage summary."""
+    run_tags = {"registry.decision": decision_tags["decision"], "registry.reason": decision.reason,
+                "registry.version": version.version,
+                "registry.previous_champion": champion.version if champion else "none"}
+    for key, value in run_tags.items() if run.run_id else ():
+        client.set_tag(run.run_id, key, value)
+    run.summary.update(run_tags)
+
+
+@task(name="registry", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
+    """Register the evaluated challenger; move ``champion`` if it wins. Returns the decision record."""
+    require_single_process("registry", "`python -m flows.pipeline` (it runs the registry step after evaluate)")
+    from mlflow import MlflowClient
+
+    from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
+
+    root = Path(root).resolve()
+    params = load_params(root / PARAMS_FILE)
+    rule, paths = params.registry, params.paths
+    if not tracking_reachable(root):  # the registry lives on the server: nothing to spool, run it again later
+        get_logger().warning("registry: tracking server %s unreachable; nothing registered. Run `python -m "
+                             "flows.pipeline` again when it is back (trained stages are not re-run).", tracking_uri(root))
+        return {"registered": False, "reason": "tracking server unreachable"}
+    challenger = _load_challenger(root, rule, paths)
     experiment_id = mlflow_setup(root)
     client = MlflowClient()
-
-    existing = _versions(client, rule.model_name, {"lineage.weights_md5": weights_md5,
-                                                     "evaluation.set_md5": evaluation_md5})
-    if existing:
-        version = existing[-1]
-        if version.tags.get("registry.state") != COMPLETE:  # an earlier attempt stopped half-way: finish it
-            log.warning("registry: %s v%s was created but not completed (decision %s): completing it",
-                        rule.model_name, version.version, version.tags.get("decision"))
-            _complete(client, rule, version)
-            return _record(rule, client.get_model_version(rule.model_name, version.version), True)
-        log.info("registry: %s weights %s on evaluation set %s already registered as v%s; nothing to do",
-                 name, weights_md5[:8], evaluation_md5[:8], version.version)
-        return _record(rule, version, False, "already registered for this evaluation")
-
-    challenger = results[name]
-    champion, champion_metrics, rescored = _champion_on(client, rule, root, evaluation_md5)
-    decision = decide(challenger, champion_metrics, rule)
-    lineage = {"lineage.git_commit": git_commit(root), "lineage.weights_md5": weights_md5,
-               "evaluation.set_md5": evaluation_md5,
-               "evaluation.run_id": _evaluation_run_id(client, experiment_id, evaluation_md5, name, weights_md5),
-               **{f"dvc.{k}": v for k, v in _data_hashes(root, paths, name).items()}}
-    decision_tags = {"policy": name, "decision": "promote" if decision.promote else "keep", "reason": decision.reason,
-                     "rule": json.dumps(as_dict(rule), sort_keys=True),
-                     **{f"metric.{k}": str(v) for k, v in challenger.items()}}
-    if champion is not None:
-        decision_tags.update({"champion.version": champion.version, "champion.rescored": str(rescored).lower(),
-                              **{f"champion.metric.{k}": str(v) for k, v in champion_metrics.items()}})
-    deps = [f"{paths.metrics}/evaluate.json", f"{paths.models}/{name}"]
+    done = _finish_earlier_attempt(client, rule, challenger)
+    if done is not None:
+        return done
+    champion, champion_metrics, rescored = _champion_on(client, rule, root, challenger.evaluation_md5)
+    decision = decide(challenger.metrics, champion_metrics, rule)
+    lineage = _lineage(client, root, paths, experiment_id, challenger)
+    decision_tags = _decision_tags(challenger, decision, rule, champion, champion_metrics, rescored)
+    deps = [f"{paths.metrics}/evaluate.json", f"{paths.models}/{challenger.name}"]
     with stage_run("registry", root, rule, deps, parent_run_id) as run:
-        same_weights = _versions(client, rule.model_name, {"lineage.weights_md5": weights_md5})
-        if same_weights and same_weights[-1].source.startswith("models:/m-"):  # scored on another set: re-use
-            source = same_weights[-1].source
-            model_id = source.removeprefix("models:/")
-        else:
-            source, model_id = _log_model(root, name, weights, _model_card(name, weights, lineage))
-        try:
-            client.create_registered_model(rule.model_name, description="RLHF policies evaluated by the pipeline; "
-                                           "`champion` = the current best, `challenger` = the latest registered")
-        except MlflowException:
-            pass  # exists
-        version = client.create_model_version(
-            rule.model_name, source=source, run_id=run.run_id or None, model_id=model_id,
-            tags={**lineage, **decision_tags, "registry.state": PENDING},
-            description=describe(name, decision, rule, challenger, champion.version if champion else None,
-                                 champion_metrics, rescored, lineage, _run_link(experiment_id, lineage)))
-        _complete(client, rule, version)
-        run_tags = {"registry.decision": decision_tags["decision"], "registry.reason": decision.reason,
-                    "registry.version": version.version,
-                    "registry.previous_champion": champion.version if champion else "none"}
-        for key, value in run_tags.items() if run.run_id else ():
-            client.set_tag(run.run_id, key, value)
-        run.summary.update(run_tags)
+        source, model_id = _model_source(client, rule, root, challenger, lineage)
+        description = describe(challenger.name, decision, rule, challenger.metrics,
+                               champion.version if champion else None, champion_metrics, rescored, lineage,
+                               _run_link(experiment_id, lineage))
+        version = _register_version(client, rule, run.run_id, source, model_id, {**lineage, **decision_tags},
+                                    description)
+        _tag_run(client, run, decision_tags, decision, version, champion)
     record = _record(rule, client.get_model_version(rule.model_name, version.version), True)
-    log.info("registry: %s v%s (%s) -> %s: %s", rule.model_name, version.version, name, record["decision"],
-             decision.reason)
+    get_logger().info("registry: %s v%s (%s) -> %s: %s", rule.model_name, version.version, challenger.name,
+                      record["decision"], decision.reason)
     return record

@@ -9,7 +9,7 @@ import torch
 
 from rlhf_core import PPOConfig, PPOTrainer
 from rlhf_core.trainers.experience import Experience, ModelBatch
-from rlhf_core.trainers.ppo_trainer import phase_timer
+from rlhf_core.trainers.timing import phase_timer
 from tests.test_ppo_trainer import batch_of, make_policy, make_trainer, weights
 
 
@@ -311,10 +311,10 @@ def test_push_to_hub_offline_is_a_clear_error_before_any_weight_change(tokenizer
 
 
 def test_optimize_device_cache_empties_the_cache_after_each_step(tokenizer, monkeypatch):
-    from rlhf_core.trainers import ppo_trainer
+    from rlhf_core.trainers import ppo_setup
 
     calls = []
-    monkeypatch.setattr(ppo_trainer, "_empty_device_cache", lambda: calls.append(1))
+    monkeypatch.setattr(ppo_setup, "empty_device_cache", lambda: calls.append(1))
     queries, responses = batch_of(tokenizer)
     make_trainer(tokenizer).step(queries, responses, [torch.tensor(1.0)] * 4)
     assert calls == []

@@ -4,7 +4,9 @@
 (per-token KL + score on the last real token) -> GAE -> minibatch epochs -> stats -> KL update.
 The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Neighbours:
 ``generation`` (sampling), ``ppo_validation`` (step/generate input checks), ``ppo_state`` (exact resume),
-``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader).
+``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader),
+``ppo_setup`` (accelerator config, tracker, optimizer, collator), ``ppo_stats`` (the step's stats and their
+logging), ``ppo_hub`` (pushing to the Hub) and ``timing`` (the phase timer).
 
 As in classic TRL, every forward pass of ``step`` runs with dropout disabled (``model.eval()``), so
 the first mini-batch's probability ratio is exactly 1 and rollout and learning see the same model.
@@ -13,36 +15,30 @@ the first mini-batch's probability ratio is exactly 1 and rollout and learning s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import gc
 import inspect
-import os
-import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration
-from torch.utils.data import DataLoader, default_collate
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
 
 from rlhf_core.core import (
     WANDB_PADDING,
     convert_to_scalar,
     logprobs_from_logits,
-    masked_mean,
     set_seed,
     stack_dicts,
-    stats_to_np,
 )
 from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_losses
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.tracking import Tracker, make_tracker
-from rlhf_core.trainers import ppo_state
+from rlhf_core.trainers import ppo_hub, ppo_setup, ppo_state, ppo_stats
 from rlhf_core.trainers.generation import (
     DEFAULT_GENERATION_BATCH_SIZE,
     generate_batched,
@@ -50,8 +46,9 @@ from rlhf_core.trainers.generation import (
     pad_id_of,
 )
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
-from rlhf_core.kl_control import AdaptiveKLController, FixedKLController, RunningMoments
+from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo_config import PPOConfig
+from rlhf_core.trainers.timing import phase_timer
 from rlhf_core.trainers.ppo_validation import (
     check_generation_lengths,
     check_sequence_lengths,
@@ -62,97 +59,6 @@ from rlhf_core.trainers.ppo_validation import (
 
 # Where every process holds whole, already-synchronised gradients, so a local norm is the global one.
 _PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-
-
-def _list_collator(rows: list[Any]) -> Any:
-    """Default collator: dict rows become a dict of lists (queries have different lengths); any other rows
-    (tuples of tensors, as classic TRL's tests use) go through torch's ``default_collate``, as in classic TRL."""
-    if isinstance(rows[0], Mapping):
-        return {key: [row[key] for row in rows] for key in rows[0]}
-    return default_collate(rows)
-
-
-@contextlib.contextmanager
-def phase_timer(timing: dict[str, float], phase: str) -> Iterator[None]:
-    """Record the wall time of the block as ``timing["time/ppo/<phase>"]`` (seconds)."""
-    start = time.time()
-    try:
-        yield
-    finally:
-        timing[f"time/ppo/{phase}"] = time.time() - start
-
-
-def _accepts_logits_to_keep(model) -> bool:
-    """True when the causal LM under the value head computes logits only for its last K positions on request.
-
-    transformers 5 causal LMs take ``logits_to_keep``; encoder-decoders, prompt-learning PEFT models
-    (virtual tokens shift positions) and models without the argument keep the full-logits path.
-    """
-    inner = getattr(model, "module", model)  # DDP / accelerate wrapper
-    lm = getattr(inner, "pretrained_model", None)
-    if lm is None or getattr(inner, "is_encoder_decoder", False):
-        return False
-    if getattr(inner, "is_peft_model", False):
-        if getattr(getattr(lm, "active_peft_config", None), "is_prompt_learning", False):
-            return False
-        lm = lm.get_base_model()
-    key = type(lm)
-    if key not in _LOGITS_TO_KEEP:
-        _LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(lm.forward).parameters
-    return _LOGITS_TO_KEEP[key]
-
-
-_LOGITS_TO_KEEP: dict[type, bool] = {}
-
-
-def _empty_device_cache() -> None:
-    """``optimize_device_cache``: collect garbage and return the accelerator's cached blocks after a step."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    elif hasattr(torch, "xpu") and torch.xpu.is_available():
-        torch.xpu.empty_cache()
-    elif torch.backends.mps.is_available():
-        torch.mps.empty_cache()
-
-
-def _project_configuration(project_kwargs: dict[str, Any]) -> ProjectConfiguration:
-    """accelerate's ``ProjectConfiguration`` from the ``project_kwargs`` it knows (``logging_dir``, ``project_dir``...)."""
-    known = {f.name for f in dataclasses.fields(ProjectConfiguration)}
-    return ProjectConfiguration(**{k: v for k, v in project_kwargs.items() if k in known})
-
-
-def _build_tracker(config: PPOConfig):
-    """The tracker ``log_with`` names (or the ``Tracker`` it holds), as classic TRL configures it.
-
-    ``tracker_kwargs`` may be flat or accelerate's ``{"wandb": {...}}`` form; ``project_kwargs["logging_dir"]``
-    is where TensorBoard and wandb write. ``wandb`` is imported only when asked for.
-    """
-    name = config.log_with if isinstance(config.log_with, str) else None
-    kwargs = dict(config.tracker_kwargs)
-    if name is not None and isinstance(kwargs.get(name), Mapping):
-        kwargs = dict(kwargs[name])
-    logging_dir = config.project_kwargs.get("logging_dir")
-    if logging_dir is not None and name in ("tensorboard", "wandb"):
-        kwargs.setdefault("logging_dir", str(logging_dir))
-    if name == "wandb":
-        from rlhf_core.wandb_tracker import WandbTracker
-
-        return WandbTracker(config.tracker_project_name, **kwargs)
-    return make_tracker(config.log_with, config.tracker_project_name, **kwargs)
-
-
-def _default_adam(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """Adam with torch's fused kernel when the parameters allow it (same update, one kernel per step).
-
-    Speed: the default single-tensor Adam runs ~10 small ops per parameter; on a 124 M-parameter
-    GPT-2 on CPU one step took 1.7 s single-tensor vs 0.56 s fused (bench/profile_step.py). The
-    update rule is the same (differences are float rounding, well inside the parity tolerance).
-    """
-    try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    except (RuntimeError, ValueError, TypeError):  # e.g. a device or dtype the fused kernel lacks
-        return torch.optim.Adam(params, lr=lr)
 
 
 class PPOTrainer:
@@ -178,7 +84,7 @@ class PPOTrainer:
         set_seed(config.seed)
         self.accelerator = Accelerator(
             gradient_accumulation_steps=config.gradient_accumulation_steps,
-            project_config=_project_configuration(config.project_kwargs), **config.accelerator_kwargs,
+            project_config=ppo_setup.project_configuration(config.project_kwargs), **config.accelerator_kwargs,
         )
         self.tokenizer = tokenizer
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
@@ -194,29 +100,12 @@ class PPOTrainer:
         self.dataset = dataset
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, data_collator)
         if optimizer is None:
-            optimizer = _default_adam([p for p in model.parameters() if p.requires_grad], config.learning_rate)
-        self.kl_ctl = (
-            AdaptiveKLController(config.init_kl_coef, config.target, config.horizon)
-            if config.adap_kl_ctrl
-            else FixedKLController(config.init_kl_coef)
-        )
-        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()
-        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
-        if self.dataloader is not None:
-            self.dataloader = ppo_state.track_data_position(
-                self.accelerator.prepare(self.dataloader), config.batch_size * self.accelerator.num_processes)
-        if self.ref_model is not None:
-            self.ref_model = self.ref_model.to(self.accelerator.device)
+            optimizer = ppo_setup.default_adam([p for p in model.parameters() if p.requires_grad], config.learning_rate)
+        self.kl_ctl = ppo_setup.kl_controller(config)
+        self._prepare(model, optimizer, lr_scheduler)
         self.running = RunningMoments(self.accelerator)
-        if not self.accelerator.is_main_process:
-            tracker = make_tracker(None)
-        elif tracker is None:  # ``tracker=``: a ready Tracker; else the one ``config.log_with`` names
-            tracker = _build_tracker(config)
-        self.tracker = tracker
-        if self.accelerator.is_main_process:
-            self.tracker.log_params(config.to_dict())
-        self._init_push_if_best(config)
+        self.tracker = self._setup_tracker(tracker)
+        ppo_hub.init_push_if_best(self, config)
         self.current_step = 0
         self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
         self._nonfinite_this_step = 0
@@ -241,6 +130,27 @@ class PPOTrainer:
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
             raise ValueError("tokenizer needs a pad_token or an eos_token to pad batches")
 
+    def _prepare(self, model, optimizer, lr_scheduler) -> None:
+        """Hand model, optimizer, scheduler and dataloader to accelerate; put the reference model on the device."""
+        if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
+        if self.dataloader is not None:
+            self.dataloader = ppo_state.track_data_position(
+                self.accelerator.prepare(self.dataloader), self.config.batch_size * self.accelerator.num_processes)
+        if self.ref_model is not None:
+            self.ref_model = self.ref_model.to(self.accelerator.device)
+
+    def _setup_tracker(self, tracker: Tracker | None) -> Tracker:
+        """``tracker=`` (a ready Tracker), else the one ``config.log_with`` names; a no-op one off the main
+        process. The main process logs the config as the run's parameters."""
+        if not self.accelerator.is_main_process:
+            return make_tracker(None)
+        if tracker is None:
+            tracker = ppo_setup.build_tracker(self.config)
+        tracker.log_params(self.config.to_dict())
+        return tracker
+
     def _resolve_reference(self, model, ref_model, num_shared_layers):
         if ref_model is not None:
             if num_shared_layers is not None:
@@ -261,7 +171,7 @@ class PPOTrainer:
         if isinstance(dataset, datasets.Dataset) and self.config.remove_unused_columns:
             dataset = self._remove_unused_columns(dataset)
         return DataLoader(
-            dataset, batch_size=self.config.batch_size, collate_fn=data_collator or _list_collator,
+            dataset, batch_size=self.config.batch_size, collate_fn=data_collator or ppo_setup.list_collator,
             sampler=ckpt.ResumableRandomSampler(len(dataset), seed=self.config.seed), drop_last=True,
             generator=torch.Generator().manual_seed(self.config.seed),  # iterators never draw from the global RNG
         )
@@ -344,7 +254,7 @@ class PPOTrainer:
                 self.config.batch_size, queries, responses, scores, response_masks)
             self._check_sequence_lengths(queries, responses)
             scores = self._process_scores(scores)  # (B,)
-            self._push_if_best(scores)
+            ppo_hub.push_if_best(self, scores)
             batch = self.prepare_model_inputs(queries, responses, response_masks)
             with phase_timer(timing, "forward_pass"):
                 old = self._rollout_forward(batch)
@@ -365,7 +275,7 @@ class PPOTrainer:
             self._advance_schedule()
         stats.update(timing)
         if self.config.optimize_device_cache:
-            _empty_device_cache()
+            ppo_setup.empty_device_cache()
         return convert_to_scalar(stats)
 
     def _step_stats(self, batch: ModelBatch, experience: Experience, scores, queries, responses, train_stats):
@@ -375,13 +285,8 @@ class PPOTrainer:
             ref_logprobs=experience.ref_logprobs, non_score_reward=experience.non_score_rewards,
             train_stats=train_stats, masks=batch.response_mask, queries=queries, responses=responses,
             kls=experience.kls)
-        # Classic TRL's layout for the two log-prob arrays: (B, T-1), where T is the padded model sequence.
-        stats["objective/logprobs"] = batch.scatter_to_sequence(experience.logprobs)
-        stats["objective/ref_logprobs"] = batch.scatter_to_sequence(experience.ref_logprobs)
-        stats = stats_to_np(self.gather_stats(stats))
-        stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        stats["ppo/skipped_updates"] = float(self._nonfinite_this_step)
-        return stats
+        stats = self.gather_stats(ppo_stats.with_sequence_logprobs(stats, batch, experience))
+        return ppo_stats.finish_step_stats(stats, self.optimizer.param_groups[0]["lr"], self._nonfinite_this_step)
 
     def _advance_schedule(self) -> None:
         """After a step: the lr scheduler steps once and the step counter moves on."""
@@ -479,7 +384,7 @@ class PPOTrainer:
         tokens = batch.model_inputs[batch.token_ids_key]
         index = batch.response_index  # (b, A)
         kwargs = {}
-        if _accepts_logits_to_keep(model):
+        if ppo_setup.accepts_logits_to_keep(model):
             # Speed: only positions from the first scored one on need the LM head (H x V matmul, forward
             # and backward); the query prefix never does. Same per-position logits, fewer positions.
             kwargs["logits_to_keep"] = tokens.shape[1] - int(index.min())
@@ -620,101 +525,28 @@ class PPOTrainer:
     # ------------------------------------------------------------------ stats and logging
 
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays)."""
-        mask = data["masks"]
-        kl_list = (data["kls"] * mask).sum(-1)  # (B,)
-        mean_kl = kl_list.mean()
-        if mean_kl < -1.0:
-            warnings.warn(
-                f"KL divergence is starting to become negative: {float(mean_kl):.2f} - this might be a precursor "
-                "for failed training. Sometimes this happens because the generation kwargs are not correctly set "
-                "(sampling, top_k/top_p, min_length, eos handling). Make sure the responses are sampled from the policy.",
-                stacklevel=3,
-            )
-        query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
-        response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
-        stats = {
-            "objective/kl": mean_kl,
-            "objective/kl_dist": kl_list,
-            "objective/logprobs": data["logprobs"],
-            "objective/ref_logprobs": data["ref_logprobs"],
-            "objective/kl_coef": kl_coef,
-            "objective/entropy": (-data["logprobs"] * mask).sum(-1).mean(),
-            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask),
-            "ppo/mean_scores": data["scores"].mean(),
-            "ppo/std_scores": data["scores"].std() if len(data["scores"]) > 1 else torch.zeros(()),
-            "tokens/queries_len_mean": query_lens.mean(),
-            "tokens/queries_len_std": query_lens.std() if len(query_lens) > 1 else torch.zeros(()),
-            "tokens/queries_dist": query_lens,
-            "tokens/responses_len_mean": response_lens.mean(),
-            "tokens/responses_len_std": response_lens.std() if len(response_lens) > 1 else torch.zeros(()),
-            "tokens/responses_dist": response_lens,
-        }
-        for key, value in data["train_stats"].items():
-            stats[f"ppo/{key}"] = torch.mean(value.float(), dim=0)
-        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
-        return {key: (value.detach() if isinstance(value, torch.Tensor) else value) for key, value in stats.items()}
+        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays); see ``ppo_stats``."""
+        return ppo_stats.record_step_stats(kl_coef, **data)
 
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         """Average tensor stats over all processes (identity in a single process)."""
-        if self.accelerator.num_processes == 1:
-            return stats
-        gathered = {}
-        for key, value in stats.items():
-            if isinstance(value, torch.Tensor):
-                value = self.accelerator.reduce(value.to(self.accelerator.device).float(), "mean")
-            gathered[key] = value
-        return gathered
+        return ppo_stats.gather_stats(stats, self.accelerator)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")) -> None:
         """Log scalar stats, reward mean/std and a table of the batch's texts with their rewards."""
-        rewards = torch.stack([torch.as_tensor(r).reshape(()).float() for r in rewards]) \
-            if not isinstance(rewards, torch.Tensor) else rewards.float()
-        rewards = self.accelerator.gather(rewards.to(self.accelerator.device)).flatten().cpu()
-        missing = [c for c in columns_to_log if c not in batch]
-        if missing:
-            raise ValueError(f"Columns to log {list(columns_to_log)} are not present in the batch (missing {missing}); "
-                             f"batch has {list(batch)}")
+        rewards = ppo_stats.gather_rewards(rewards, self.accelerator)  # (B * processes,)
+        ppo_stats.check_columns(batch, columns_to_log)
         if not self.accelerator.is_main_process:
             return
-        logs = dict(stats)
-        logs["env/reward_mean"] = float(rewards.mean())
-        logs["env/reward_std"] = float(rewards.std()) if len(rewards) > 1 else 0.0
-        logs["env/reward_dist"] = rewards.numpy()
-        self.tracker.log(logs, step=self.current_step)
-        rows = [[*(batch[c][i] for c in columns_to_log), float(rewards[i])] for i in range(len(batch[columns_to_log[0]]))]
-        self.tracker.log_table("game_log", [*columns_to_log, "reward"], rows, step=self.current_step)
+        self.tracker.log(ppo_stats.reward_logs(stats, rewards), step=self.current_step)
+        self.tracker.log_table("game_log", [*columns_to_log, "reward"],
+                               ppo_stats.game_log_rows(batch, columns_to_log, rewards), step=self.current_step)
 
-    # ------------------------------------------------------------------ pushing the best model (classic TRL)
-
-    def _init_push_if_best(self, config: PPOConfig) -> None:
-        """With ``push_to_hub_if_best_kwargs``: push whenever a step's mean score beats the best so far."""
-        self.push_to_hub_kwargs = dict(config.push_to_hub_if_best_kwargs)
-        if self.push_to_hub_kwargs and "repo_id" not in self.push_to_hub_kwargs:
-            raise ValueError("push_to_hub_if_best_kwargs must name the repo_id to push the best model to")
-        self.compare_step = 0
-        self.highest_reward = torch.tensor(-float("inf"))
-
-    def _push_if_best(self, scores: torch.Tensor) -> None:
-        """Every ``compare_steps`` steps, push the model if the batch's mean (processed) score is the best yet."""
-        if not self.push_to_hub_kwargs:
-            return
-        if self.compare_step % self.config.compare_steps == 0:
-            mean = scores.mean().cpu()
-            if mean > self.highest_reward:
-                self.highest_reward = mean
-                self.push_to_hub(**self.push_to_hub_kwargs)
-        self.compare_step += 1
+    # ------------------------------------------------------------------ pushing to the Hub (rlhf_core.trainers.ppo_hub)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> Any:
         """Push the policy (value head included) and tokenizer to the Hub repo ``repo_id`` (needs a network)."""
-        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-            raise RuntimeError(f"cannot push to the Hub repo {repo_id!r}: HF_HUB_OFFLINE is set (no network). Unset "
-                               "it, or drop push_to_hub_if_best_kwargs from the PPOConfig")
-        if not self.accelerator.is_main_process:
-            return None
-        self.tokenizer.push_to_hub(repo_id, **kwargs)
-        return self.accelerator.unwrap_model(self.model).push_to_hub(repo_id, **kwargs)
+        return ppo_hub.push_to_hub(self, repo_id, **kwargs)
 
     # ------------------------------------------------------------------ saving
 
