@@ -7,8 +7,7 @@ stays fast and works without the optional orchestration or diffusion packages.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlhf_core._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -59,13 +58,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'rlhf_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

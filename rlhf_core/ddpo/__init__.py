@@ -11,8 +11,7 @@ Names are imported on first use, so ``import rlhf_core.ddpo`` needs neither diff
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlhf_core._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -35,13 +34,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'rlhf_core.ddpo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

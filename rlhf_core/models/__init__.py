@@ -7,8 +7,7 @@ pipelines live in ``rlhf_core.ddpo`` and are re-exported here under their TRL na
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlhf_core._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -25,13 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'rlhf_core.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -223,6 +223,33 @@ class GracefulStopCallback(TrainerCallback):
             self.stopped = True
 
 
+
+class StoredMetricsMixin:
+    """For Trainers whose loss also yields batch metrics (DPO, KTO): ``compute_loss`` stores them with
+    ``store_metrics`` and the next ``log`` call adds their means (train or eval) to what it logs.
+
+    The subclass provides ``get_batch_loss_metrics(model, inputs, train_eval) -> (loss, metrics)`` and sets
+    ``self._stored_metrics = defaultdict(lambda: defaultdict(list))``; it comes before ``Trainer`` in the bases.
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The loss; its metrics are stored and averaged into the next ``log`` call."""
+        loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="train")
+        self.store_metrics(metrics, train_eval="train")
+        return (loss, metrics) if return_outputs else loss
+
+    def store_metrics(self, metrics: Mapping[str, float], train_eval: str = "train") -> None:
+        """Keep per-step metrics until the next ``log``."""
+        for key, value in metrics.items():
+            self._stored_metrics[train_eval][key].append(value)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the mean of the stored metrics (train or eval) to ``logs``, then log as usual."""
+        train_eval = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        for key, values in self._stored_metrics.pop(train_eval, {}).items():
+            logs[key] = sum(values) / len(values)
+        super().log(logs, start_time)
+
 class RlhfTrainerMixin:
     """Shared behaviour of rlhf_core's Trainer subclasses: tracker wiring and model cards on save.
 

@@ -30,6 +30,7 @@ from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
+    StoredMetricsMixin,
     default_training_args,
     disable_dropout as disable_dropout_in_model,
     load_model,
@@ -292,7 +293,7 @@ def response_logprobs(
 # --------------------------------------------------------------------------------------------
 
 
-class DPOTrainer(RlhfTrainerMixin, Trainer):
+class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
     """Direct Preference Optimisation with the classic TRL arguments (``tokenizer=`` accepted)."""
 
     trainer_name = "dpo"
@@ -557,12 +558,6 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
     # classic TRL 0.7 name of the same method
     get_batch_metrics = get_batch_loss_metrics
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The DPO loss; its metrics are stored and averaged into the next ``log`` call."""
-        loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="train")
-        self.store_metrics(metrics, train_eval="train")
-        return (loss, metrics) if return_outputs else loss
-
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Eval loss, per-pair implicit rewards (B, 2) [chosen, rejected] and dummy labels (B,)."""
         inputs = self._prepare_inputs(inputs)
@@ -573,18 +568,6 @@ class DPOTrainer(RlhfTrainerMixin, Trainer):
             return loss.detach(), None, None
         rewards = self._last_rewards.detach()  # (B, 2)
         return loss.detach(), rewards, torch.zeros(rewards.shape[0], device=rewards.device)
-
-    def store_metrics(self, metrics: Mapping[str, float], train_eval: str = "train") -> None:
-        """Keep per-step metrics until the next ``log``."""
-        for key, value in metrics.items():
-            self._stored_metrics[train_eval][key].append(value)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the mean of the stored DPO metrics (train or eval) to ``logs``, then log as usual."""
-        train_eval = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        for key, values in self._stored_metrics.pop(train_eval, {}).items():
-            logs[key] = sum(values) / len(values)
-        super().log(logs, start_time)
 
     # ---- sampling ------------------------------------------------------------------------
 

@@ -257,7 +257,7 @@ def eval_mode(model: nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class KTOTrainer(base.RlhfTrainerMixin, Trainer):
+class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
     """KTO with TRL 1.16.0's constructor; ``log_with``/``tracker_*`` (keyword-only) add an rlhf_core tracker."""
 
     trainer_name = "kto"
@@ -504,12 +504,6 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
             stats["entropy"] = sums[10] / sums[11]
         return {key: float(value) for key, value in stats.items()}
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The KTO loss; its metrics are stored and averaged into the next ``log`` call."""
-        loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="train")
-        self.store_metrics(metrics, train_eval="train")
-        return (loss, metrics) if return_outputs else loss
-
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Eval loss, per-row implicit rewards (B,) and labels (B,) as floats."""
         inputs = self._prepare_inputs(inputs)
@@ -519,18 +513,6 @@ class KTOTrainer(base.RlhfTrainerMixin, Trainer):
         if prediction_loss_only:
             return loss.detach(), None, None
         return loss.detach(), self._last_rewards.detach(), inputs["label"].float()
-
-    def store_metrics(self, metrics: Mapping[str, float], train_eval: str = "train") -> None:
-        """Keep per-step metrics until the next ``log``."""
-        for key, value in metrics.items():
-            self._stored_metrics[train_eval][key].append(value)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the mean of the stored KTO metrics (train or eval) to ``logs``, then log as usual."""
-        train_eval = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        for key, values in self._stored_metrics.pop(train_eval, {}).items():
-            logs[key] = sum(values) / len(values)
-        super().log(logs, start_time)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         """Usual evaluation; a text dataset given here is tokenised (and given reference log-probs) first."""
