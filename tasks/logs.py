@@ -6,7 +6,7 @@ import contextlib
 import logging
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tasks.ranks import is_main_process
@@ -137,14 +137,15 @@ def bar_safe_logging(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def progress(iterable: Iterable, **kwargs) -> Iterator:
-    """``tqdm`` over ``iterable``, shown only on a terminal and on the main process; log lines written while it
-    runs appear above the bar (``bar_safe_logging``)."""
+@contextlib.contextmanager
+def progress_bar(total: int, **kwargs) -> Iterator[Any]:
+    """A ``tqdm`` bar of ``total`` steps (``bar.update(n)``), shown only on a terminal and on the main process;
+    log lines written while it is open appear above the bar (``bar_safe_logging``)."""
     from tqdm.auto import tqdm
 
     shown = on_terminal() and is_main_process()
-    with bar_safe_logging(shown), tqdm(iterable, disable=not shown, dynamic_ncols=True, **kwargs) as bar:
-        yield from bar
+    with bar_safe_logging(shown), tqdm(total=total, disable=not shown, dynamic_ncols=True, **kwargs) as bar:
+        yield bar
 
 
 def log_line(stage: str, step: int, max_steps: int, logs: Mapping[str, Any]) -> str:

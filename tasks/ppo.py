@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.data import read_jsonl
 from tasks.distributed import check_replicas_identical, is_main_process
-from tasks.logs import get_logger, progress
+from tasks.logs import get_logger, progress_bar
 from tasks.outputs import atomic_dir, write_csv, write_json
 from tasks.params import PPOParams, as_dict, load_stage
 from tasks.paths import stage_checkpoint_dir
@@ -78,12 +78,11 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         run.log_dataset(root / prompts_path, "prompts_train")
         log.info("ppo: %d steps of %d rollouts (%d per process x %d), reward=%s", p.total_steps, p.batch_size * world,
                  p.batch_size, world, p.reward)
-        bar = progress(range(p.total_steps), desc="ppo", unit="step")
         def resuming(step: int, path) -> None:
             log.info("ppo: resuming at step %d from %s", step, path)
             run.summary["resumed_at_step"] = step
 
-        with GracefulStop() as stop:
+        with GracefulStop() as stop, progress_bar(p.total_steps, desc="ppo", unit="step") as bar:
             try:
                 result = run_ppo(trainer, reward, total_steps=p.total_steps,
                                  generation_kwargs=generation_kwargs(tokenizer, p.max_new_tokens), checkpoint_dir=state,
@@ -94,7 +93,6 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                 log.warning("ppo: %s at step %d; state saved in %s; run the stage again to resume",
                             stopped.signal_name or "stop request from another process", stopped.step, state)
                 raise
-        bar.close()
         curve = result.curve
         check_replicas_identical(trainer.accelerator, trainer.accelerator.unwrap_model(trainer.model), "ppo")
         with atomic_dir(root / io["outs"][0]) as out:
