@@ -64,8 +64,8 @@ clean: ## remove .venv and pytest caches
 
 run: setup remote ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
-	$(PY) -m flows.report readme --quiet
-	$(DVC) push -q  # quiet: the pipeline's summary block stays the last thing printed
+	@$(PY) -m flows.report readme >/dev/null  # quiet (errors still show): the pipeline's end block stays last
+	@$(DVC) push -q
 
 pipeline: run ## same as run
 

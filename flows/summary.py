@@ -54,8 +54,9 @@ def results_table(results: Mapping[str, Mapping[str, float]], champion: str | No
 
 
 def champion_of(decision: Mapping[str, object]) -> str | None:
-    """The policy the registry step made champion in this run (None when it kept the old one or did nothing)."""
-    if decision.get("registered") and decision.get("decision") == "promote":
+    """The policy that is champion after the registry step: made so in this run, or (already registered) still
+    holding the alias; None when the registry kept another version or did nothing."""
+    if decision.get("is_champion") or (decision.get("registered") and decision.get("decision") == "promote"):
         return str(decision.get("policy"))
     return None
 
@@ -87,8 +88,10 @@ def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decisi
 
 def load_results(path: str | Path) -> dict:
     """The evaluation results at ``path`` (``metrics/evaluate.json``), or ``{}`` when there are none yet."""
+    from tasks.evaluate import policy_results  # the per-policy rows, without the scored hashes
+
     path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else {}
+    return policy_results(json.loads(path.read_text())) if path.exists() else {}
 
 
 __all__ = ["COLUMNS", "NEXT_COMMANDS", "champion_of", "end_block", "load_results", "results_table"]

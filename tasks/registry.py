@@ -316,7 +316,19 @@ def _finish_earlier_attempt(client, rule: RegistryParams, challenger: Challenger
         return _record(rule, client.get_model_version(rule.model_name, version.version), True)
     log.info("registry: %s weights %s on evaluation set %s already registered as v%s; nothing to do",
              challenger.name, challenger.weights_md5[:8], challenger.evaluation_md5[:8], version.version)
-    return _record(rule, version, False, "already registered for this evaluation")
+    record = _record(rule, version, False, "already registered for this evaluation")
+    record["is_champion"] = _holds_champion(client, rule, version)  # (the end block marks it)
+    return record
+
+
+def _holds_champion(client, rule: RegistryParams, version) -> bool:
+    """Whether ``version`` holds the ``champion`` alias now."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(rule.model_name, "champion").version == version.version
+    except MlflowException:  # no champion yet
+        return False
 
 
 def _lineage(client, root: Path, paths, experiment_id: str, challenger: Challenger) -> dict[str, str]:
