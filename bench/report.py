@@ -67,6 +67,9 @@ def render(r: dict) -> str:
         f"{', '.join(f'{x:.2f}' for x in m0['loadavg'])}, at end {', '.join(f'{x:.2f}' for x in m1['loadavg'])}; "
         f"the 1-minute load before each run is in results.json (`load_before`). Total {r['total_seconds']:.0f} s.",
         "",
+        *([f"**Rows carried over** from an earlier run (`--merge`), not re-measured in this one: "
+           f"{', '.join(r['carried_over'])}; their run's date, load and matmul peaks are in each row's `measured_in` "
+           "(results.json) and listed below.", ""] if r.get("carried_over") else []),
         f"Measured fp32 matmul peak (2048^3, {r['threads']} threads, best of 8): "
         f"**{r['matmul_peak_flops'] / 1e9:.1f} GFLOP/s** (the MFU denominator)"
         + (f"; bf16: **{r['matmul_peak_flops_bf16'] / 1e9:.1f} GFLOP/s** (the denominator of the bf16 rows)."
@@ -79,6 +82,7 @@ def render(r: dict) -> str:
     if "parity" in r:
         p = r["parity"]
         lines += ["## Parity (one PPO step from identical weights)", "",
+                  *([f"*Carried over from the run of {p['measured_in']['date']}.*", ""] if "measured_in" in p else []),
                   f"`{p['command']}`: **{'passed' if p['passed'] else 'FAILED'}** ({p['summary']}).", "",
                   "Dropout off, one mini-batch per epoch (batch 8, 2 PPO epochs, lr 1e-3, adaptive KL 0.2), tiny "
                   "GPT-2 from the same safetensors, the policy nudged off the reference so KL is non-zero; for "
@@ -94,6 +98,10 @@ def render(r: dict) -> str:
         if not rows:
             continue
         lines += [f"## {title}", ""]
+        sources = sorted({(x["measured_in"]["date"], tuple(round(v, 2) for v in x["measured_in"]["loadavg_start"]))
+                          for x in rows if "measured_in" in x})
+        for date, load in sources:
+            lines += [f"*Carried over from the run of {date} (load at its start {', '.join(map(str, load))}).*", ""]
         if name == "step":
             lines += ["| size | settings | ours s/step | TRL s/step | ratio | target <= 0.5 | ours tok/s | TRL tok/s | ours MFU | TRL MFU |",
                       "|---|---|---|---|---|---|---|---|---|---|"]

@@ -2,6 +2,7 @@
 the online workload (GRPO, RLOO) through rlhf_core and TRL 1.16.0 (bench/.trl116-venv).
 
     .venv/bin/python bench/run.py [--quick] [--only step,generate,memory,sentiment,online] [--repeats N] [--threads T]
+                                  [--merge]   # keep the previous rows of the workloads not in --only
 
 Every measurement is a fresh process running bench/workloads/<name>.py with ``--lib ours`` or
 ``--lib trl`` (``--lib trl116`` for online); the two libraries alternate (ours-first on even repeats, trl-first on odd ones) so
@@ -200,6 +201,9 @@ def summarise_online(row: dict, runs: dict) -> dict:
         med[lib]["final_kl"] = median(kls) if kls else None
         med[lib]["gold_per_step"] = [median(v) for v in zip(*[r["gold_per_step"] for r in rs])]
     row["median"], row["metric"], row["better"] = med, "gold_gain", "higher"
+    base = {k: v for k, v in row["settings"].items() if k != "seeds"}  # the exact command of each run (one per seed)
+    row["commands"] = {lib: " ; ".join(shlex.join(command(lib, "online", {**base, "threads": row["threads"], "seed": s}))
+                                       for s in row["settings"].get("seeds", [0])) for lib in runs}
     o, t = med["ours"], med["trl116"]
     row["targets"] = {}
     for key, target, better in ONLINE_TARGETS:
@@ -226,6 +230,26 @@ def run_parity() -> dict:
             "seconds": time.time() - t, "output": proc.stdout[-3000:]}
 
 
+def merge_previous(report: dict, path: Path, only: set) -> dict:
+    """``--merge``: carry over from the previous results.json the rows (and parity) of the workloads not run
+    now, each labelled with the run it came from, so a partial run keeps the rest of the table."""
+    if not path.exists():
+        return report
+    old = json.loads(path.read_text())
+    source = {"date": old["machine_start"]["date"], "loadavg_start": old["machine_start"]["loadavg"],
+              "loadavg_end": old["machine_end"]["loadavg"], "matmul_peak_flops": old.get("matmul_peak_flops"),
+              "matmul_peak_flops_bf16": old.get("matmul_peak_flops_bf16")}
+    carried = [row for row in old.get("rows", []) if row["workload"] not in only]
+    for row in carried:
+        row.setdefault("measured_in", source)
+    report["rows"] = carried + report["rows"]
+    if "parity" not in only and "parity" in old:
+        report["parity"] = {**old["parity"], "measured_in": old["parity"].get("measured_in", source)}
+    report["carried_over"] = sorted({row["workload"] for row in carried} | ({"parity"} if "parity" in report
+                                                                              and "parity" not in only else set()))
+    return report
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -238,6 +262,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="processes per library per workload (alternating)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: robust on a shared machine)")
     parser.add_argument("--out", default=str(BENCH / "results"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the previous results' rows of the workloads not in --only (labelled with their run)")
     opts = parser.parse_args()
     only = set(opts.only.split(","))
     needed = {"ours"} | {OTHER.get(w, "trl") for w, _, _ in WORKLOADS if w in only}
@@ -291,6 +317,8 @@ def main() -> None:
     report["machine_end"] = machine()
     report["total_seconds"] = time.time() - t0
     out = Path(opts.out)
+    if opts.merge:
+        report = merge_previous(report, out.with_suffix(".json"), only)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
     import report as report_md
 

@@ -14,7 +14,8 @@ config fields (lr, beta, group size, sampling, seed, steps).
 Prints one JSON line: the gold reward of the samples at the first and last steps (the reward function
 records the mean of every call: one call per step), their gain, seconds per step (median of the
 steps after the first, timed by a TrainerCallback around each optimizer step: generation, reward,
-loss, backward and update), the logged KL, and the peak RSS.
+loss, backward and update), the logged KL, and the peak RSS. ``"profile_step": k`` in the arguments prints
+a cProfile of step k to stderr (the evidence behind "what bounds it" in bench/analysis.md).
 """
 
 import argparse
@@ -98,20 +99,33 @@ class GoldJudge:
         return scores
 
 
-def step_timer():
-    """A TrainerCallback timing each optimizer step (on_step_begin .. on_step_end)."""
+def step_timer(profile_step: int | None = None):
+    """A TrainerCallback timing each optimizer step (on_step_begin .. on_step_end); with ``profile_step`` = k it
+    also runs cProfile over step k (1-based) and prints the top functions by own time to stderr."""
+    import cProfile
+    import pstats
+
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.seconds: list[float] = []
             self._t = 0.0
+            self._profile = None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if profile_step == len(self.seconds) + 1:
+                self._profile = cProfile.Profile()
+                self._profile.enable()
             self._t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self._t)
+            if self._profile is not None:
+                self._profile.disable()
+                for order in ("tottime", "cumulative"):
+                    pstats.Stats(self._profile, stream=sys.stderr).sort_stats(order).print_stats(25)
+                self._profile = None
 
     return StepTimer()
 
@@ -148,7 +162,7 @@ def main():
     torch.manual_seed(args["seed"])
     model = AutoModelForCausalLM.from_pretrained(str(path))
     dataset = Dataset.from_dict({"prompt": prompts(args["prompt_words"])})
-    judge, timer = GoldJudge(), step_timer()
+    judge, timer = GoldJudge(), step_timer(args.get("profile_step"))
     Config, Trainer = classes(lib, method)
     with tempfile.TemporaryDirectory() as out_dir:
         config = Config(**config_kwargs(args, out_dir))
