@@ -206,7 +206,7 @@ def summarise_online(row: dict, runs: dict) -> dict:
                                        for s in row["settings"].get("seeds", [0])) for lib in runs}
     o, t = med["ours"], med["trl116"]
     row["targets"] = {}
-    for key, target, better in ONLINE_TARGETS:
+    for key, target, _better in ONLINE_TARGETS:
         ratio = o[key] / t[key] if t[key] else float("nan")
         if key == "gold_gain":
             met, short = o[key] >= t[key], t[key] - o[key]  # short: how much gain ours lacks (<= 0 when met)
@@ -266,7 +266,7 @@ def main() -> None:
                         help="keep the previous results' rows of the workloads not in --only (labelled with their run)")
     opts = parser.parse_args()
     only = set(opts.only.split(","))
-    needed = {"ours"} | {OTHER.get(w, "trl") for w, _, _ in WORKLOADS if w in only}
+    needed = {"ours"} | {OTHER.get(w, "trl") for w, _, _ in WORKLOADS if w in only} | ({"trl"} if "parity" in only else set())
     for lib in sorted(needed):
         if not PYTHONS[lib].exists():
             sys.exit(f"missing {PYTHONS[lib]}: run `bash {SETUP.get(lib, 'bench/setup_trl_venv.sh')}` (make bench does)")
