@@ -48,8 +48,9 @@ trl-tests: setup ## classic TRL 0.11.4's own tests against rlhf_core (TRL=<check
 	bash bench/trl_tests/run.sh $(TRL_TESTS_FLAGS) $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout))
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
-bench: setup ## benchmark against classic TRL 0.11.4 in its own venv; writes bench/results.{md,json}
+bench: setup ## benchmark against classic TRL 0.11.4 (PPO) and TRL 1.16.0 (GRPO, RLOO), each in its own venv; writes bench/results.{md,json}
 	bash bench/setup_trl_venv.sh
+	bash bench/setup_trl116_venv.sh
 	OMP_NUM_THREADS=1 $(PY) bench/run.py
 
 # Regenerate the lock file from the current environment (after changing pyproject.toml).

@@ -83,10 +83,13 @@ def ensure_sentiment_policy(steps: int = 300, batch: int = 32, seed: int = 0) ->
     return info
 
 
-def main() -> dict:
+def main(sentiment: bool = True, models: bool = True) -> dict:
+    """Build the cached inputs: the random checkpoints when workloads a-c or parity run (``models``), the
+    rt-polarity SFT policy when workload (d) runs (``sentiment``). Workload (e) builds its own model."""
     ensure_default_tokenizer()
-    ensure_models()
-    return {"sft": ensure_sentiment_policy()}
+    if models:
+        ensure_models()
+    return {"sft": ensure_sentiment_policy()} if sentiment else {"sft": {"skipped": "workload (d) not selected"}}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""``make bench``: run the same workloads through rlhf_core (.venv) and classic TRL (bench/.trl-venv).
+"""``make bench``: run the same workloads through rlhf_core (.venv) and classic TRL (bench/.trl-venv), and
+the online workload (GRPO, RLOO) through rlhf_core and TRL 1.16.0 (bench/.trl116-venv).
 
-    .venv/bin/python bench/run.py [--quick] [--only step,generate,memory,sentiment] [--repeats N] [--threads T]
+    .venv/bin/python bench/run.py [--quick] [--only step,generate,memory,sentiment,online] [--repeats N] [--threads T]
+                                  [--merge]   # keep the previous rows of the workloads not in --only
 
 Every measurement is a fresh process running bench/workloads/<name>.py with ``--lib ours`` or
-``--lib trl``; the two libraries alternate (ours-first on even repeats, trl-first on odd ones) so
+``--lib trl`` (``--lib trl116`` for online); the two libraries alternate (ours-first on even repeats, trl-first on odd ones) so
 drifting machine load hits both alike. Results are medians; ratio = ours / TRL. Writes
 bench/results.json (machine) and bench/results.md (human); each row holds the exact command.
 The parity test (bench/test_parity.py) runs first.
@@ -28,7 +30,10 @@ sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
 import prepare  # noqa: E402
 
-PYTHONS = {"ours": ROOT / ".venv" / "bin" / "python", "trl": BENCH / ".trl-venv" / "bin" / "python"}
+PYTHONS = {"ours": ROOT / ".venv" / "bin" / "python", "trl": BENCH / ".trl-venv" / "bin" / "python",
+           "trl116": BENCH / ".trl116-venv" / "bin" / "python"}
+SETUP = {"trl": "bench/setup_trl_venv.sh", "trl116": "bench/setup_trl116_venv.sh"}
+OTHER = {"online": "trl116"}  # workload -> the library it is compared with (default: classic TRL, "trl")
 
 STEP = {"ppo_epochs": 4, "query_len": [8, 16], "response_len": [16, 32], "warmup": 1}
 WORKLOADS = [
@@ -56,21 +61,31 @@ WORKLOADS = [
     ("sentiment", "rt-sft", {"steps": 30, "batch_size": 32, "mini_batch_size": 8, "ppo_epochs": 4,
                              "learning_rate": 5e-5, "init_kl_coef": 0.2, "prompt_tokens": 4, "max_new_tokens": 16,
                              "gen_batch_size": 32, "eval_prompts": 128, "eval_samples": 2, "seeds": [0, 1]}),
+    # (e) issue 14: GRPO and RLOO against TRL 1.16.0, 4x128 GPT-2, rt-polarity prompts, VADER gold reward
+    *[("online", method, {"method": method, "steps": 40, "completions_per_step": 64, "num_generations": 8,
+                          "learning_rate": 1e-4, "beta": 0.04, "max_completion_length": 20, "prompt_words": 4})
+      for method in ("grpo", "rloo")],
 ]
-QUICK = {"step": {"steps": 1}, "generate": {"repeats": 1}, "sentiment": {"steps": 3, "seeds": [0]}}
+QUICK = {"step": {"steps": 1}, "generate": {"repeats": 1}, "sentiment": {"steps": 3, "seeds": [0]},
+         "online": {"steps": 6}}
 
 
 FILES = {"step": "ppo_step"}  # workload name -> bench/workloads/<file>.py
 
 
 def command(lib: str, workload: str, args: dict) -> list[str]:
-    return [str(PYTHONS[lib].relative_to(ROOT)), f"bench/workloads/{FILES.get(workload, workload)}.py", "--lib", lib,
-            "--args", json.dumps(args, separators=(",", ":"))]
+    cmd = [str(PYTHONS[lib].relative_to(ROOT)), f"bench/workloads/{FILES.get(workload, workload)}.py", "--lib", lib]
+    if workload == "online":  # the method is its own flag; the rest travels as JSON
+        cmd += ["--method", args["method"]]
+        args = {k: v for k, v in args.items() if k != "method"}
+    return cmd + ["--args", json.dumps(args, separators=(",", ":"))]
 
 
 def run_one(lib: str, workload: str, args: dict) -> dict:
     cmd = command(lib, workload, args)
     env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONHASHSEED="0")
+    if lib == "ours":  # this checkout's rlhf_core, whatever the venv's editable install points at
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     load = os.getloadavg()[0]
     t = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
@@ -146,6 +161,8 @@ def summarise(workload: str, size: str, args: dict, runs: dict, peaks: dict) -> 
                         "kl_per_step": [median(k) for k in zip(*[r["kl_per_step"] for r in rs])],
                         "seconds": median([r["wall_seconds"] for r in rs])}
         row["metric"], row["target_ratio"], row["better"] = "gold_gain", 1.0, "higher"
+    elif workload == "online":
+        return summarise_online(row, runs)
     row["median"] = med
     if "ours" in med and "trl" in med:
         o, t = med["ours"][row["metric"]], med["trl"][row["metric"]]
@@ -168,6 +185,41 @@ def summarise(workload: str, size: str, args: dict, runs: dict, peaks: dict) -> 
 
 med_full_cache: dict = {}
 
+# issue 14 point 6: (key in the medians, target on ours / TRL 1.16, "higher"/"lower" is better)
+ONLINE_TARGETS = [("gold_gain", "ours >= TRL", "higher"), ("seconds_per_step", "ours <= 0.5 x TRL", "lower"),
+                  ("peak_rss_mb", "ours <= TRL", "lower")]
+
+
+def summarise_online(row: dict, runs: dict) -> dict:
+    """Medians over runs (one per seed) per library; each of the three targets met or missed, and by how much."""
+    med = {}
+    for lib, rs in runs.items():
+        med[lib] = {key: median([r[key] for r in rs]) for key in
+                    ("gold_first", "gold_last", "gold_gain", "gold_gain5", "seconds_per_step", "peak_rss_mb",
+                     "rss_after_imports_mb", "train_seconds", "wall_seconds")}
+        kls = [r["final_kl"] for r in rs if r.get("final_kl") is not None]
+        med[lib]["final_kl"] = median(kls) if kls else None
+        med[lib]["gold_per_step"] = [median(v) for v in zip(*[r["gold_per_step"] for r in rs])]
+    row["median"], row["metric"], row["better"] = med, "gold_gain", "higher"
+    base = {k: v for k, v in row["settings"].items() if k != "seeds"}  # the exact command of each run (one per seed)
+    row["commands"] = {lib: " ; ".join(shlex.join(command(lib, "online", {**base, "threads": row["threads"], "seed": s}))
+                                       for s in row["settings"].get("seeds", [0])) for lib in runs}
+    o, t = med["ours"], med["trl116"]
+    row["targets"] = {}
+    for key, target, _better in ONLINE_TARGETS:
+        ratio = o[key] / t[key] if t[key] else float("nan")
+        if key == "gold_gain":
+            met, short = o[key] >= t[key], t[key] - o[key]  # short: how much gain ours lacks (<= 0 when met)
+        elif key == "seconds_per_step":
+            met, short = ratio <= 0.5, o[key] - 0.5 * t[key]  # seconds over the 0.5x budget
+        else:
+            met, short = o[key] <= t[key], o[key] - t[key]  # MB over TRL's peak
+        row["targets"][key] = {"ours": o[key], "trl116": t[key], "ratio": ratio, "target": target, "met": met,
+                               "missed_by": None if met else short}
+    row["ratio"] = o["gold_gain"] / t["gold_gain"] if t["gold_gain"] else float("nan")
+    row["met"] = all(x["met"] for x in row["targets"].values())
+    return row
+
 
 def run_parity() -> dict:
     cmd = [str(PYTHONS["ours"].relative_to(ROOT)), "-m", "pytest", "bench/test_parity.py", "-q", "-p", "no:cacheprovider"]
@@ -178,6 +230,26 @@ def run_parity() -> dict:
             "seconds": time.time() - t, "output": proc.stdout[-3000:]}
 
 
+def merge_previous(report: dict, path: Path, only: set) -> dict:
+    """``--merge``: carry over from the previous results.json the rows (and parity) of the workloads not run
+    now, each labelled with the run it came from, so a partial run keeps the rest of the table."""
+    if not path.exists():
+        return report
+    old = json.loads(path.read_text())
+    source = {"date": old["machine_start"]["date"], "loadavg_start": old["machine_start"]["loadavg"],
+              "loadavg_end": old["machine_end"]["loadavg"], "matmul_peak_flops": old.get("matmul_peak_flops"),
+              "matmul_peak_flops_bf16": old.get("matmul_peak_flops_bf16")}
+    carried = [row for row in old.get("rows", []) if row["workload"] not in only]
+    for row in carried:
+        row.setdefault("measured_in", source)
+    report["rows"] = carried + report["rows"]
+    if "parity" not in only and "parity" in old:
+        report["parity"] = {**old["parity"], "measured_in": old["parity"].get("measured_in", source)}
+    report["carried_over"] = sorted({row["workload"] for row in carried} | ({"parity"} if "parity" in report
+                                                                              and "parity" not in only else set()))
+    return report
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -186,20 +258,26 @@ def machine() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one short repeat of everything (harness check)")
-    parser.add_argument("--only", default="parity,step,generate,memory,sentiment")
+    parser.add_argument("--only", default="parity,step,generate,memory,sentiment,online")
     parser.add_argument("--repeats", type=int, default=2, help="processes per library per workload (alternating)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: robust on a shared machine)")
     parser.add_argument("--out", default=str(BENCH / "results"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the previous results' rows of the workloads not in --only (labelled with their run)")
     opts = parser.parse_args()
     only = set(opts.only.split(","))
-    for lib, py in PYTHONS.items():
-        if not py.exists():
-            sys.exit(f"missing {py}: run `bash bench/setup_trl_venv.sh` (make bench does)")
+    needed = {"ours"} | {OTHER.get(w, "trl") for w, _, _ in WORKLOADS if w in only} | ({"trl"} if "parity" in only else set())
+    for lib in sorted(needed):
+        if not PYTHONS[lib].exists():
+            sys.exit(f"missing {PYTHONS[lib]}: run `bash {SETUP.get(lib, 'bench/setup_trl_venv.sh')}` (make bench does)")
     t0 = time.time()
-    info = prepare.main()
+    info = prepare.main(sentiment="sentiment" in only, models=bool(only & {"parity", "step", "generate", "memory"}))
     report = {"machine_start": machine(), "prepare": info, "threads": opts.threads, "repeats": opts.repeats,
               "quick": opts.quick, "matmul_peak_flops": matmul_peak(opts.threads),
-              "matmul_peak_flops_bf16": matmul_peak(opts.threads, "bfloat16"), "rows": []}
+              "rows": []}
+    # the bf16 peak is the MFU denominator of the bf16 step row only (slow to measure on a CPU without AMX)
+    if "step" in only:
+        report["matmul_peak_flops_bf16"] = matmul_peak(opts.threads, "bfloat16")
     print(f"matmul peak: {report['matmul_peak_flops'] / 1e9:.1f} GFLOP/s, load {os.getloadavg()}", flush=True)
     if "parity" in only:
         report["parity"] = run_parity()
@@ -215,22 +293,32 @@ def main() -> None:
             continue
         repeats = 1 if (opts.quick or workload in ("memory", "sentiment")) else opts.repeats
         seeds = args.pop("seeds", [None])
-        runs: dict[str, list] = {"ours": [], "trl": []}
+        if workload == "online":  # one run per library per seed: repeat r uses seed r
+            seeds, repeats = list(range(repeats)), 1
+        other = OTHER.get(workload, "trl")
+        runs: dict[str, list] = {"ours": [], other: []}
         for rep in range(repeats):
             for seed in seeds:
-                order = ("ours", "trl") if (rep + (seed or 0)) % 2 == 0 else ("trl", "ours")
+                order = ("ours", other) if (rep + (seed or 0)) % 2 == 0 else (other, "ours")
                 for lib in order:
                     run_args = args if seed is None else {**args, "seed": seed}
                     runs[lib].append(run_one(lib, workload, run_args))
         row = summarise(workload, size, args if seeds == [None] else {**args, "seeds": seeds}, runs,
-                        {"fp32": report["matmul_peak_flops"], "bf16": report["matmul_peak_flops_bf16"]})
+                        {"fp32": report["matmul_peak_flops"], "bf16": report.get("matmul_peak_flops_bf16")})
         report["rows"].append(row)
+        if workload == "online":
+            print(f"online    {size:6s} " + "; ".join(
+                f"{k}: ours {v['ours']:.4g} trl116 {v['trl116']:.4g} met={v['met']}" for k, v in row["targets"].items())
+                  + f" load={os.getloadavg()[0]:.2f}", flush=True)
+            continue
         print(f"{workload:9s} {size:6s} {row['metric']}: ours {row['median']['ours'][row['metric']]:.4g} "
               f"trl {row['median']['trl'][row['metric']]:.4g} ratio {row.get('ratio', float('nan')):.3f} "
               f"met={row.get('met')} load={os.getloadavg()[0]:.2f}", flush=True)
     report["machine_end"] = machine()
     report["total_seconds"] = time.time() - t0
     out = Path(opts.out)
+    if opts.merge:
+        report = merge_previous(report, out.with_suffix(".json"), only)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
     import report as report_md
 

@@ -1,0 +1,198 @@
+"""Workload (e): critic-free online RL, GRPO or RLOO, in rlhf_core or TRL 1.16.0 (issue 14 point 6).
+
+    python bench/workloads/online.py --lib ours|trl116 --method grpo|rloo --args '{"steps": 40, "seed": 0, ...}'
+
+``ours`` runs in .venv (rlhf_core.GRPOTrainer / RLOOTrainer), ``trl116`` in bench/.trl116-venv
+(trl.GRPOTrainer / RLOOTrainer); both stacks have transformers 5.23, so the model is one
+``save_pretrained`` directory (a 4x128 GPT-2 built from a config with seed 0, dropout off) that both load
+with ``from_pretrained``: TRL 1.16 re-loads its reference model from ``config._name_or_path``, which
+must be a directory. The tokenizer is the rt-polarity BPE of workload (d) (a ``tokenizers`` file), the
+prompts are the first words of rt-polarity snippets (read in place), and the reward function is one
+callable: the VADER compound score of prompt + completion (the gold judge). Both trainers get the same
+config fields (lr, beta, group size, sampling, seed, steps).
+
+Prints one JSON line: the gold reward of the samples at the first and last steps (the reward function
+records the mean of every call: one call per step), their gain, seconds per step (median of the
+steps after the first, timed by a TrainerCallback around each optimizer step: generation, reward,
+loss, backward and update), the logged KL, and the peak RSS. ``"profile_step": k`` in the arguments prints
+a cProfile of step k to stderr (the evidence behind "what bounds it" in bench/analysis.md).
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+
+# The policy of this workload: GPT-2 with 4 layers of width 128 over the rt-polarity tokenizer.
+ARCH = {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 128, "vocab_size": 2048, **common.NO_DROPOUT}
+DEFAULTS = {"steps": 40, "seed": 0, "completions_per_step": 64, "num_generations": 8, "learning_rate": 1e-4,
+            "beta": 0.04, "max_completion_length": 20, "prompt_words": 4, "threads": 1}
+
+
+def parse() -> tuple[str, str, dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib", choices=("ours", "trl116"), required=True)
+    parser.add_argument("--method", choices=("grpo", "rloo"), required=True)
+    parser.add_argument("--args", default="{}", help="workload arguments as a JSON object")
+    ns = parser.parse_args()
+    args = {**DEFAULTS, **json.loads(ns.args)}
+    import torch
+
+    torch.set_num_threads(int(args["threads"]))
+    return ns.lib, ns.method, args
+
+
+def tokenizer_path():
+    """The rt-polarity BPE of workload (d); trained here (tokenizers only) when bench/prepare.py has not run."""
+    path = common.tokenizer_json_path("rt")
+    if not path.exists():
+        lines = common.rt_polarity_lines()
+        if not lines:
+            raise FileNotFoundError(f"no rt-polarity data at {common.RT_POLARITY} (set RT_POLARITY_DIR)")
+        common.train_tokenizer(lines, ARCH["vocab_size"], path)
+    return path
+
+
+def model_dir():
+    """bench/.cache/models/online-4x128-seed0: a save_pretrained directory (written once, atomically)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = common.checkpoint_dir("online-4x128-seed0")
+    if not (path / "config.json").exists():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(GPT2Config(**ARCH))
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        model.save_pretrained(str(tmp))
+        tmp.rename(path)
+    return path
+
+
+def prompts(words: int) -> list[str]:
+    """The first ``words`` words of every rt-polarity snippet, in a fixed shuffled order."""
+    lines = common.rt_polarity_lines()
+    random.Random(1234).shuffle(lines)
+    return [" ".join(line.split()[:words]) for line in lines]
+
+
+class GoldJudge:
+    """Reward function of both trainers: VADER compound of prompt + completion; records each call's rewards."""
+
+    __name__ = "gold"
+
+    def __init__(self):
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        self.analyzer = SentimentIntensityAnalyzer()
+        self.calls: list[list[float]] = []
+
+    def __call__(self, prompts, completions, **kwargs):
+        scores = [self.analyzer.polarity_scores(p + c)["compound"] for p, c in zip(prompts, completions)]
+        self.calls.append(scores)
+        return scores
+
+
+def step_timer(profile_step: int | None = None):
+    """A TrainerCallback timing each optimizer step (on_step_begin .. on_step_end); with ``profile_step`` = k it
+    also runs cProfile over step k (1-based) and prints the top functions by own time to stderr."""
+    import cProfile
+    import pstats
+
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+            self._t = 0.0
+            self._profile = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if profile_step == len(self.seconds) + 1:
+                self._profile = cProfile.Profile()
+                self._profile.enable()
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self._t)
+            if self._profile is not None:
+                self._profile.disable()
+                for order in ("tottime", "cumulative"):
+                    pstats.Stats(self._profile, stream=sys.stderr).sort_stats(order).print_stats(25)
+                self._profile = None
+
+    return StepTimer()
+
+
+def classes(lib: str, method: str):
+    if lib == "ours":
+        import rlhf_core as L
+    else:
+        import trl as L
+    return (L.GRPOConfig, L.GRPOTrainer) if method == "grpo" else (L.RLOOConfig, L.RLOOTrainer)
+
+
+def config_kwargs(args: dict, out_dir: str) -> dict:
+    """The same config fields on both sides (TRL 1.16 names), CPU settings TRL 1.16 needs spelled out."""
+    return dict(output_dir=out_dir, report_to="none", max_steps=args["steps"], logging_steps=1, save_strategy="no",
+                seed=args["seed"], learning_rate=args["learning_rate"], beta=args["beta"],
+                per_device_train_batch_size=args["completions_per_step"], num_generations=args["num_generations"],
+                max_completion_length=args["max_completion_length"], temperature=1.0, top_k=0, top_p=1.0,
+                bf16=False, gradient_checkpointing=False, use_vllm=False, disable_dropout=True,
+                use_cpu=True, dataloader_num_workers=0)
+
+
+def main():
+    lib, method, args = parse()
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    rss_imports = common.current_rss_mb()
+    tokenizer = common.load_tokenizer(tokenizer_path(), padding_side="left")
+    path = model_dir()
+    torch.manual_seed(args["seed"])
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    dataset = Dataset.from_dict({"prompt": prompts(args["prompt_words"])})
+    judge, timer = GoldJudge(), step_timer(args.get("profile_step"))
+    Config, Trainer = classes(lib, method)
+    with tempfile.TemporaryDirectory() as out_dir:
+        config = Config(**config_kwargs(args, out_dir))
+        trainer = Trainer(model=model, reward_funcs=judge, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+        rss_setup = common.current_rss_mb()
+        t = time.perf_counter()
+        trainer.train()
+        train_seconds = time.perf_counter() - t
+    means = [sum(c) / len(c) for c in judge.calls]
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    kls = [float(h["kl"]) for h in logs if "kl" in h]
+    result = {"lib": version(lib), "method": method, "seed": args["seed"], "steps": len(timer.seconds),
+              "reward_calls": len(judge.calls), "completions_per_call": [len(c) for c in judge.calls][:1],
+              "gold_first": means[0], "gold_last": means[-1], "gold_gain": means[-1] - means[0],
+              "gold_first5": statistics.mean(means[:5]), "gold_last5": statistics.mean(means[-5:]),
+              "gold_gain5": statistics.mean(means[-5:]) - statistics.mean(means[:5]), "gold_per_step": means,
+              "kl_per_step": kls, "final_kl": kls[-1] if kls else None,
+              "step_seconds": timer.seconds, "seconds_per_step": statistics.median(timer.seconds[1:] or timer.seconds),
+              "train_seconds": train_seconds, "rss_after_imports_mb": rss_imports, "rss_after_setup_mb": rss_setup}
+    common.emit(result)
+
+
+def version(lib: str) -> str:
+    if lib == "trl116":
+        import trl
+
+        return f"trl {trl.__version__}"
+    return common.version_of("ours")
+
+
+if __name__ == "__main__":
+    main()
