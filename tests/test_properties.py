@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from rlhf_core.data import DataFormatError, read_incoming, read_jsonl, read_text_records
+from rlhf_core.data import DataFormatError, read_jsonl, read_text_records
+from rlhf_core.feedback import validate_batch
 from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
 from rlhf_core.trainers.collators import (
     DataCollatorForCompletionOnlyLM,
@@ -230,7 +231,7 @@ def test_valid_features_still_collate():
 def test_readers_turn_any_bytes_into_text_or_a_clear_data_format_error(tmp_path_factory, data, suffix):
     path = tmp_path_factory.mktemp("reader") / f"incoming{suffix}"
     path.write_bytes(data)
-    for read in (lambda: read_text_records(path), lambda: read_incoming(path), lambda: read_jsonl(path)):
+    for read in (lambda: read_text_records(path), lambda: validate_batch(path), lambda: read_jsonl(path)):
         try:
             result = read()
         except DataFormatError as error:
@@ -238,7 +239,7 @@ def test_readers_turn_any_bytes_into_text_or_a_clear_data_format_error(tmp_path_
             continue
         except ValueError as error:
             pytest.fail(f"{type(error).__name__} without the file name: {error}")
-        texts = result if isinstance(result, list) else getattr(result, "texts", [])
+        texts = result if isinstance(result, list) else getattr(result, "rows", [])
         assert all(isinstance(t, (str, dict)) for t in texts)
 
 
