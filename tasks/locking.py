@@ -1,6 +1,6 @@
 """One lock per checkout: pipeline runs, retraining runs and single stages never run side by side.
 
-``checkout_lock(root, command)`` takes an exclusive ``flock`` on ``<root>/.dvc/tmp/rlhf-run.lock`` (the project
+``checkout_lock(root, command)`` takes an exclusive ``flock`` on ``rlhf-run.lock`` in the checkout's DVC temp folder (``.dvc`` / ``tmp``; the project
 root's ``.rlhf-run.lock`` where there is no ``.dvc/``) and writes the holder into it: pid, host, command, start
 time and a random token. A second run waits up to ``wait_s`` seconds (``--wait`` on the CLIs, default
 ``$RLHF_LOCK_WAIT_S`` or 0) and then refuses with :class:`CheckoutLocked`, naming the holder.
