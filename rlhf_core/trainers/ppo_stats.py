@@ -91,12 +91,23 @@ def finish_step_stats(stats: Mapping[str, Any], learning_rate: float, skipped_up
 
 
 def gather_stats(stats: Mapping[str, Any], accelerator) -> dict[str, Any]:
-    """Average tensor stats over all processes (identity in a single process)."""
+    """Average tensor stats over all processes (identity in a single process).
+
+    A stat is averaged when every process holds it with the same shape (scalars, per-sample (B,) vectors).
+    Arrays whose shape depends on the data (``objective/logprobs`` (B, T-1), per-token value arrays) stay this
+    process's own: an all-reduce of unequal shapes aborts the collective (classic TRL reduces them all and
+    crashes there).
+    """
     if accelerator.num_processes == 1:
         return stats
+    from accelerate.utils import gather_object
+
+    shapes = {key: tuple(value.shape) for key, value in stats.items() if isinstance(value, torch.Tensor)}
+    every = gather_object([shapes])  # one dict per process, in rank order
+    agreed = {key for key, shape in shapes.items() if all(other.get(key) == shape for other in every)}
     gathered = {}
     for key, value in stats.items():
-        if isinstance(value, torch.Tensor):
+        if key in agreed:  # (the same keys on every process, in the same order: no collective can hang)
             value = accelerator.reduce(value.to(accelerator.device).float(), "mean")
         gathered[key] = value
     return gathered
