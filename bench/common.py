@@ -38,8 +38,19 @@ NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary
 SIZES = {
     "tiny": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "vocab_size": 512, **NO_DROPOUT},
     # GPT-2 small shape (124 M parameters): 12 layers, 768 wide, 12 heads, 50257-token vocabulary.
+    # mid: 4 layers x 256 wide with GPT-2's vocabulary (the LM head is most of the FLOPs).
+    "mid": {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 1024, "vocab_size": 50257, **NO_DROPOUT},
     "gpt2s": {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257, **NO_DROPOUT},
 }
+
+
+def cpu_has_bf16_units() -> bool:
+    """True on a CPU with native bf16 matmul (AVX512-BF16 or AMX); elsewhere torch emulates bf16 (slow)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
 
 
 # ------------------------------------------------------------------------------------------ args / output

@@ -106,8 +106,11 @@ def render(r: dict) -> str:
             lines += ["| size | settings | ours s/step | TRL s/step | ratio | target <= 0.5 | ours tok/s | TRL tok/s | ours MFU | TRL MFU |",
                       "|---|---|---|---|---|---|---|---|---|---|"]
             for x in rows:
-                o, t = x["median"]["ours"], x["median"]["trl"]
                 s = x["settings"]
+                if "skipped" in x:
+                    lines.append(f"| {x['size']} | {s.get('mixed_precision', 'fp32')} | skipped: {x['skipped']} |||||||| ")
+                    continue
+                o, t = x["median"]["ours"], x["median"]["trl"]
                 lines.append(f"| {x['size']} | B={s['batch_size']} mb={s['mini_batch_size']} epochs={s['ppo_epochs']} "
                              f"q={s['query_len']} r={s['response_len']}"
                              f"{' **' + s['mixed_precision'] + ' autocast**' if s.get('mixed_precision') else ' fp32'} | "

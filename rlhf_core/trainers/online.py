@@ -31,10 +31,12 @@ from transformers import (
 )
 
 from rlhf_core.core import entropy_from_logits, logprobs_from_logits
+from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers.base import RlhfTrainerMixin, is_peft_model, load_model, wrap_peft
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
 from rlhf_core.trainers.generation import generate_batched
+from rlhf_core.trainers.packing import language_model, pack_rows, should_pack, unpack_slots
 from rlhf_core.trainers.online_config import OnlineRLConfig
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
@@ -115,11 +117,25 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (B, A) of every response token under ``model``, and (optionally) the entropy there (B, A).
 
-    The forward gets ``batch.model_inputs``, position ids included, so left padding changes nothing.
+    The forward gets ``batch.model_inputs``, position ids included, so left padding changes nothing. Packed
+    into one sequence where that saves FLOPs (``packing``; padding slots then hold 0), else padded with the LM
+    head only from the first scored position on.
     """
-    logits = model(**batch.model_inputs).logits[:, :-1, :]  # (B, T-1, V): position t predicts token t+1
+    if should_pack(model, batch):
+        packed = pack_rows(batch)
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       use_cache=False, logits_to_keep=packed.score_positions).logits[0]  # (M, V)
+        tokens = packed.input_ids[0, packed.score_positions + 1]  # (M,)
+        shape = tuple(batch.response_index.shape)  # (B, A)
+        logprobs = unpack_slots(logprobs_from_logits(logits.float(), tokens), packed, shape)
+        entropy = unpack_slots(entropy_from_logits(logits.detach()), packed, shape) if with_entropy else None
+        return logprobs, entropy
     index = batch.response_index  # (B, A)
-    picked = torch.gather(logits, 1, index[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, A, V)
+    width = batch.model_inputs["input_ids"].shape[1]  # T
+    keep = {"logits_to_keep": width - int(index.min())} if language_model(model) is not None else {}
+    logits = model(**batch.model_inputs, **keep).logits  # (B, K, V): position t predicts token t+1
+    offset = width - logits.shape[1]  # position of the first kept logit (0 with all of them)
+    picked = torch.gather(logits, 1, (index - offset)[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, A, V)
     tokens = torch.gather(batch.model_inputs["input_ids"][:, 1:], 1, index)  # (B, A)
     logprobs = logprobs_from_logits(picked.float(), tokens)  # (B, A)
     entropy = entropy_from_logits(picked.detach()) if with_entropy else None
@@ -495,7 +511,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
     def compute_loss(self, model, inputs: Rollout, return_outputs: bool = False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         with dropout_off(model, self.args.disable_dropout):
-            logprobs, entropy = token_logprobs_and_entropy(model, inputs.batch.trimmed(), with_entropy=True)
+            with sparse_tied_embedding_grad(model):
+                logprobs, entropy = token_logprobs_and_entropy(model, inputs.batch.trimmed(), with_entropy=True)
         loss, stats = self._policy_loss(logprobs, entropy, inputs, mode)
         mask = inputs.batch.response_mask
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.utils.data import default_collate
 
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController
 from rlhf_core.tracking import Tracker, make_tracker
+from rlhf_core.trainers.packing import language_model
 from rlhf_core.trainers.ppo_config import PPOConfig
 
 
@@ -29,28 +29,10 @@ def list_collator(rows: list[Any]) -> Any:
     return default_collate(rows)
 
 
-_LOGITS_TO_KEEP: dict[type, bool] = {}
-"""Per model class: whether its ``forward`` takes ``logits_to_keep`` (``inspect.signature`` is slow per call)."""
-
-
 def accepts_logits_to_keep(model) -> bool:
-    """True when the causal LM under the value head computes logits only for its last K positions on request.
-
-    transformers 5 causal LMs take ``logits_to_keep``; encoder-decoders, prompt-learning PEFT models
-    (virtual tokens shift positions) and models without the argument keep the full-logits path.
-    """
-    inner = getattr(model, "module", model)  # DDP / accelerate wrapper
-    lm = getattr(inner, "pretrained_model", None)
-    if lm is None or getattr(inner, "is_encoder_decoder", False):
-        return False
-    if getattr(inner, "is_peft_model", False):
-        if getattr(getattr(lm, "active_peft_config", None), "is_prompt_learning", False):
-            return False
-        lm = lm.get_base_model()
-    key = type(lm)
-    if key not in _LOGITS_TO_KEEP:
-        _LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(lm.forward).parameters
-    return _LOGITS_TO_KEEP[key]
+    """True when the causal LM under the value head computes logits only for the positions it is asked for
+    (``packing.language_model``: encoder-decoders and prompt-learning adapters keep the full-logits path)."""
+    return language_model(model) is not None
 
 
 def empty_device_cache() -> None:

@@ -34,6 +34,7 @@ from rlhf_core.core import (
     stack_dicts,
 )
 from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_losses
+from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
@@ -46,6 +47,7 @@ from rlhf_core.trainers.generation import (
     pad_id_of,
 )
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
+from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo_config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
@@ -381,6 +383,8 @@ class PPOTrainer:
 
     @staticmethod
     def _forward_rows(model, batch: ModelBatch, return_logits: bool):
+        if should_pack(model, batch):
+            return PPOTrainer._forward_packed(model, batch, return_logits)
         tokens = batch.model_inputs[batch.token_ids_key]
         index = batch.response_index  # (b, A)
         kwargs = {}
@@ -395,6 +399,21 @@ class PPOTrainer:
         logprobs = logprobs_from_logits(logits, next_tokens)  # (b, A)
         values = torch.gather(values[:, :-1].float(), 1, index) * batch.response_mask  # (b, A)
         return logprobs, values, (logits if return_logits else None)
+
+    @staticmethod
+    def _forward_packed(model, batch: ModelBatch, return_logits: bool):
+        """``_forward_rows`` on the rows packed into one sequence (``packing``): no padding columns in any
+        layer, the LM head only where a response token is scored. Padding slots hold 0."""
+        packed = pack_rows(batch)
+        lm_logits, _, values = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                     attention_mask=None, use_cache=False,  # a cache turns the packed mask off
+                                     logits_to_keep=packed.score_positions)  # (1, M, V), (1, N)
+        logits = lm_logits[0]  # (M, V)
+        next_tokens = packed.input_ids[0, packed.score_positions + 1]  # (M,)
+        shape = tuple(batch.response_index.shape)  # (b, A)
+        logprobs = unpack_slots(logprobs_from_logits(logits, next_tokens), packed, shape)  # (b, A)
+        values = unpack_slots(values[0, packed.score_positions].float(), packed, shape) * batch.response_mask  # (b, A)
+        return logprobs, values, (unpack_slots(logits, packed, shape) if return_logits else None)
 
     # ------------------------------------------------------------------ rewards and advantages
 
@@ -440,7 +459,8 @@ class PPOTrainer:
     def _minibatch_update(self, batch: ModelBatch, old: Experience) -> dict[str, torch.Tensor]:
         """Forward the mini-batch with gradients, then ``train_minibatch`` (inside gradient accumulation)."""
         with self.accelerator.accumulate(self.model):
-            logprobs, vpreds, logits = self._forward_batch(self.model, batch, return_logits=True)  # (b, A), (b, A), (b, A, V)
+            with sparse_tied_embedding_grad(self.model):
+                logprobs, vpreds, logits = self._forward_batch(self.model, batch, return_logits=True)  # (b, A), (b, A), (b, A, V)
             stats = self.train_minibatch(old.logprobs, old.values, logprobs, logits, vpreds, batch.response_mask,
                                          old.advantages, old.returns)
         for key in ("policy/advantages", "policy/ratio"):  # per-token stats in classic TRL's (b, T-1) layout
