@@ -62,7 +62,15 @@ def mlflow_setup(root: str | Path) -> str:
 
     root = Path(root).resolve()
     uri = tracking_uri(root)
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
+    # set_tracking_uri also exports $MLFLOW_TRACKING_URI, which `tracking_uri` reads first: left in place, the
+    # first project's store would become the store of every later project this process (or its children) runs
+    # (a retrain worktree, a test's next project). Only a user's own setting belongs in the environment.
+    if exported is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = exported
     client = mlflow.MlflowClient()
     exp = client.get_experiment_by_name(experiment_name())
     if exp is None:
