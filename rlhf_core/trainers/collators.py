@@ -79,6 +79,15 @@ def check_finite_number(value: Any, where: str) -> float:
     return float(value)
 
 
+def check_margin(value: Any, where: str) -> float:
+    """A reward margin: a finite number, or a one-element list/tensor holding one (as TRL 0.11 datasets store it)."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != 1:
+            raise ValueError(f"{where} must be one number (or a one-element list), got {len(value)} values")
+        value = value[0]
+    return check_finite_number(value, where)
+
+
 def pad_to_length(
     rows: Sequence[Sequence[int]], value: int, length: int | None = None, side: str = "right"
 ) -> torch.Tensor:
@@ -307,7 +316,8 @@ class RewardDataCollatorWithPadding:
     """Pads reward pairs: ``input_ids_chosen``/``attention_mask_chosen`` and the rejected pair, (B, T) each.
 
     Chosen and rejected are padded to one common length (so the trainer can stack them), on the
-    tokenizer's padding side. An optional ``margin`` column becomes a float tensor (B,).
+    tokenizer's padding side. An optional ``margin`` column (a number or a one-element list per pair)
+    becomes a float tensor (B,).
     """
 
     REQUIRED = ("input_ids_chosen", "attention_mask_chosen", "input_ids_rejected", "attention_mask_rejected")
@@ -347,7 +357,8 @@ class RewardDataCollatorWithPadding:
             "return_loss": True,
         }
         if "margin" in features[0]:
-            batch["margin"] = torch.tensor([float(f["margin"]) for f in features], dtype=torch.float)  # (B,)
+            margins = [check_margin(f["margin"], f"reward feature {i} margin") for i, f in enumerate(features)]
+            batch["margin"] = torch.tensor(margins, dtype=torch.float)  # (B,)
         return batch
 
 
@@ -366,7 +377,7 @@ class RewardDataCollatorWithPadding:
             if has_margin:
                 if "margin" not in feature:
                     raise ValueError(f"reward feature {i} has no 'margin' column but feature 0 has one")
-                check_finite_number(feature["margin"], f"reward feature {i} margin")
+                check_margin(feature["margin"], f"reward feature {i} margin")
 
 
 class DPODataCollatorWithPadding:
