@@ -13,6 +13,8 @@ from rlhf_core.core import entropy_from_logits, masked_mean, masked_var, masked_
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+# f-divergences regularising DPO ("Beyond Reverse KL", Wang et al. 2023); reverse_kl is standard DPO.
+F_DIVERGENCE_TYPES = ("reverse_kl", "js_divergence", "alpha_divergence")
 
 # Log-ratios beyond this are clamped before exp(): exp(20) is already a ratio of 5e8, far past any clip.
 MAX_LOG_RATIO = 20.0
@@ -144,6 +146,42 @@ def ppo_losses(
 # --------------------------------------------------------------------------------------------
 
 
+def capped_exp(value: torch.Tensor, decimals: int = 4) -> torch.Tensor:
+    """``exp(value)`` with the exponent clamped to ``log(finfo(dtype).max)`` rounded down to ``decimals``
+    places (88.7228 for float32, 709.7827 for float64), so the result stays finite."""
+    log_max = torch.log(torch.tensor(torch.finfo(value.dtype).max, dtype=value.dtype))
+    cap = torch.floor(log_max * 10**decimals) / 10**decimals
+    return torch.exp(torch.clamp(value, max=cap.item()))
+
+
+def f_divergence_logits(
+    chosen_logratios: torch.Tensor,
+    rejected_logratios: torch.Tensor,
+    pi_ref_logratios: torch.Tensor,
+    f_divergence_type: str = "reverse_kl",
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """The DPO logit ``f'(u_w) - f'(u_l)`` of an f-divergence, (B,); ``u = pi / pi_ref`` of a response.
+
+    ``chosen_logratios``/``rejected_logratios`` (B,) are ``log u_w``/``log u_l``; ``pi_ref_logratios`` (B,) is
+    the same ``log u_w - log u_l`` as DPO groups it, ``(log pi_w - log pi_l) - (log ref_w - log ref_l)``.
+    - ``reverse_kl``: f(u) = u log u, f'(u) = log u + 1 -> ``log u_w - log u_l`` (standard DPO);
+    - ``js_divergence``: f(u) = u log u - (1 + u) log((1 + u) / 2), f'(u) = log(2u / (1 + u))
+      -> ``log u_w - log u_l - (softplus(log u_w) - softplus(log u_l))``;
+    - ``alpha_divergence``: f(u) = (u^(1-a) - (1-a) u - a) / (a (a-1)), f'(u) = (1 - u^-a) / a
+      -> ``(u_l^-a - u_w^-a) / a``, each power through ``capped_exp`` (a -> 0 gives reverse KL).
+    """
+    if f_divergence_type not in F_DIVERGENCE_TYPES:
+        raise ValueError(f"f_divergence_type must be one of {F_DIVERGENCE_TYPES}, got {f_divergence_type!r}")
+    if f_divergence_type == "alpha_divergence":
+        if alpha == 0:
+            raise ValueError("f_alpha_divergence_coef must be non-zero (alpha -> 0 is reverse_kl)")
+        return (capped_exp(-alpha * rejected_logratios) - capped_exp(-alpha * chosen_logratios)) / alpha
+    if f_divergence_type == "js_divergence":
+        return pi_ref_logratios - (F.softplus(chosen_logratios) - F.softplus(rejected_logratios))
+    return pi_ref_logratios
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
@@ -153,11 +191,15 @@ def dpo_loss(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     reference_free: bool = False,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO losses (B,) and implicit rewards ``beta * (policy - reference)`` for chosen and rejected (B,).
 
     loss types: ``sigmoid`` (with conservative label smoothing), ``robust`` (unbiased under label
     noise), ``hinge`` and ``ipo``. With ``reference_free`` the reference log-ratio is taken as 0.
+    ``f_divergence_type`` picks the divergence whose ``f'`` turns the log-ratios into the logit
+    (``f_divergence_logits``; ``f_alpha_divergence_coef`` is alpha); the implicit rewards stay the log-ratios.
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
@@ -165,9 +207,14 @@ def dpo_loss(
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    ref_chosen = torch.zeros_like(reference_chosen_logps) if reference_free else reference_chosen_logps
+    ref_rejected = torch.zeros_like(reference_rejected_logps) if reference_free else reference_rejected_logps
     pi_logratios = policy_chosen_logps - policy_rejected_logps
     ref_logratios = torch.zeros_like(pi_logratios) if reference_free else reference_chosen_logps - reference_rejected_logps
-    logits = pi_logratios - ref_logratios  # (B,)
+    logits = f_divergence_logits(
+        policy_chosen_logps - ref_chosen, policy_rejected_logps - ref_rejected, pi_logratios - ref_logratios,
+        f_divergence_type, f_alpha_divergence_coef,
+    )  # (B,)
 
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
@@ -180,8 +227,6 @@ def dpo_loss(
     else:  # ipo: squared distance of the log-ratio gap from 1 / (2 beta)
         losses = (logits - 1 / (2 * beta)) ** 2
 
-    ref_chosen = torch.zeros_like(reference_chosen_logps) if reference_free else reference_chosen_logps
-    ref_rejected = torch.zeros_like(reference_rejected_logps) if reference_free else reference_rejected_logps
     chosen_rewards = beta * (policy_chosen_logps - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected_logps - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards

@@ -270,3 +270,31 @@ def test_save_model_card_and_tracker(tokenizer, tmp_path):
     logged = {k for _, metrics in trainer.tracker.metrics for k in metrics}
     assert {"rewards/accuracies", "eval_rewards/accuracies", "loss"} <= logged
     assert trainer.tracker.params["beta"] == 0.1
+
+
+def test_generate_during_eval_without_tracker_needs_wandb_as_in_trl(tokenizer, tmp_path, monkeypatch):
+    import rlhf_core.trainers.dpo as dpo_module
+
+    monkeypatch.setattr(dpo_module, "is_wandb_available", lambda: False)
+    with pytest.raises(ValueError, match="`generate_during_eval=True` requires Weights and Biases to be installed"):
+        make_trainer(tokenizer, tmp_path, generate_during_eval=True)
+    trainer = make_trainer(tokenizer, tmp_path, generate_during_eval=True, log_with="memory")  # a tracker takes it
+    assert trainer.generate_during_eval
+
+
+def test_model_init_kwargs_torch_dtype_checked_with_trl_wording(tokenizer, tmp_path):
+    from rlhf_core.trainers.dpo import DPOConfig
+
+    path = tmp_path / "base"
+    tiny_causal_lm(tokenizer).save_pretrained(path)
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, model_init_kwargs={"torch_dtype": "float16"},
+                     ref_model_init_kwargs={"torch_dtype": "float16"})
+    trainer = DPOTrainer(model=str(path), ref_model=str(path), args=args, tokenizer=tokenizer,
+                         train_dataset=Dataset.from_dict(ROWS), max_length=32, max_prompt_length=8)
+    assert trainer.model.dtype == trainer.ref_model.dtype == torch.float16
+    for field in ("model_init_kwargs", "ref_model_init_kwargs"):
+        bad = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **{field: {"torch_dtype": -1}})
+        with pytest.raises(ValueError, match=r"Invalid `torch_dtype` passed to the DPOConfig\. Expected a string "
+                                             rf"with either `torch.dtype` or 'auto', but got -1\. \(DPOConfig.{field}"):
+            DPOTrainer(model=str(path), ref_model=str(path), args=bad, tokenizer=tokenizer,
+                       train_dataset=Dataset.from_dict(ROWS), max_length=32, max_prompt_length=8)

@@ -55,11 +55,15 @@ def test_tokenize_pair_row_by_row(tokenizer):
     assert no_prompt["input_ids_chosen"] == tokenizer("dull")["input_ids"] + [eos]
 
 
-def test_missing_columns_value_error_names_them(tokenizer, tmp_path):
-    bad = Dataset.from_dict({"input_ids_chosen": [[1, 2]], "attention_mask_chosen": [[1, 1]]})
-    with pytest.raises(ValueError, match=r"\['input_ids_rejected', 'attention_mask_rejected'\]"):
-        RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path), train_dataset=bad,
-                      tokenizer=tokenizer)
+def test_missing_columns_warn_at_construction_and_raise_at_train_naming_them(tokenizer, tmp_path):
+    """As TRL 0.11: tokenised data without the reward columns builds (a custom collator may read it), with a
+    warning; the default collator refuses its first batch, naming the missing columns."""
+    bad = Dataset.from_dict({"input_ids_chosen": [[1, 2]] * 2, "attention_mask_chosen": [[1, 1]] * 2})
+    with pytest.warns(UserWarning, match=r"lacks the columns \['input_ids_rejected', 'attention_mask_rejected'\]"):
+        trainer = RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path, max_steps=1),
+                                train_dataset=bad, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"missing the columns \['input_ids_rejected', 'attention_mask_rejected'\]"):
+        trainer.train()
 
 
 def test_two_output_model_trains_every_output_as_a_reward(tokenizer, tmp_path):
@@ -96,6 +100,17 @@ def test_collator_pads_pairs_to_common_length_with_margin(tokenizer):
     assert batch["input_ids_rejected"].tolist() == [[8, pad, pad], [10, 11, pad]]
     assert batch["attention_mask_rejected"].tolist() == [[1, 0, 0], [1, 1, 0]]
     assert batch["margin"].tolist() == [0.5, 1.0]
+
+
+def test_collator_takes_one_element_list_margins_and_refuses_longer(tokenizer):
+    """TRL 0.11 datasets store a margin as a one-element list ([1.0]); it becomes one value per pair (B,)."""
+    collator = RewardDataCollatorWithPadding(tokenizer)
+    row = {"input_ids_chosen": [5], "attention_mask_chosen": [1], "input_ids_rejected": [8],
+           "attention_mask_rejected": [1]}
+    batch = collator([{**row, "margin": [1.5]}, {**row, "margin": torch.tensor([-0.25])}])
+    assert batch["margin"].tolist() == [1.5, -0.25]
+    with pytest.raises(ValueError, match=r"reward feature 0 margin must be one number .* got 2 values"):
+        collator([{**row, "margin": [1.0, 2.0]}])
 
 
 def test_reward_read_at_last_real_token_whatever_padding_side(tokenizer):

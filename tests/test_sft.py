@@ -226,3 +226,79 @@ def test_sft_trainer_takes_a_ready_tracker_as_tracker_argument(tokenizer, tmp_pa
     trainer.train()
     assert trainer.tracker is memory
     assert [step for step, row in memory.metrics if "loss" in row] and "learning_rate" in memory.params
+
+
+def test_completion_only_left_padding_keeps_response_labels(tokenizer):
+    """With a left-padding tokenizer (TRL 0.11 pads on the tokenizer's side) the pad sits before each row, and
+    the labels still cover exactly the response tokens of each row."""
+    import copy
+
+    left = copy.deepcopy(tokenizer)
+    left.padding_side = "left"
+    prompts = ["Question: the film\nAnswer:", "Question: a story was long and slow\nAnswer:"]
+    responses = [" great", " boring"]
+    rows = [left(p, add_special_tokens=False)["input_ids"] + left(r, add_special_tokens=False)["input_ids"]
+            for p, r in zip(prompts, responses)]
+    batch = DataCollatorForCompletionOnlyLM("Answer:", tokenizer=left)([{"input_ids": r} for r in rows])
+    width = max(map(len, rows))
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        pad = width - len(row)
+        n_prompt = len(left(prompt, add_special_tokens=False)["input_ids"])
+        assert batch["input_ids"][i].tolist() == [left.pad_token_id] * pad + row
+        assert batch["attention_mask"][i].tolist() == [0] * pad + [1] * len(row)
+        assert batch["labels"][i].tolist() == [IGNORE_INDEX] * (pad + n_prompt) + row[n_prompt:]
+
+
+def test_packed_data_repeats_only_for_max_steps_and_infinite_is_deprecated(tokenizer, tmp_path):
+    """TRL 0.11's rule: packing + max_steps > 0 -> the ConstantLengthDataset repeats; max_steps=-1 -> one pass."""
+    dataset = Dataset.from_dict({"text": TEXTS})
+    common = dict(train_dataset=dataset, processing_class=tokenizer, dataset_text_field="text", packing=True,
+                  max_seq_length=16)
+    by_steps = SFTTrainer(model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=2), **common)
+    assert by_steps.train_dataset.infinite is True
+    with pytest.warns(FutureWarning, match=r"SFTTrainer\(infinite=\.\.\.\) is deprecated"):
+        by_epochs = SFTTrainer(model=tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=-1),
+                               infinite=True, **common)
+    assert by_epochs.train_dataset.infinite is False
+
+
+def test_trl_activate_neftune_adds_bounded_uniform_noise_in_training_only(tokenizer, tmp_path):
+    """NEFTune: embeddings + U(-a/sqrt(T*d), a/sqrt(T*d)) in train mode, unchanged in eval mode; one hook,
+    removed by its handle; train() adds and removes its own."""
+    model = tiny_causal_lm(tokenizer)
+    trainer = SFTTrainer(model=model, args=small_args(tmp_path, max_steps=1, neftune_noise_alpha=5.0),
+                         train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tokenizer,
+                         dataset_text_field="text", max_seq_length=16)
+    embeddings = model.get_input_embeddings()
+    ids = torch.tensor([[1, 2, 3]])  # (1, T=3)
+    clean = embeddings(ids).detach()  # (1, 3, d)
+    assert trainer._trl_activate_neftune(model) is model
+    assert len(embeddings._forward_hooks) == 1
+    model.train()
+    noisy = embeddings(ids).detach()
+    bound = 5.0 / (3 * clean.shape[-1]) ** 0.5
+    assert 0 < (noisy - clean).abs().max() <= bound + 1e-6
+    model.eval()
+    assert torch.equal(embeddings(ids), clean)
+    trainer.neftune_hook_handle.remove()
+    assert len(embeddings._forward_hooks) == 0
+    trainer.train()
+    assert len(embeddings._forward_hooks) == 0 and not hasattr(embeddings, "neftune_noise_alpha")
+
+
+def test_neftune_keyword_overrides_config_and_torch_dtype_is_checked(tokenizer, tmp_path):
+    from rlhf_core.trainers.base import checked_init_kwargs
+
+    args = small_args(tmp_path, neftune_noise_alpha=1.0)
+    with pytest.warns(UserWarning, match="neftune_noise_alpha=3.0 passed to the trainer overrides"):
+        trainer = SFTTrainer(model=tiny_causal_lm(tokenizer), args=args, train_dataset=Dataset.from_dict(
+            {"text": TEXTS}), processing_class=tokenizer, dataset_text_field="text", neftune_noise_alpha=3.0)
+    assert trainer.neftune_noise_alpha == 3.0
+    assert checked_init_kwargs({"torch_dtype": "float16"}, "SFTConfig") == {"torch_dtype": torch.float16}
+    assert checked_init_kwargs({"torch_dtype": "auto", "x": 1}, "SFTConfig") == {"torch_dtype": "auto", "x": 1}
+    with pytest.raises(ValueError, match=r"Invalid `torch_dtype` passed to the SFTConfig.*but got -1\. "
+                                         r"\(SFTConfig.model_init_kwargs\['torch_dtype'\]\)"):
+        SFTTrainer(model="any/path", args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
+                   processing_class=tokenizer, dataset_text_field="text", model_init_kwargs={"torch_dtype": -1})
+    with pytest.raises(ValueError, match="but got Tensor"):
+        checked_init_kwargs({"torch_dtype": "Tensor"}, "DPOConfig", "ref_model_init_kwargs")

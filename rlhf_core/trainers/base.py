@@ -87,6 +87,24 @@ def merge_config_fields(
     return merged
 
 
+def checked_init_kwargs(
+    init_kwargs: Mapping[str, Any] | None, config_name: str, field_name: str = "model_init_kwargs"
+) -> dict[str, Any] | None:
+    """``init_kwargs`` with its ``torch_dtype`` as a ``torch.dtype`` (a dtype name such as "float16" is
+    converted, "auto" passes); any other value is a ``ValueError`` worded as TRL 0.11's, naming the field."""
+    if init_kwargs is None or init_kwargs.get("torch_dtype") is None:
+        return None if init_kwargs is None else dict(init_kwargs)
+    dtype = init_kwargs["torch_dtype"]
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)  # "float16" -> torch.float16
+    if dtype != "auto" and not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"Invalid `torch_dtype` passed to the {config_name}. Expected a string with either `torch.dtype` or "
+            f"'auto', but got {dtype}. ({config_name}.{field_name}['torch_dtype'])"
+        )
+    return {**init_kwargs, "torch_dtype": dtype}
+
+
 def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | None = None) -> Any:
     """A model given as a name or local path is loaded with ``auto_class.from_pretrained``; modules pass through."""
     if isinstance(model, (str, Path)):

@@ -79,6 +79,15 @@ def check_finite_number(value: Any, where: str) -> float:
     return float(value)
 
 
+def check_margin(value: Any, where: str) -> float:
+    """A reward margin: a finite number, or a one-element list/tensor holding one (as TRL 0.11 datasets store it)."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != 1:
+            raise ValueError(f"{where} must be one number (or a one-element list), got {len(value)} values")
+        value = value[0]
+    return check_finite_number(value, where)
+
+
 def pad_to_length(
     rows: Sequence[Sequence[int]], value: int, length: int | None = None, side: str = "right"
 ) -> torch.Tensor:
@@ -211,6 +220,7 @@ class DataCollatorForCompletionOnlyLM:
     ``ignore_index``; with ``instruction_template`` (multi-turn), each instruction segment is masked too.
     Templates are strings (tokenised without special tokens) or lists of token ids; pass ids when the
     template tokenises differently in context. Rows where the template is missing get no loss, with a warning.
+    Rows are padded on the tokenizer's ``padding_side`` (right when it has none).
     """
 
     def __init__(
@@ -242,7 +252,7 @@ class DataCollatorForCompletionOnlyLM:
         return ids
 
     def _pad(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
-        """Right-pad ``input_ids`` (B, T) and build the attention mask."""
+        """Pad ``input_ids`` (B, T) on the tokenizer's padding side and build the attention mask."""
         if isinstance(examples, (str, bytes)) or not isinstance(examples, Sequence) or not examples:
             raise ValueError("completion-only collator got an empty batch (no examples)")
         for i, e in enumerate(examples):
@@ -254,9 +264,14 @@ class DataCollatorForCompletionOnlyLM:
         width = max(len(r) for r in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        input_ids = pad_to_length(rows, self.tokenizer.pad_token_id, width)  # (B, T)
-        mask = pad_to_length([[1] * len(r) for r in rows], 0, width)  # (B, T)
+        side = self._padding_side()
+        input_ids = pad_to_length(rows, self.tokenizer.pad_token_id, width, side)  # (B, T)
+        mask = pad_to_length([[1] * len(r) for r in rows], 0, width, side)  # (B, T)
         return {"input_ids": input_ids, "attention_mask": mask}
+
+    def _padding_side(self) -> str:
+        """The tokenizer's padding side ('right' when it names none), as TRL 0.11's collator pads."""
+        return getattr(self.tokenizer, "padding_side", None) or "right"
 
     def _response_mask(self, row: Sequence[int]) -> list[int] | None:
         """1 where a token is part of a response, 0 elsewhere; None when no response template is found."""
@@ -293,7 +308,8 @@ class DataCollatorForCompletionOnlyLM:
                 )
                 labels[i, :] = self.ignore_index
                 continue
-            labels[i, : len(row)][torch.tensor(keep) == 0] = self.ignore_index
+            start = labels.shape[1] - len(row) if self._padding_side() == "left" else 0  # first real token
+            labels[i, start: start + len(row)][torch.tensor(keep) == 0] = self.ignore_index
         batch["labels"] = labels
         return batch
 
@@ -307,7 +323,8 @@ class RewardDataCollatorWithPadding:
     """Pads reward pairs: ``input_ids_chosen``/``attention_mask_chosen`` and the rejected pair, (B, T) each.
 
     Chosen and rejected are padded to one common length (so the trainer can stack them), on the
-    tokenizer's padding side. An optional ``margin`` column becomes a float tensor (B,).
+    tokenizer's padding side. An optional ``margin`` column (a number or a one-element list per pair)
+    becomes a float tensor (B,).
     """
 
     REQUIRED = ("input_ids_chosen", "attention_mask_chosen", "input_ids_rejected", "attention_mask_rejected")
@@ -347,7 +364,8 @@ class RewardDataCollatorWithPadding:
             "return_loss": True,
         }
         if "margin" in features[0]:
-            batch["margin"] = torch.tensor([float(f["margin"]) for f in features], dtype=torch.float)  # (B,)
+            margins = [check_margin(f["margin"], f"reward feature {i} margin") for i, f in enumerate(features)]
+            batch["margin"] = torch.tensor(margins, dtype=torch.float)  # (B,)
         return batch
 
 
@@ -366,7 +384,7 @@ class RewardDataCollatorWithPadding:
             if has_margin:
                 if "margin" not in feature:
                     raise ValueError(f"reward feature {i} has no 'margin' column but feature 0 has one")
-                check_finite_number(feature["margin"], f"reward feature {i} margin")
+                check_margin(feature["margin"], f"reward feature {i} margin")
 
 
 class DPODataCollatorWithPadding:

@@ -25,12 +25,14 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from rlhf_core.core import masked_mean, sequence_logprobs, shifted_token_logprobs
+from rlhf_core.import_utils import is_wandb_available
 from rlhf_core.losses import DPO_LOSS_TYPES, dpo_loss
 from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     StoredMetricsMixin,
+    checked_init_kwargs,
     default_training_args,
     disable_dropout as disable_dropout_in_model,
     load_model,
@@ -63,7 +65,7 @@ DPO_CONFIG_KEYWORDS = (
 
 
 class FDivergenceType(Enum):
-    """The f-divergence regularising DPO (TRL 0.11 names); rlhf_core implements the reverse KL only."""
+    """The f-divergence regularising DPO (TRL 0.11 names; ``losses.f_divergence_logits`` gives each one's logit)."""
 
     REVERSE_KL = "reverse_kl"
     JS_DIVERGENCE = "js_divergence"
@@ -74,7 +76,7 @@ class FDivergenceType(Enum):
 UNSUPPORTED_DPO_FIELDS = {
     "max_target_length": None, "max_completion_length": None, "is_encoder_decoder": None,
     "model_adapter_name": None, "ref_adapter_name": None, "force_use_ref_model": False,
-    "f_divergence_type": FDivergenceType.REVERSE_KL, "sync_ref_model": False, "rpo_alpha": None,
+    "sync_ref_model": False, "rpo_alpha": None,
 }
 
 
@@ -125,11 +127,12 @@ class DPOConfig(TrainingArguments):
     force_use_ref_model: bool = field(default=False, metadata={"help": "Separate ref beside PEFT (unsupported)."})
     """Use ``ref_model`` even with a PEFT policy (not supported: only False)."""
     f_divergence_type: FDivergenceType | str = field(
-        default=FDivergenceType.REVERSE_KL, metadata={"help": "f-divergence (reverse_kl only)."}
+        default=FDivergenceType.REVERSE_KL, metadata={"help": "f-divergence: reverse_kl|js_divergence|alpha_divergence."}
     )
-    """The f-divergence of the DPO objective; only ``reverse_kl`` (standard DPO) is implemented."""
+    """The f-divergence of the DPO objective: ``reverse_kl`` (standard DPO), ``js_divergence`` or
+    ``alpha_divergence`` ("Beyond Reverse KL", Wang et al. 2023); an enum member or its string value."""
     f_alpha_divergence_coef: float = field(default=1.0, metadata={"help": "Alpha of the alpha-divergence."})
-    """Alpha of the alpha-divergence (unused: that divergence is not implemented)."""
+    """Alpha of the alpha-divergence (non-zero; used only with ``f_divergence_type="alpha_divergence"``)."""
     sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (unsupported)."})
     """Mix the policy into the reference every few steps (TR-DPO; not supported: only False)."""
     ref_model_mixup_alpha: float = field(default=0.9, metadata={"help": "TR-DPO mixing weight (unused)."})
@@ -355,6 +358,9 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         if tokenizer is None:
             raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
         self._check_options(beta, loss_type, label_smoothing, truncation_mode)
+        self._check_sample_logging(generate_during_eval, log_with, tracker)
+        model_init_kwargs = checked_init_kwargs(model_init_kwargs, "DPOConfig")
+        ref_model_init_kwargs = checked_init_kwargs(ref_model_init_kwargs, "DPOConfig", "ref_model_init_kwargs")
         if model is None and model_init is not None:
             model = model_init()  # the policy is built once: the reference model and tokenised data depend on it
         if model is None:
@@ -372,6 +378,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
             disable_dropout_in_model(ref_model)
         self.ref_model = ref_model
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.f_divergence_type, self.f_divergence_params = self._f_divergence_of(args)
         self.reference_free, self.generate_during_eval = reference_free, generate_during_eval
         self.label_pad_token_id, self.truncation_mode = label_pad_token_id, truncation_mode
         # The spec's keyword default is 0; DPOConfig's None means the tokenizer's pad token (as in TRL 0.11).
@@ -405,6 +412,26 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
 
     # ---- setup ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_sample_logging(generate_during_eval: bool, log_with: Any, tracker: Any) -> None:
+        """``generate_during_eval`` logs a samples table: to the rlhf_core tracker given (``log_with=`` or
+        ``tracker=``), else to Weights and Biases as in TRL 0.11, which must then be installed."""
+        if generate_during_eval and log_with is None and tracker is None and not is_wandb_available():
+            raise ValueError(
+                "`generate_during_eval=True` requires Weights and Biases to be installed. Please install `wandb` "
+                "to resolve. (Or pass log_with= / tracker= an rlhf_core tracker to receive the samples table.)"
+            )
+
+    @staticmethod
+    def _f_divergence_of(args: TrainingArguments) -> tuple[str, dict[str, float]]:
+        """The f-divergence type (its string value) and ``{"alpha_divergence_coef": alpha}`` (TRL 0.11's
+        attributes) from a ``DPOConfig``; reverse KL for plain ``TrainingArguments``."""
+        kind = FDivergenceType(getattr(args, "f_divergence_type", FDivergenceType.REVERSE_KL)).value
+        alpha = float(getattr(args, "f_alpha_divergence_coef", 1.0))
+        if kind == FDivergenceType.ALPHA_DIVERGENCE.value and alpha == 0:
+            raise ValueError("DPOConfig.f_alpha_divergence_coef must be non-zero with f_divergence_type='alpha_divergence'")
+        return kind, {"alpha_divergence_coef": alpha}
 
     @staticmethod
     def _check_options(beta: float, loss_type: str, label_smoothing: float, truncation_mode: str) -> None:
@@ -511,11 +538,13 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         reference_rejected_logps: torch.Tensor,
         reference_free: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(losses, chosen_rewards, rejected_rewards), each (B,), with this trainer's beta and loss type."""
+        """(losses, chosen_rewards, rejected_rewards), each (B,), with this trainer's beta, loss type and
+        f-divergence."""
         return dpo_loss(
             policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps,
             beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing,
-            reference_free=reference_free or self.reference_free,
+            reference_free=reference_free or self.reference_free, f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_divergence_params["alpha_divergence_coef"],
         )
 
     def _reference_logps_for(self, batch: Mapping[str, Any], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -614,7 +643,8 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         """Trainer arguments plus DPO's own."""
         extra = {
             "beta": self.beta, "loss_type": self.loss_type, "label_smoothing": self.label_smoothing,
-            "reference_free": self.reference_free, "max_length": self.max_length,
+            "reference_free": self.reference_free, "f_divergence_type": self.f_divergence_type,
+            "max_length": self.max_length,
             "max_prompt_length": self.max_prompt_length, "truncation_mode": self.truncation_mode,
         }
         return {**super().card_hyperparameters(), **extra}

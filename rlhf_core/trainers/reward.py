@@ -68,7 +68,13 @@ def tokenize_pair(example: Mapping[str, Any], tokenizer: Any) -> dict[str, list[
 
 
 def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int, num_proc: int | None = None) -> Any:
-    """Check columns, tokenise text pairs if given, and drop pairs longer than ``max_length``."""
+    """Tokenise text pairs if given, and drop pairs longer than ``max_length``.
+
+    Text data (a ``chosen`` or ``rejected`` column) without both text columns is refused here, naming the
+    missing columns. Other data without the four reward columns is passed on with a warning, as TRL 0.11
+    does: a custom ``data_collator`` may read it, and the default collator raises a ``ValueError`` naming
+    the missing columns when ``train()`` or ``evaluate()`` reaches it.
+    """
     if dataset is None or not hasattr(dataset, "column_names"):
         return dataset
     columns = set(dataset.column_names)
@@ -78,11 +84,19 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int, num_pr
         dataset = dataset.map(lambda ex: tokenize_pair(ex, tokenizer), num_proc=num_proc)
         columns = set(dataset.column_names)
     missing = [c for c in REWARD_COLUMNS if c not in columns]
-    if missing:
+    if missing and columns & set(TEXT_COLUMNS):
         raise ValueError(
             f"reward dataset is missing the columns {missing}; give {list(REWARD_COLUMNS)} "
             f"(or text columns chosen/rejected with an optional prompt). Found: {sorted(columns)}"
         )
+    if missing:
+        warnings.warn(
+            f"reward dataset has none of the text columns {list(TEXT_COLUMNS)} and lacks the columns {missing} "
+            f"(found {sorted(columns)}): the default RewardDataCollatorWithPadding will raise a ValueError on its "
+            "first batch; give those columns or a data_collator= that reads yours",
+            UserWarning, stacklevel=3,
+        )
+        return dataset
     before = len(dataset)
     dataset = dataset.filter(
         lambda ex: len(ex["input_ids_chosen"]) <= max_length and len(ex["input_ids_rejected"]) <= max_length,

@@ -8,15 +8,18 @@ Loss is the model's own next-token cross-entropy over the labels the collator bu
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 from transformers.data.data_collator import default_data_collator
+from transformers.integrations.neftune import activate_neftune
 
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
+    checked_init_kwargs,
     default_training_args,
     load_model,
     keyword_defaults,
@@ -132,12 +135,13 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         packing: bool = False,
         formatting_func: Callable | None = None,
         max_seq_length: int | None = None,
-        infinite: bool = False,
+        infinite: bool | None = None,
         num_of_sequences: int = 1024,
         chars_per_token: float = 3.6,
         dataset_num_proc: int | None = None,
         dataset_batch_size: int = 1000,
         model_init_kwargs: Mapping[str, Any] | None = None,
+        neftune_noise_alpha: float | None = None,
         processing_class: Any = None,
         log_with: Any = None,
         tracker_project_name: str = "trl",
@@ -157,6 +161,14 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         dataset_num_proc, dataset_batch_size, model_init_kwargs, num_of_sequences, chars_per_token = (
             options[k] for k in SFT_CONFIG_KEYWORDS[3:]
         )
+        model_init_kwargs = checked_init_kwargs(model_init_kwargs, "SFTConfig")
+        self._set_neftune_noise_alpha(args, neftune_noise_alpha)
+        if infinite is not None:
+            warnings.warn(
+                "SFTTrainer(infinite=...) is deprecated (as in TRL 0.11): with packing the dataset repeats when "
+                "max_steps > 0 and is read once otherwise; set max_steps or num_train_epochs instead",
+                FutureWarning, stacklevel=2,
+            )
         dataset_kwargs = dict(getattr(args, "dataset_kwargs", None) or {})
         eval_packing = getattr(args, "eval_packing", None)
         tokenizer = load_tokenizer_for(model, resolve_processing_class(tokenizer, processing_class))
@@ -172,7 +184,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         self.dataset_text_field = dataset_text_field
         prepare = dict(
             tokenizer=tokenizer, packing=packing, dataset_text_field=dataset_text_field,
-            formatting_func=formatting_func, infinite=infinite, num_of_sequences=num_of_sequences,
+            formatting_func=formatting_func, infinite=bool(infinite), num_of_sequences=num_of_sequences,
             chars_per_token=chars_per_token, dataset_num_proc=dataset_num_proc, dataset_batch_size=dataset_batch_size,
         )
         if not dataset_kwargs.get("skip_prepare_dataset", False):
@@ -190,8 +202,40 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
             compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
+        self._repeat_packed_data_for_max_steps()
         self._tag_model()
         self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
+
+    @staticmethod
+    def _set_neftune_noise_alpha(args: TrainingArguments, neftune_noise_alpha: float | None) -> None:
+        """The ``neftune_noise_alpha=`` keyword (TRL 0.11) overrides ``args.neftune_noise_alpha``, with a warning
+        when the two disagree; transformers' ``Trainer.train`` adds the noise hook for the run."""
+        if neftune_noise_alpha is None:
+            return
+        if args.neftune_noise_alpha is not None and args.neftune_noise_alpha != neftune_noise_alpha:
+            warnings.warn(
+                f"neftune_noise_alpha={neftune_noise_alpha} passed to the trainer overrides "
+                f"{type(args).__name__}.neftune_noise_alpha={args.neftune_noise_alpha}",
+                UserWarning, stacklevel=3,
+            )
+        args.neftune_noise_alpha = neftune_noise_alpha
+
+    def _repeat_packed_data_for_max_steps(self) -> None:
+        """A packed train set repeats when training runs for ``max_steps`` > 0 and is read once per epoch
+        otherwise (TRL 0.11's rule: the step budget, not the data, ends a ``max_steps`` run)."""
+        if isinstance(self.train_dataset, ConstantLengthDataset):
+            self.train_dataset.infinite = self.args.max_steps > 0
+            if self.train_dataset.infinite:
+                logger.info("SFTTrainer: packed data repeats until max_steps=%d", self.args.max_steps)
+
+    def _trl_activate_neftune(self, model: Any) -> Any:
+        """Add the NEFTune noise hook (uniform noise of scale ``alpha / sqrt(T * d)`` on the input embeddings,
+        in training mode) to ``model`` (a PEFT model's base embeddings) and keep its handle in
+        ``self.neftune_hook_handle``; TRL 0.11's name. ``train()`` adds and removes its own hook."""
+        if self.neftune_noise_alpha is None:
+            raise ValueError("_trl_activate_neftune needs neftune_noise_alpha set (SFTConfig or the trainer keyword)")
+        self.neftune_hook_handle = activate_neftune(model, self.neftune_noise_alpha, self.accelerator)
+        return model
 
     @staticmethod
     def _resolve_max_seq_length(max_seq_length: int | None, model: Any) -> int:
