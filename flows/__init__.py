@@ -4,6 +4,8 @@ The flows keep ``log_prints=False``: with it on, Prefect turns every ``print`` i
 the ones libraries capture for themselves (``datasets`` fingerprints a map function with dill, which reads
 the function's globals from a captured ``dis.dis`` printout: pages of bytecode landed in the run log).
 Stages report through loggers (``rlhf_core``, ``rlhf_pipeline``), which do reach the Prefect run.
+
+``exit_promptly`` is how a CLI leaves after a stop (exit 75): in seconds, with no server left behind.
 """
 
 import os
