@@ -36,8 +36,8 @@ def exit_promptly(code: int, drain_s: float = 2.0, server_grace_s: float = 2.0) 
     Only for a run whose work is done (a stop: state saved, MLflow runs ended KILLED). Prefect's queued logs and
     events are sent (at most ``drain_s`` seconds), its temporary server is stopped (SIGTERM, SIGKILL after
     ``server_grace_s``), the standard streams are flushed, then ``os._exit``. Measured after a SIGINT on a loaded
-    2-core machine: the ordinary exit spent 10-20 s past this point, mostly in teardown after the ``atexit``
-    hooks (no Python frame left: freeing torch/transformers/datasets state), the rest in Prefect's server wait.
+    2-core machine: the ordinary exit spent 10-20 s past this point, mostly in the interpreter's teardown
+    after the ``atexit`` hooks (no Python frame running), the rest in Prefect's server wait.
     Further SIGINT/SIGTERM are ignored meanwhile: the exit is bounded and a second Ctrl-C must not leave the
     server behind.
     """

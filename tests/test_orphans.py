@@ -155,7 +155,7 @@ def test_sigint_to_the_process_group_exits_75_within_seconds_and_resumes(tmp_pat
     assert proc.wait(timeout=120) == 75, "".join(lines)[-3000:]
     elapsed = time.monotonic() - started
     # The stop waits for the current PPO step, saves, ends the MLflow runs KILLED, then flows.exit_promptly
-    # (logs flushed, server killed, no interpreter teardown). Measured 2-3 s with a load average of 7-10 on 2
+    # (logs flushed, server killed, no interpreter teardown). Measured 2.0-3.1 s at load averages 8.7-13.6 on 2
     # cores; before: 2.5-3.4 min then exit 1; then 12-22 s (Prefect's server wait and the interpreter teardown).
     print(f"exit 75 {elapsed:.1f} s after the signal (load average {os.getloadavg()[0]:.1f})\n"
           + "".join(lines)[-4000:])
