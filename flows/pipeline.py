@@ -12,13 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+import flows  # environment defaults (at import); exit_promptly
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.stages import STAGE_TASKS
 from flows.summary import end_block, load_results
-from rlhf_core.checkpointing import Preempted, install_stop_handlers
+from rlhf_core.checkpointing import EXIT_PREEMPTED, Preempted, install_stop_handlers
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
 from tasks.evaluate import policy_results
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
@@ -190,4 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == EXIT_PREEMPTED:  # stopped, state saved, runs ended: leave in seconds (issue 12.5)
+        flows.exit_promptly(status)
+    sys.exit(status)

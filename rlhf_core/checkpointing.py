@@ -85,7 +85,8 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while a process ``pid`` exists (also one of another user: signalling it is refused, not absent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -99,7 +100,7 @@ def _clean_stale_siblings(target: Path) -> None:
     """Remove ``<target>.tmp-*-<pid>`` left by dead writers (a crash mid-save)."""
     for stale in target.parent.glob(f"{target.name}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -121,7 +122,7 @@ def recover_directory(target: str | Path) -> Path:
 
 def _owner_gone_or_self(path: Path) -> bool:
     pid = path.name.rsplit("-", 1)[-1]
-    return not pid.isdigit() or int(pid) == os.getpid() or not _pid_alive(int(pid))
+    return not pid.isdigit() or int(pid) == os.getpid() or not pid_alive(int(pid))
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h: atomically exchange two existing paths
@@ -544,7 +545,7 @@ __all__ = [
     "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
     "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
-    "checkpoint_problem", "latest_checkpoint", "load_torch", "quarantine", "read_json",
+    "checkpoint_problem", "latest_checkpoint", "load_torch", "pid_alive", "quarantine", "read_json",
     "recover_directory", "restore_rng_state",
     "resumable_checkpoint",
     "save_module_weights", "load_module_weights", "save_torch", "stop_requested", "write_json",

@@ -5,7 +5,7 @@
   pipeline, which saves its state and exits 75, instead of killing the server first (the run then retried the
   dead server for minutes and exited 1). The server's environment names its owner (``RLHF_PREFECT_OWNER``: pid),
   so a server whose owner died (``kill -9``) is stopped by the next run (``stop_orphaned_servers``); a normal
-  exit stops it as before (Prefect's ``atexit``).
+  exit stops it as before (Prefect's ``atexit``), a stopped run at once (``stop_temporary_server``).
 - **MLflow runs left RUNNING**: every pipeline and stage run is tagged with its process (``RUN_OWNER_TAGS``);
   ``end_orphaned_runs`` ends the RUNNING ones whose process on this host is gone as KILLED, tagged
   ``rlhf.ended_by``.
@@ -15,6 +15,7 @@ Linux (``/proc``); elsewhere the orphan sweeps find nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,20 +23,11 @@ import subprocess
 import types
 from pathlib import Path
 
+from rlhf_core.checkpointing import pid_alive
 from tasks.provenance import RUN_OWNER_TAGS, owner_tags  # noqa: F401  (owner_tags re-exported)
 
 OWNER_ENV = "RLHF_PREFECT_OWNER"
 SERVER_MARK = "prefect.server.api.server:create_app"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def detach_temporary_server() -> None:
@@ -53,6 +45,42 @@ def detach_temporary_server() -> None:
     shim = types.SimpleNamespace(**{k: getattr(subprocess, k) for k in dir(subprocess) if not k.startswith("__")})
     shim.Popen, shim._rlhf_detached = popen, True
     prefect_server.subprocess = shim  # only that module's Popen changes
+
+
+def stop_temporary_server(grace_s: float = 2.0) -> list[int]:
+    """Stop this process's temporary Prefect server now; returns the pids stopped.
+
+    SIGTERM, then SIGKILL after ``grace_s`` seconds (Prefect's ``atexit`` waits up to 5 s for uvicorn's graceful
+    shutdown; the server's SQLite database is safe under a kill). For a run that was stopped and has flushed
+    its logs: nothing is left for the server to do. Servers naming this process as owner that Prefect does not
+    know (``/proc`` scan) are killed too, so none outlives the run.
+    """
+    stopped = []
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        servers = list(SubprocessASGIServer._instances.values())  # Prefect's registry: one server per port
+    except (ImportError, AttributeError):
+        servers = []
+    for server in servers:
+        process = getattr(server, "server_process", None)
+        if process is None:
+            continue
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        stopped.append(process.pid)
+        server.server_process = None
+        server.stop()  # Prefect's bookkeeping only (the process is gone): its atexit hook then does nothing
+    for pid, owner in _servers():
+        if owner == os.getpid() and pid not in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                stopped.append(pid)
+    return stopped
 
 
 def _servers() -> list[tuple[int, int]]:
@@ -80,7 +108,7 @@ def stop_orphaned_servers() -> list[int]:
     """SIGTERM every temporary Prefect server whose owning run is gone; returns their pids."""
     stopped = []
     for pid, owner in _servers():
-        if not _alive(owner):
+        if not pid_alive(owner):
             try:
                 os.kill(pid, signal.SIGTERM)
                 stopped.append(pid)
@@ -104,7 +132,7 @@ def end_orphaned_runs(root: str | Path) -> list[str]:
     for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=500):
         tags = run.data.tags
         pid = tags.get("rlhf.pid", "")
-        if tags.get("rlhf.host") != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if tags.get("rlhf.host") != host or not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         client.set_tag(run.info.run_id, "rlhf.ended_by", f"next start: owning process {pid} on {host} was gone")
         client.set_terminated(run.info.run_id, status="KILLED")
@@ -132,4 +160,4 @@ def clean_after_dead_runs(root: str | Path) -> None:
 
 
 __all__ = ["OWNER_ENV", "RUN_OWNER_TAGS", "clean_after_dead_runs", "detach_temporary_server", "end_orphaned_runs",
-           "owner_tags", "stop_orphaned_servers"]
+           "owner_tags", "stop_orphaned_servers", "stop_temporary_server"]
