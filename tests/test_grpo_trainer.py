@@ -212,6 +212,14 @@ def test_train_moves_policy_keeps_reference_and_logs_every_stat(tok, tmp_path):
     assert_finite_keys(logs, GRPO_KEYS + ["kl", "completions/mean_terminated_length"])
     assert logs[0]["kl"] == 0.0  # the first step's policy is the reference
     assert logs[1]["kl"] > 0.0
+    assert "entropy_coef" not in logs[0]  # TRL 1.16 logs it only with an entropy bonus
+
+
+def test_entropy_bonus_logs_its_coefficient(tok, tmp_path):
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, entropy_coef=0.01, max_steps=1),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    trainer.train()
+    assert train_logs(trainer)[0]["entropy_coef"] == 0.01
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -75,6 +75,8 @@ class GRPOTrainer(OnlineRLTrainer):
             mask = rollout.batch.response_mask
             mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
             loss = loss - args.entropy_coef * mean_entropy / accumulation
+            if mode == "train":
+                self._metrics[mode]["entropy_coef"].append(float(args.entropy_coef))  # logged as TRL 1.16 does
         return loss, stats
 
 
