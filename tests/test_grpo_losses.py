@@ -165,7 +165,8 @@ def test_clip_stats_per_sequence_and_overall_as_trl_116():
     _, stats = grpo_loss(logp, torch.zeros_like(logp), adv, mask, importance_sampling_level="sequence")
     assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
     assert stats["clip_ratio/low_mean"].item() == 0.0 and stats["clip_ratio/region_mean"].item() == pytest.approx(1 / 3)
-    assert stats["clip_ratio/high_max"].tolist() == [1.0, 0.0, 0.0] and stats["clip_ratio/low_min"].tolist() == [0.0] * 3
+    assert stats["clip_ratio/high_max"].tolist() == [1.0, 0.0, 0.0]
+    assert stats["clip_ratio/low_min"].tolist() == [0.0] * 3
 
 
 def test_grpo_loss_rejects_unknown_options():
