@@ -332,7 +332,8 @@ def grpo_loss(
     at ``delta`` if given) ``+ beta * k3`` (``k3 * r`` with ``bias_correction_kl``). Aggregation:
     ``grpo`` mean over rows of each row's token mean; ``bnpo`` sum / tokens in this micro-batch; ``dr_grpo``
     sum / (B * max_completion_length); ``dapo`` sum / ``num_items`` (tokens of the whole accumulated batch;
-    default: this micro-batch's). Returns ``(loss, stats)``; stats are detached scalars.
+    default: this micro-batch's). Returns ``(loss, stats)``, detached: scalars, except ``clip_ratio/low_min`` and
+    ``clip_ratio/high_max`` (B,), each sequence's clipped fraction (the trainer logs their min/max).
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
@@ -369,11 +370,18 @@ def grpo_loss(
     else:
         items = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype)
         loss = per_token.sum() / items.clamp(min=1.0)
-    low = ((ratio < 1 - epsilon_low) & (adv < 0)).expand_as(mask).to(mask.dtype)
-    high = ((ratio > 1 + epsilon_high) & (adv > 0)).expand_as(mask).to(mask.dtype)
-    stats["clip_ratio/low_mean"] = masked_mean(low, mask)
-    stats["clip_ratio/high_mean"] = masked_mean(high, mask)
-    stats["clip_ratio/region_mean"] = masked_mean(((low + high) > 0).to(mask.dtype), mask)
+    low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)  # (B, A) or (B, 1)
+    high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+    region = ((low + high) > 0).to(mask.dtype)
+    if ratio.shape[-1] == 1:  # sequence-level ratio: one value per sequence, means over sequences (as TRL 1.16)
+        def per_seq(x): return x[:, 0]
+        def mean(x): return x.mean()
+    else:  # per sequence: its token mean (NaN for a fully masked row); overall: the token mean
+        def per_seq(x): return (x * mask).sum(-1) / mask.sum(-1)
+        def mean(x): return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    stats["clip_ratio/low_mean"], stats["clip_ratio/high_mean"] = mean(low), mean(high)
+    stats["clip_ratio/region_mean"] = mean(region)
+    stats["clip_ratio/low_min"], stats["clip_ratio/high_max"] = per_seq(low), per_seq(high)  # (B,) each
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
@@ -426,7 +434,8 @@ def rloo_loss(
     low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
     high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
     stats = {"clip_ratio/low_mean": low.mean(), "clip_ratio/high_mean": high.mean(),
-             "clip_ratio/region_mean": ((low + high) > 0).float().mean()}
+             "clip_ratio/region_mean": ((low + high) > 0).float().mean(),
+             "clip_ratio/low_min": low, "clip_ratio/high_max": high}  # (B,): the trainer's min/max over sequences
     return loss, {k: v.detach() for k, v in stats.items()}
 # ---- KTO
 # Kahneman-Tversky Optimisation on unpaired (prompt, completion, label) rows, TRL 1.16's formulation.

@@ -147,6 +147,28 @@ def test_sequence_level_importance_sampling():
     assert loss.item() == pytest.approx(-math.exp(0.1))
 
 
+def test_clip_stats_per_sequence_and_overall_as_trl_116():
+    # row 0 (adv +1): ratios e^0.5 (high-clipped), 1, [masked]; row 1 (adv -1): e^-0.5 (low-clipped), e^-0.1, 1;
+    # row 2: no real token (a masked truncated completion).
+    logp = torch.tensor([[0.5, 0.0, 0.9], [-0.5, -0.1, 0.0], [0.9, 0.9, 0.9]], dtype=D)
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=D)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=D)
+    _, stats = grpo_loss(logp, torch.zeros_like(logp), adv, mask, epsilon_low=0.2, epsilon_high=0.2)
+    # token means over the 5 real tokens; per sequence: each row's token mean (NaN without tokens)
+    assert [stats[f"clip_ratio/{k}_mean"].item() for k in ("low", "high", "region")] == pytest.approx(
+        [1 / 5, 1 / 5, 2 / 5])
+    low, high = stats["clip_ratio/low_min"].tolist(), stats["clip_ratio/high_max"].tolist()
+    assert low[:2] == pytest.approx([0.0, 1 / 3]) and high[:2] == pytest.approx([0.5, 0.0])
+    assert math.isnan(low[2]) and math.isnan(high[2])
+    # sequence-level ratios: row 0 exp(0.25) = 1.284 high-clipped; row 1 exp(-0.2) = 0.819 inside; row 2 ratio 1.
+    # Means over the 3 sequences (TRL 1.16 counts sequences, not tokens, at this level).
+    _, stats = grpo_loss(logp, torch.zeros_like(logp), adv, mask, importance_sampling_level="sequence")
+    assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
+    assert stats["clip_ratio/low_mean"].item() == 0.0 and stats["clip_ratio/region_mean"].item() == pytest.approx(1 / 3)
+    assert stats["clip_ratio/high_max"].tolist() == [1.0, 0.0, 0.0]
+    assert stats["clip_ratio/low_min"].tolist() == [0.0] * 3
+
+
 def test_grpo_loss_rejects_unknown_options():
     x = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="loss_type"):
@@ -192,6 +214,9 @@ def test_rloo_loss_by_hand():
     # row 0: min(1.6487, 1.2) = 1.2; row 1: min(-0.6065, -0.8) = -0.8; row 2: 2 -> -(1.2 - 0.8 + 2) / 3
     assert loss.item() == pytest.approx(-(1.2 - 0.8 + 2.0) / 3)
     assert stats["clip_ratio/region_mean"].item() == pytest.approx(2 / 3)
+    # per sequence, for TRL 1.16's clip_ratio/low_min and high_max: row 1 is clipped low, row 0 high
+    assert stats["clip_ratio/low_min"].tolist() == [0.0, 1.0, 0.0]
+    assert stats["clip_ratio/high_max"].tolist() == [1.0, 0.0, 0.0]
     on_policy, _ = rloo_loss(seq, None, adv)
     (grad,) = torch.autograd.grad(on_policy, seq)
     assert grad.tolist() == pytest.approx([-1 / 3, 1 / 3, -2 / 3])

@@ -18,7 +18,10 @@ from tests._online_rl import assert_finite_keys, changed, count_e, prompt_datase
 GRPO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
              "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
              "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             "policy_loss", "entropy", "skipped_updates"]
+             "policy_loss", "entropy", "skipped_updates",
+             # TRL 1.16's other names
+             "num_tokens", "step_time", "completions/mean_terminated_length", "completions/min_terminated_length",
+             "completions/max_terminated_length", "clip_ratio/low_min", "clip_ratio/high_max"]
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +212,46 @@ def test_train_moves_policy_keeps_reference_and_logs_every_stat(tok, tmp_path):
     assert_finite_keys(logs, GRPO_KEYS + ["kl", "completions/mean_terminated_length"])
     assert logs[0]["kl"] == 0.0  # the first step's policy is the reference
     assert logs[1]["kl"] > 0.0
+    assert "entropy_coef" not in logs[0]  # TRL 1.16 logs it only with an entropy bonus
+
+
+def test_entropy_bonus_logs_its_coefficient(tok, tmp_path):
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, entropy_coef=0.01, max_steps=1),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    trainer.train()
+    assert train_logs(trainer)[0]["entropy_coef"] == 0.01
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loss_stats_reduce_over_processes_as_trl_116(tok, tmp_path, level):
+    # Two processes, simulated: this one holds 3 completion tokens, the other 1. TRL 1.16 reduces token means
+    # as sum / count over all tokens, per-sequence clip fractions by min/max, and the rest by a plain mean.
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=_args(tmp_path, beta=0.1, importance_sampling_level=level),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    other = {"kl": torch.tensor([[4.0 * 1.0, 1.0]]), "entropy": torch.tensor([[2.0 * 1.0, 1.0]]),
+             "clip_ratio/low_min": torch.tensor([0.25, float("nan")]), "policy_loss": torch.tensor([3.0])}
+
+    def gather(value):  # this process's value, then the other's (same layout)
+        key = next(k for k in order if k not in seen)
+        seen.append(key)
+        theirs = other[key]
+        if key not in trainer.token_mean_stats():
+            theirs = theirs.reshape(-1) if key.endswith("_min") else theirs.reshape(1)
+        return torch.cat([value, theirs.to(value.dtype)])
+
+    stats = {"kl": torch.tensor(1.0), "entropy": torch.tensor(6.0), "clip_ratio/low_min": torch.tensor([0.5, 0.0]),
+             "policy_loss": torch.tensor(1.0)}
+    order, seen = list(stats), []
+    trainer.accelerator.gather = gather
+    trainer._log_loss_stats("train", stats, torch.tensor(3.0))
+    metrics = trainer._metrics["train"]
+    assert metrics["kl"] == [pytest.approx((1.0 * 3 + 4.0) / 4)]  # token-weighted
+    assert metrics["entropy"] == [pytest.approx((6.0 * 3 + 2.0) / 4)]
+    assert metrics["clip_ratio/low_min"] == [0.0]  # min over both processes' sequences, NaN ignored
+    assert metrics["policy_loss"] == [2.0]  # plain mean over processes
+    clip_means = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    assert clip_means <= set(trainer.token_mean_stats()) if level == "token" else not clip_means & set(
+        trainer.token_mean_stats())
 
 
 def test_rollout_shapes_and_group_advantages(tok, tmp_path):

@@ -14,7 +14,11 @@ from tests._online_rl import assert_finite_keys, changed, count_e, prompt_datase
 
 RLOO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
              "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
-             "clip_ratio/high_mean", "clip_ratio/region_mean", "policy_loss", "entropy", "skipped_updates"]
+             "clip_ratio/high_mean", "clip_ratio/region_mean", "policy_loss", "entropy", "skipped_updates",
+             # TRL 1.16's other names
+             "num_tokens", "step_time", "completions/min_length", "completions/max_length",
+             "completions/mean_terminated_length", "completions/min_terminated_length",
+             "completions/max_terminated_length", "clip_ratio/low_min", "clip_ratio/high_max"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,44 @@ def test_kl_is_sequence_level_in_the_reward_before_the_leave_one_out_baseline(to
     texts = tok.batch_decode([ids[i][index[i] + 1][mask[i].bool()] for i in range(8)], skip_special_tokens=True)
     rewards = torch.tensor(count_e(None, texts)) - 0.5 * kl
     torch.testing.assert_close(rollout.advantages, rloo_advantages(rewards, 4))
+
+
+def test_logged_stats_are_trl_116s_kl_token_mean_tokens_and_terminated_lengths(tok, tmp_path):
+    model = tiny_causal_lm(tok)
+    trainer = RLOOTrainer(model, count_e, args=_args(tmp_path, beta=0.5, max_completion_length=8),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sample = trainer._sample
+
+    def some_end_early(prompt_texts, conversational):  # completions of 2..5 tokens end with EOS, odd rows run on
+        queries, responses = sample(prompt_texts, conversational)
+        eos = torch.tensor([tok.eos_token_id])
+        return queries, [torch.cat([r[: 1 + i % 4], eos]) if i % 2 == 0 else r for i, r in enumerate(responses)]
+
+    trainer._sample = some_end_early
+    rows = [{"prompt": p} for p in ["The film was"] * 4 + ["A good"] * 4]
+    rollout = trainer._generate_and_score(rows, "train")
+    mask, old, ref = rollout.batch.response_mask.tolist(), rollout.old_logprobs.tolist(), rollout.ref_logprobs.tolist()
+    # naive float64: every real completion token's (logp - ref_logp), averaged over all of them (not per sequence)
+    diffs = [float(o) - float(r) for m_row, o_row, r_row in zip(mask, old, ref)
+             for m, o, r in zip(m_row, o_row, r_row) if m]
+    metrics = trainer._metrics["train"]
+    assert metrics["kl"] == [pytest.approx(sum(diffs) / len(diffs), rel=1e-5)]
+    # prompt + completion tokens seen; completion lengths of those that ended with EOS
+    attention = rollout.batch.model_inputs["attention_mask"]
+    assert metrics["num_tokens"] == [float(attention.sum())] == [float(trainer.state.num_input_tokens_seen)]
+    index, ids = rollout.batch.response_index, rollout.batch.model_inputs["input_ids"]
+    completions = [ids[i][index[i] + 1][rollout.batch.response_mask[i].bool()].tolist() for i in range(8)]
+    terminated = [len(c) for c in completions if c[-1] == tok.eos_token_id]
+    assert sorted(terminated) == [2, 2, 4, 4]  # rows 0, 2, 4, 6: 1 + i % 4 tokens and EOS
+    assert metrics["completions/min_length"] == [min(len(c) for c in completions)]
+    assert metrics["completions/mean_terminated_length"] == [pytest.approx(sum(terminated) / len(terminated))]
+    assert metrics["completions/min_terminated_length"] == [min(terminated)]
+    assert metrics["completions/max_terminated_length"] == [max(terminated)]
+    assert metrics["completions/clipped_ratio"] == [pytest.approx(sum(c[-1] != tok.eos_token_id
+                                                                     for c in completions) / 8)]
 
 
 def test_beta_zero_builds_no_reference(tok, tmp_path):

@@ -43,6 +43,11 @@ class GRPOTrainer(OnlineRLTrainer):
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, **tracking)
 
+    def token_mean_stats(self) -> tuple[str, ...]:
+        """``kl`` and ``entropy`` are token means; the clip ratios too unless the ratio is per sequence."""
+        clip = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+        return ("kl", "entropy") + (clip if self.args.importance_sampling_level == "token" else ())
+
     def _advantages(self, scores: torch.Tensor, extras: torch.Tensor, mode: str) -> torch.Tensor:
         advantages, _ = group_relative_advantages(scores, self._group_size(mode), self.args.scale_rewards)
         return advantages
@@ -70,6 +75,8 @@ class GRPOTrainer(OnlineRLTrainer):
             mask = rollout.batch.response_mask
             mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
             loss = loss - args.entropy_coef * mean_entropy / accumulation
+            if mode == "train":
+                self._metrics[mode]["entropy_coef"].append(float(args.entropy_coef))  # logged as TRL 1.16 does
         return loss, stats
 
 

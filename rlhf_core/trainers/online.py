@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -235,6 +236,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffered: list[Rollout] | None = None
         self._step = 0
+        self._step_time = 0.0  # seconds of the micro-steps of the current optimizer step (TRL's step_time)
         self._last_samples: list[tuple[str, str, float]] = []
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
@@ -343,8 +345,13 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
     # ---- the micro-step: sample when due, else the next slice of the buffered rollout
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
         self._step += 1
+        self._step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:  # as TRL 1.16: wall time per optimizer step
+            self._metrics["train"]["step_time"].append(self._step_time)
+            self._step_time = 0.0
         return output
 
     def _prepare_inputs(self, generation_batch: list[dict]) -> Rollout:
@@ -437,7 +444,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         advantages, scores = self._advantages_for(per_func, batch, old, ref, mode)
         num_items = self.accelerator.gather(batch.response_mask.sum().reshape(1)).sum()
         lengths = torch.tensor([float(len(r)) for r in responses], device=self.args.device)  # (B,)
-        self._log_rollout_stats(mode, per_func, scores, lengths, truncated)
+        prompt_tokens = torch.tensor([float(len(q)) for q in queries], device=self.args.device).sum()
+        self._log_rollout_stats(mode, per_func, scores, lengths, truncated, prompt_tokens)
         self._last_samples = [(str(p), str(c), float(s)) for p, c, s in zip(prompts, completions, scores.tolist())]
         return Rollout(batch=batch, advantages=advantages, old_logprobs=old, ref_logprobs=ref, num_items=num_items)
 
@@ -516,9 +524,36 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         loss, stats = self._policy_loss(logprobs, entropy, inputs, mode)
         mask = inputs.batch.response_mask
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
-        for key, value in stats.items():
-            self._metrics[mode][key].append(float(self.accelerator.gather(value.detach().reshape(1)).nanmean()))
+        self._log_loss_stats(mode, stats, mask.sum())
         return (loss, None) if return_outputs else loss
+
+    def token_mean_stats(self) -> tuple[str, ...]:
+        """Loss stats that are means over the micro-batch's completion tokens (subclasses add theirs)."""
+        return ("entropy",)
+
+    def _log_loss_stats(self, mode: str, stats: dict[str, torch.Tensor], tokens: torch.Tensor) -> None:
+        """Reduce one micro-batch's stats over all processes as TRL 1.16 does.
+
+        Keys ending in ``_min``/``_max`` hold one value per sequence (B,): the min/max over every process's
+        sequences (NaN ignored). Keys in ``token_mean_stats`` are token means: weighted by each process's token
+        count (``tokens``), so the result is the mean over all processes' tokens. The rest: plain mean over
+        processes.
+        """
+        gather, token_means = self.accelerator.gather, self.token_mean_stats()
+        for key, value in stats.items():
+            value = value.detach().float()
+            if key.endswith(("_min", "_max")):
+                values = gather(value.reshape(-1))
+                values = values[~torch.isnan(values)]
+                reduced = math.nan if not len(values) else float(values.min() if key.endswith("_min") else values.max())
+            elif key in token_means:
+                weight = tokens.detach().float().reshape(1)
+                weighted = torch.where(weight > 0, value.reshape(1) * weight, 0.0)  # no tokens: adds nothing
+                totals = gather(torch.cat([weighted, weight]).reshape(1, 2)).sum(0)  # (2,)
+                reduced = float(totals[0] / totals[1].clamp(min=1.0))
+            else:
+                reduced = float(gather(value.reshape(1)).nanmean())
+            self._metrics[mode][key].append(reduced)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -550,8 +585,13 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
             ref_param.mul_(1 - alpha).add_(param.detach(), alpha=alpha)
 
     def _log_rollout_stats(self, mode: str, per_func: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor,
-                           truncated: torch.Tensor) -> None:
-        """Reward and completion-length statistics of one generation batch (all processes)."""
+                           truncated: torch.Tensor, prompt_tokens: torch.Tensor) -> None:
+        """Reward and completion-length statistics of one generation batch (all processes), TRL 1.16's names.
+
+        per_func (B, F), scores (B,), lengths (B,) completion tokens (EOS included), truncated (B,) no EOS,
+        prompt_tokens () this process's prompt tokens. ``num_tokens``: prompt + completion tokens seen in training
+        so far (``state.num_input_tokens_seen``, so it survives a resume).
+        """
         metrics = self._metrics[mode]
         gather = self.accelerator.gather
         all_funcs, all_scores = gather(per_func), gather(scores)
@@ -564,11 +604,18 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         zero_std = torch.isclose(grouped_std, torch.zeros_like(grouped_std)).float()
         metrics["frac_reward_zero_std"].append(float(zero_std.mean()))
         lengths, truncated = gather(lengths), gather(truncated.float())
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(gather(prompt_tokens.reshape(1)).sum() + lengths.sum())
+        metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]  # a running total: the latest value
         metrics["completions/mean_length"].append(float(lengths.mean()))
         metrics["completions/min_length"].append(float(lengths.min()))
         metrics["completions/max_length"].append(float(lengths.max()))
         terminated = lengths[truncated == 0]
-        metrics["completions/mean_terminated_length"].append(float(terminated.mean()) if len(terminated) else 0.0)
+        if not len(terminated):  # no completion ended with EOS: TRL 1.16 logs 0 for the three
+            terminated = lengths.new_zeros(1)
+        metrics["completions/mean_terminated_length"].append(float(terminated.mean()))
+        metrics["completions/min_terminated_length"].append(float(terminated.min()))
+        metrics["completions/max_terminated_length"].append(float(terminated.max()))
         metrics["completions/clipped_ratio"].append(float(truncated.mean()))
 
     def _group_size(self, mode: str) -> int:

@@ -2,8 +2,9 @@
 
 As in TRL 1.16, the KL to the reference is sequence-level and lives in the reward: each completion's score
 minus ``beta * sum_t (logp_t - ref_logp_t)`` (log-probs at sampling time), before the leave-one-out baseline;
-the loss is the clipped sequence-level surrogate. Math: ``rlhf_core.losses`` (``sequence_kl_penalized_rewards``,
-``rloo_advantages``, ``rloo_loss``).
+the loss is the clipped sequence-level surrogate. The logged ``kl`` is TRL's too: the per-token KL's mean over
+all completion tokens (sum of the sequence KLs / token count), not the per-sequence sum. Math:
+``rlhf_core.losses`` (``sequence_kl_penalized_rewards``, ``rloo_advantages``, ``rloo_loss``).
 """
 
 from __future__ import annotations
@@ -32,19 +33,22 @@ class RLOOTrainer(OnlineRLTrainer):
         return self.beta != 0.0  # the KL in the reward uses the policy's log-probs at sampling time
 
     def _reward_extras(self, batch: ModelBatch, old: torch.Tensor | None, ref: torch.Tensor | None) -> torch.Tensor:
-        """(B, 1) each completion's sequence-level KL to the reference (0 without one)."""
+        """(B, 2): each completion's sequence-level KL to the reference (0 without one) and its token count."""
+        tokens = batch.response_mask.sum(-1).float()  # (B,)
         if ref is None:
-            return batch.response_mask.new_zeros(len(batch), 1)
+            return torch.stack([torch.zeros_like(tokens), tokens], dim=1)
         zeros = torch.zeros(len(batch), device=ref.device)
-        _, kl = sequence_kl_penalized_rewards(zeros, old, ref, batch.response_mask, self.beta)
-        return kl[:, None]
+        _, kl = sequence_kl_penalized_rewards(zeros, old, ref, batch.response_mask, self.beta)  # (B,)
+        return torch.stack([kl.to(tokens.dtype), tokens], dim=1)
 
     def _advantages(self, scores: torch.Tensor, extras: torch.Tensor, mode: str) -> torch.Tensor:
+        """scores (N,), extras (N, 2) from ``_reward_extras`` for every process's completions."""
         if self.args.reward_clip_range is not None:
             scores = scores.clamp(*self.args.reward_clip_range)
-        rewards = scores - self.beta * extras[:, 0]  # (N,)
-        if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(float(extras[:, 0].mean()))
+        kl, tokens = extras[:, 0], extras[:, 1]  # (N,) each
+        rewards = scores - self.beta * kl  # (N,) the sequence KL (a sum over tokens) is in the reward
+        if self.beta != 0.0:  # logged as TRL 1.16 does: the per-token KL's mean over all completion tokens
+            self._metrics[mode]["kl"].append(float(kl.sum() / tokens.sum().clamp(min=1.0)))
         return rloo_advantages(rewards, self._group_size(mode), normalize=self.args.normalize_advantages)
 
     def _policy_loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, rollout: Rollout, mode: str
