@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.stages import STAGE_TASKS
 from flows.summary import end_block, load_results
-from rlhf_core.checkpointing import EXIT_PREEMPTED, Preempted, install_stop_handlers
+from rlhf_core.checkpointing import EXIT_PREEMPTED, Preempted, install_stop_handlers, stop_requested
 from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
 from tasks.evaluate import policy_results
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
@@ -72,6 +72,8 @@ def _run_pipeline(root: str, params, force: bool, run_registry: bool) -> dict:
     name, decision = "", None
     try:
         for name in ALL_STAGES:  # a disabled stage (``enabled: false``) runs too: placeholder outputs, recorded
+            if stop_requested():  # a signal during a stage without step checks (prepare, evaluate): stop here
+                raise Preempted(f"stop requested before stage {name}")
             changes = stage_status(root, name)
             if name == "prepare" and not changes:  # DVC cannot see the file prepare.source names: compare it here
                 why = source_changed(params.prepare, Path(root), Path(root) / params.paths.data)
