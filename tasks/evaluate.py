@@ -6,6 +6,9 @@ Per policy: mean gold-judge sentiment (VADER compound, -1..1), mean learned-rewa
 reference, perplexity on held-out text, win rate against SFT under the gold judge. Writes
 ``metrics/evaluate.json`` (one object per policy: gold_reward, rm_reward, kl, perplexity, win_rate; what
 ``dvc metrics show/diff`` read), ``plots/evaluate.csv``, and logs before/after sample tables and a chart.
+``plots/frontier.csv`` (and the same figure as an MLflow image, ``plots/frontier.png``) is the reward-KL frontier:
+gold reward against KL to SFT for SFT, each policy's final score here, and the PPO/DPO/KTO points measured along
+training on held-out samples (``plots/<stage>_windows.csv``, tasks/samples.py).
 
 ``evaluate.json`` also records, under ``scored``, the DVC hash of each policy directory it scored (computed
 from the files, not read from dvc.lock) and of the evaluation set (prompts, held-out text, SFT reference,
@@ -28,7 +31,7 @@ from rlhf_core.data import read_jsonl
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
-from tasks.params import METRIC_KEYS, POLICY_STAGES, as_dict, load_stage
+from tasks.params import METRIC_KEYS, POLICY_STAGES, WINDOW_STAGES, as_dict, load_stage
 from tasks.policy import is_placeholder
 from tasks.provenance import md5_dir, md5_file
 from tasks.stage_run import stage_run
@@ -160,11 +163,15 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Evaluate every policy; returns the content of metrics/evaluate.json."""
     import tempfile
 
+    from tasks.samples import FRONTIER_COLUMNS, frontier_png, frontier_rows, read_windows
+
     require_single_process("evaluate")  # not a training stage: one process (see tasks/distributed.py)
 
     root, params, p, io = load_stage(root, "evaluate")
     paths = params.paths
-    prompts_path, heldout_path, sft_dir, rm_dir, *policy_dirs = io["deps"]  # then models/<stage> per POLICY_STAGES
+    prompts_path, heldout_path, sft_dir, rm_dir = io["deps"][:4]
+    window_files = io["deps"][4:4 + len(WINDOW_STAGES)]  # plots/<stage>_windows.csv per WINDOW_STAGES
+    policy_dirs = io["deps"][-len(POLICY_STAGES):]  # models/<stage> per POLICY_STAGES
     trained = {s: d for s, d in zip(POLICY_STAGES, policy_dirs) if not is_placeholder(root / d)}
     names = ("sft", *trained)  # the policies of this run, in order
     log = get_logger()
@@ -201,9 +208,14 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         for n in names:
             run.log_table(f"samples_{n}", [{"query": q, "response": r, "gold": round(g, 3)} for q, r, g in
                                            zip(samples[n].prompts, samples[n].responses, gold_scores[n])][: 4 * p.num_samples])
+        windows = {s: read_windows(root / f) for s, f in zip(WINDOW_STAGES, window_files) if s in trained}
+        frontier = frontier_rows(results, windows)
+        write_csv(root / io["plots"][1], frontier, list(FRONTIER_COLUMNS))
         with tempfile.TemporaryDirectory() as tmp:
             _chart(results, Path(tmp) / "evaluate.png")
             run.log_artifact(Path(tmp) / "evaluate.png", artifact_path="plots")
+            frontier_png(frontier, Path(tmp) / "frontier.png")
+            run.log_artifact(Path(tmp) / "frontier.png", artifact_path="plots")
         for n in trained:
             run.summary[f"{n}_gold_gain"] = round(results[n]["gold_reward"] - results["sft"]["gold_reward"], 4)
         run.summary.update({f"{n}.{k}": v for n in names for k, v in results[n].items()})
