@@ -21,7 +21,6 @@ from tasks.stage_run import stage_run
 def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Train ``models/dpo`` from ``data/preferences.jsonl``; returns the metrics written to metrics/dpo.json."""
     from tasks.policy import disabled_placeholder
-
     from tasks.samples import write_empty_windows
 
     if (skipped := disabled_placeholder(root, "dpo", ("step", "loss", "reward_accuracy", "reward_margin"))) is not None:
@@ -53,7 +52,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
         with resumable_training("dpo", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
             windows, windows_callback = sample_windows("dpo", root, params, run, ck.dir / "sample_windows.json",
-                                               eval_prompts_path, sft_dir)
+                                                       eval_prompts_path, sft_dir)
             trainer = DPOTrainer(model, ref_model=None, beta=p.beta,
                                  args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,

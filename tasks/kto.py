@@ -1,8 +1,8 @@
 """Stage ``kto``: KTOTrainer (TRL 1.16 API) of the SFT policy on the unpaired thumbs-up/down ratings
 (``data/ratings.jsonl``: prompt, completion, label), reference = a frozen copy of the SFT policy. Writes
 ``models/kto``, ``metrics/kto.json``, ``plots/kto.csv`` and ``plots/kto_windows.csv`` (held-out samples every
-``kto.sample_every`` steps: a table and a reward-KL point, tasks/samples.py); off when ``kto.enabled`` is false (placeholder outputs,
-see tasks/policy.py).
+``kto.sample_every`` steps: a table and a reward-KL point, tasks/samples.py); off when ``kto.enabled`` is false
+(placeholder outputs, see tasks/policy.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def kto_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         def build(ck):
             nonlocal windows
             windows, windows_callback = sample_windows("kto", root, params, run, ck.dir / "sample_windows.json",
-                                           eval_prompts_path, sft_dir)
+                                                       eval_prompts_path, sft_dir)
             return KTOTrainer(model, ref_model=None, args=trainer_arguments(KTOConfig, p, ck.dir),
                               train_dataset=dataset, processing_class=tokenizer,
                               callbacks=[ck.callback, windows_callback], tracker=run.tracker)

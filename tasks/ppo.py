@@ -56,7 +56,6 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
     """
     from tasks.policy import disabled_placeholder
-
     from tasks.samples import sample_windows, step_hook, write_empty_windows
 
     if (skipped := disabled_placeholder(root, "ppo", ("step", "reward_mean", "kl", "kl_coef"))) is not None:

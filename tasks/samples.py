@@ -93,7 +93,8 @@ def load_window_scorer(root: Path, prompts_path: str, sft_dir: str, num_prompts:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     reference = load_policy(root / sft_dir).eval()
-    return WindowScorer(prompts, reference, tokenizer, GoldJudge(), evaluate_params.max_new_tokens, evaluate_params.seed)
+    return WindowScorer(prompts, reference, tokenizer, GoldJudge(), evaluate_params.max_new_tokens,
+                        evaluate_params.seed)
 
 
 def log_sample_table(tracker, name: str, step: int, queries: Sequence[str], responses: Sequence[str],
@@ -145,7 +146,8 @@ def sample_windows(stage: str, root: Path, params, run, state_file: str | Path, 
 
     section = getattr(params, stage)
     active = section.sample_every > 0 and is_main_process()
-    scorer = load_window_scorer(root, prompts_path, sft_dir, section.sample_prompts, params.evaluate) if active else None
+    scorer = (load_window_scorer(root, prompts_path, sft_dir, section.sample_prompts, params.evaluate)
+              if active else None)
     window_log = WindowLog(stage, scorer, run.tracker, Path(state_file), table)
     return window_log, window_callback(window_log, section.sample_every)
 
@@ -192,7 +194,8 @@ def _unwrapped(model):
     return model
 
 
-def frontier_rows(final: Mapping[str, Mapping[str, float]], windows: Mapping[str, list[Mapping[str, Any]]]) -> list[dict]:
+def frontier_rows(final: Mapping[str, Mapping[str, float]],
+                  windows: Mapping[str, list[Mapping[str, Any]]]) -> list[dict]:
     """plots/frontier.csv: SFT (KL 0), each policy's window points in step order, then its final evaluate score.
 
     ``final``: evaluate's per-policy metrics (``sft`` first); ``windows``: per stage, rows of its windows file. A
@@ -253,7 +256,6 @@ def frontier_png(rows: list[Mapping[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["SAMPLE_COLUMNS", "WINDOW_COLUMNS", "FRONTIER_COLUMNS", "WINDOW_STAGES", "is_window_step",
-           "WindowScorer", "load_window_scorer", "log_sample_table", "WindowLog", "sample_windows", "write_empty_windows",
-           "window_callback", "step_hook", "frontier_rows", "read_windows",
-           "frontier_png"]
+__all__ = ["SAMPLE_COLUMNS", "WINDOW_COLUMNS", "FRONTIER_COLUMNS", "WINDOW_STAGES", "is_window_step", "WindowScorer",
+           "load_window_scorer", "log_sample_table", "WindowLog", "sample_windows", "write_empty_windows",
+           "window_callback", "step_hook", "frontier_rows", "read_windows", "frontier_png"]
