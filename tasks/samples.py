@@ -9,7 +9,8 @@ sampling, ``rlhf_core.evaluation``), only on fewer prompts. Each window:
   columns query / response / reward; here the reward is the gold judge's score);
 - adds a point ``{step, kl, gold_reward}`` to ``plots/<stage>_windows.csv`` (a DVC plot output of the stage).
 
-``evaluate`` joins those window files with its own final scores into ``plots/frontier.csv`` (gold reward against KL
+``evaluate`` (``tasks.evaluate.frontier_rows``) joins those window files with its own final scores into
+``plots/frontier.csv`` (gold reward against KL
 to SFT, the DPO paper's frontier figure) and logs the figure to MLflow as an image.
 
 The points found so far are kept beside the stage's checkpoints, so a resumed stage keeps the windows it scored
@@ -19,7 +20,7 @@ before it stopped (those after the checkpoint it resumes from are scored again).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,6 @@ SAMPLE_COLUMNS = ("query", "response", "reward")
 """Columns of a window's table: the same as PPO's ``game_log`` (the reward is the gold judge's score here)."""
 WINDOW_COLUMNS = ("step", "kl", "gold_reward")
 """plots/<stage>_windows.csv: one row per window (``kl``: mean sequence KL to SFT of the window's samples)."""
-FRONTIER_COLUMNS = ("policy", "step", "kl", "gold_reward", "kind")
-"""plots/frontier.csv (``kind``: reference = SFT, checkpoint = a training window, final = evaluate's score)."""
 
 
 def is_window_step(step: int, every: int, last_step: int) -> bool:
@@ -194,68 +193,5 @@ def _unwrapped(model):
     return model
 
 
-def frontier_rows(final: Mapping[str, Mapping[str, float]],
-                  windows: Mapping[str, list[Mapping[str, Any]]]) -> list[dict]:
-    """plots/frontier.csv: SFT (KL 0), each policy's window points in step order, then its final evaluate score.
-
-    ``final``: evaluate's per-policy metrics (``sft`` first); ``windows``: per stage, rows of its windows file. A
-    final point takes the step of the policy's last window (empty when it has none)."""
-    rows = []
-    for policy, metrics in final.items():
-        points = sorted(windows.get(policy, []), key=lambda p: int(p["step"]))
-        if policy == "sft":
-            rows.append({"policy": "sft", "step": 0, "kl": 0.0, "gold_reward": metrics["gold_reward"],
-                         "kind": "reference"})
-            continue
-        rows += [{"policy": policy, "step": int(p["step"]), "kl": float(p["kl"]),
-                  "gold_reward": float(p["gold_reward"]), "kind": "checkpoint"} for p in points]
-        rows.append({"policy": policy, "step": int(points[-1]["step"]) if points else "", "kl": metrics["kl"],
-                     "gold_reward": metrics["gold_reward"], "kind": "final"})
-    return rows
-
-
-def read_windows(path: Path) -> list[dict[str, str]]:
-    """The rows of a ``plots/<stage>_windows.csv`` (empty when the file is missing or has no rows)."""
-    import csv
-
-    if not path.is_file():
-        return []
-    with path.open(newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-def frontier_png(rows: list[Mapping[str, Any]], path: Path) -> None:
-    """The frontier as a PNG (matplotlib): one colour per policy, checkpoints joined in step order, final points
-    as large markers, SFT as a star."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for i, policy in enumerate(policies):
-        own = [r for r in rows if r["policy"] == policy]
-        colour = "#444" if policy == "sft" else colours[i % len(colours)]
-        checkpoints = [r for r in own if r["kind"] == "checkpoint"]
-        if checkpoints:
-            ax.plot([r["kl"] for r in checkpoints], [r["gold_reward"] for r in checkpoints], "o-", color=colour,
-                    alpha=0.5, markersize=4)
-        for r in own:
-            if r["kind"] != "checkpoint":
-                ax.plot(r["kl"], r["gold_reward"], "*" if r["kind"] == "reference" else "D", color=colour,
-                        markersize=12 if r["kind"] == "reference" else 8, label=f"{policy} ({r['kind']})")
-    ax.set_xlabel("KL to SFT (nats per response)")
-    ax.set_ylabel("gold reward (VADER)")
-    ax.set_title("Reward-KL frontier (small dots: training windows)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-__all__ = ["SAMPLE_COLUMNS", "WINDOW_COLUMNS", "FRONTIER_COLUMNS", "WINDOW_STAGES", "is_window_step", "WindowScorer",
-           "load_window_scorer", "log_sample_table", "WindowLog", "sample_windows", "write_empty_windows",
-           "window_callback", "step_hook", "frontier_rows", "read_windows", "frontier_png"]
+__all__ = ["SAMPLE_COLUMNS", "WINDOW_COLUMNS", "WINDOW_STAGES", "is_window_step", "WindowScorer", "load_window_scorer",
+           "log_sample_table", "WindowLog", "sample_windows", "write_empty_windows", "window_callback", "step_hook"]

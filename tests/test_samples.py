@@ -1,4 +1,4 @@
-"""Sample windows along training (tasks/samples.py) and the reward-KL frontier evaluate assembles."""
+"""Sample windows along training (tasks/samples.py) and the reward-KL frontier evaluate assembles (tasks/evaluate.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from rlhf_core.tracking import MemoryTracker
-from tasks.samples import (
-    FRONTIER_COLUMNS,
-    WindowLog,
-    WindowScorer,
-    frontier_rows,
-    is_window_step,
-    step_hook,
-    window_callback,
-)
+from tasks.evaluate import FRONTIER_COLUMNS, frontier_rows
+from tasks.samples import WindowLog, WindowScorer, is_window_step, step_hook, window_callback
 
 PROMPTS = ["the movie was", "i think", "a truly", "what a"]
 
