@@ -101,8 +101,11 @@ plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inl
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc plots show -o dvc_plots
 
 # `dvc exp show` with only the headline columns, so it fits a terminal.
-exps: setup ## dvc exp show, headline columns only (gold reward, KL, win rate per policy)
-	$(VENV)/bin/dvc exp show --drop '.*' --keep '(Experiment|Created|.*\.(gold_reward|kl|win_rate))$$' --md
+# One evaluate.json key per policy in a table under 100 columns; dvc exp show --md lists every column.
+METRIC ?= gold_reward
+exps: setup ## experiments, one column per policy: gold reward (METRIC=kl|win_rate|... for another)
+	@$(VENV)/bin/dvc exp show --drop '.*' --keep '(Experiment|rev|typ|Created|.*\.$(METRIC))$$' --csv \
+	  | $(PY) tools/exps_table.py $(METRIC)
 
 # The DVC remote (docs/lifecycle.md). Default: ~/.cache/rlhf-pipeline/dvc-remote, named in .dvc/config.
 # `make remote DVC_REMOTE=/shared/store` (or s3://..., gs://..., azure://..., ssh://...) writes the URL to the

@@ -1,7 +1,8 @@
 """Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs.
 
 The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``,
-``metrics/dpo.json`` and ``plots/dpo.csv``.
+``metrics/dpo.json``, ``plots/dpo.csv`` and ``plots/dpo_windows.csv`` (every ``dpo.sample_every`` optimizer steps:
+gold reward and KL to SFT of held-out samples, also logged as a sample table; tasks/samples.py).
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ from tasks.stage_run import stage_run
 def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Train ``models/dpo`` from ``data/preferences.jsonl``; returns the metrics written to metrics/dpo.json."""
     from tasks.policy import disabled_placeholder
+    from tasks.samples import write_empty_windows
 
     if (skipped := disabled_placeholder(root, "dpo", ("step", "loss", "reward_accuracy", "reward_margin"))) is not None:
+        write_empty_windows(root, "dpo")
         return skipped  # dpo.enabled: false
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core import DPOTrainer, set_seed
     from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.samples import sample_windows
 
     root, params, p, io = load_stage(root, "dpo")
     paths = params.paths
-    pairs_path, sft_dir = io["deps"]
+    pairs_path, sft_dir, eval_prompts_path = io["deps"]
     log = get_logger()
     pairs = read_jsonl(root / pairs_path)
     if not pairs:
@@ -47,10 +51,13 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         run.log_dataset(root / pairs_path, "preferences")
         log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
         with resumable_training("dpo", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
+            windows, windows_callback = sample_windows("dpo", root, params, run, ck.dir / "sample_windows.json",
+                                                       eval_prompts_path, sft_dir)
             trainer = DPOTrainer(model, ref_model=None, beta=p.beta,
                                  args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
-                                 max_prompt_length=p.max_prompt_length, tracker=run.tracker, callbacks=[ck.callback])
+                                 max_prompt_length=p.max_prompt_length, tracker=run.tracker,
+                                 callbacks=[ck.callback, windows_callback])
             result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
             keys = ("loss", "rewards/accuracies", "rewards/margins")
             curve = loss_curve(trainer.state.log_history, keys)
@@ -69,6 +76,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                                                     "reward_accuracy": r.get("rewards/accuracies"),
                                                     "reward_margin": r.get("rewards/margins")} for r in curve],
                   ["step", "loss", "reward_accuracy", "reward_margin"])
+        windows.write(root / io["plots"][1])
         ck.done()
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)

@@ -6,6 +6,9 @@ Per policy: mean gold-judge sentiment (VADER compound, -1..1), mean learned-rewa
 reference, perplexity on held-out text, win rate against SFT under the gold judge. Writes
 ``metrics/evaluate.json`` (one object per policy: gold_reward, rm_reward, kl, perplexity, win_rate; what
 ``dvc metrics show/diff`` read), ``plots/evaluate.csv``, and logs before/after sample tables and a chart.
+``plots/frontier.csv`` (and the same figure as an MLflow image, ``plots/frontier.png``) is the reward-KL frontier:
+gold reward against KL to SFT for SFT, each policy's final score here, and the PPO/DPO/KTO points measured along
+training on held-out samples (``plots/<stage>_windows.csv``, tasks/samples.py).
 
 ``evaluate.json`` also records, under ``scored``, the DVC hash of each policy directory it scored (computed
 from the files, not read from dvc.lock) and of the evaluation set (prompts, held-out text, SFT reference,
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,7 @@ from rlhf_core.data import read_jsonl
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
-from tasks.params import METRIC_KEYS, POLICY_STAGES, as_dict, load_stage
+from tasks.params import METRIC_KEYS, POLICY_STAGES, WINDOW_STAGES, as_dict, load_stage
 from tasks.policy import is_placeholder
 from tasks.provenance import md5_dir, md5_file
 from tasks.stage_run import stage_run
@@ -46,6 +50,72 @@ def _chart(results: dict[str, dict[str, float]], path: Path) -> None:
         ax.set_title(key)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+FRONTIER_COLUMNS = ("policy", "step", "kl", "gold_reward", "kind")
+"""plots/frontier.csv (``kind``: reference = SFT, checkpoint = a training window, final = evaluate's score)."""
+
+
+def frontier_rows(final: Mapping[str, Mapping[str, float]],
+                  windows: Mapping[str, list[Mapping[str, Any]]]) -> list[dict]:
+    """plots/frontier.csv: SFT (KL 0), each policy's window points in step order, then its final evaluate score.
+
+    ``final``: evaluate's per-policy metrics (``sft`` first); ``windows``: per stage, rows of its windows file. A
+    final point takes the step of the policy's last window (empty when it has none)."""
+    rows = []
+    for policy, metrics in final.items():
+        points = sorted(windows.get(policy, []), key=lambda p: int(p["step"]))
+        if policy == "sft":
+            rows.append({"policy": "sft", "step": 0, "kl": 0.0, "gold_reward": metrics["gold_reward"],
+                         "kind": "reference"})
+            continue
+        rows += [{"policy": policy, "step": int(p["step"]), "kl": float(p["kl"]),
+                  "gold_reward": float(p["gold_reward"]), "kind": "checkpoint"} for p in points]
+        rows.append({"policy": policy, "step": int(points[-1]["step"]) if points else "", "kl": metrics["kl"],
+                     "gold_reward": metrics["gold_reward"], "kind": "final"})
+    return rows
+
+
+def read_windows(path: Path) -> list[dict[str, str]]:
+    """The rows of a ``plots/<stage>_windows.csv`` (empty when the file is missing or has no rows)."""
+    import csv
+
+    if not path.is_file():
+        return []
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def frontier_png(rows: list[Mapping[str, Any]], path: Path) -> None:
+    """The frontier as a PNG (matplotlib): one colour per policy, checkpoints joined in step order, final points
+    as large markers, SFT as a star."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for i, policy in enumerate(policies):
+        own = [r for r in rows if r["policy"] == policy]
+        colour = "#444" if policy == "sft" else colours[i % len(colours)]
+        checkpoints = [r for r in own if r["kind"] == "checkpoint"]
+        if checkpoints:
+            ax.plot([r["kl"] for r in checkpoints], [r["gold_reward"] for r in checkpoints], "o-", color=colour,
+                    alpha=0.5, markersize=4)
+        for r in own:
+            if r["kind"] != "checkpoint":
+                ax.plot(r["kl"], r["gold_reward"], "*" if r["kind"] == "reference" else "D", color=colour,
+                        markersize=12 if r["kind"] == "reference" else 8, label=f"{policy} ({r['kind']})")
+    ax.set_xlabel("KL to SFT (nats per response)")
+    ax.set_ylabel("gold reward (VADER)")
+    ax.set_title("Reward-KL frontier (small dots: training windows)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -164,7 +234,9 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     root, params, p, io = load_stage(root, "evaluate")
     paths = params.paths
-    prompts_path, heldout_path, sft_dir, rm_dir, *policy_dirs = io["deps"]  # then models/<stage> per POLICY_STAGES
+    prompts_path, heldout_path, sft_dir, rm_dir = io["deps"][:4]
+    window_files = io["deps"][4:4 + len(WINDOW_STAGES)]  # plots/<stage>_windows.csv per WINDOW_STAGES
+    policy_dirs = io["deps"][-len(POLICY_STAGES):]  # models/<stage> per POLICY_STAGES
     trained = {s: d for s, d in zip(POLICY_STAGES, policy_dirs) if not is_placeholder(root / d)}
     names = ("sft", *trained)  # the policies of this run, in order
     log = get_logger()
@@ -201,9 +273,14 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         for n in names:
             run.log_table(f"samples_{n}", [{"query": q, "response": r, "gold": round(g, 3)} for q, r, g in
                                            zip(samples[n].prompts, samples[n].responses, gold_scores[n])][: 4 * p.num_samples])
+        windows = {s: read_windows(root / f) for s, f in zip(WINDOW_STAGES, window_files) if s in trained}
+        frontier = frontier_rows(results, windows)
+        write_csv(root / io["plots"][1], frontier, list(FRONTIER_COLUMNS))
         with tempfile.TemporaryDirectory() as tmp:
             _chart(results, Path(tmp) / "evaluate.png")
             run.log_artifact(Path(tmp) / "evaluate.png", artifact_path="plots")
+            frontier_png(frontier, Path(tmp) / "frontier.png")
+            run.log_artifact(Path(tmp) / "frontier.png", artifact_path="plots")
         for n in trained:
             run.summary[f"{n}_gold_gain"] = round(results[n]["gold_reward"] - results["sft"]["gold_reward"], 4)
         run.summary.update({f"{n}.{k}": v for n in names for k, v in results[n].items()})

@@ -33,14 +33,16 @@ POSITIVE_INTS = {
             "per_device_train_batch_size"),
     "reward_model": ("max_length", "per_device_train_batch_size"),
     "ppo": ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "total_steps",
-            "max_new_tokens"),
-    "dpo": ("per_device_train_batch_size", "max_length", "max_prompt_length"),
+            "max_new_tokens", "sample_prompts"),
+    "dpo": ("per_device_train_batch_size", "max_length", "max_prompt_length", "sample_prompts"),
     "evaluate": ("num_prompts", "max_new_tokens", "batch_size"),
+    "kto": ("sample_prompts",),
 }
 """Sizes and counts that must be >= 1 (0 divides by zero or trains nothing; negatives make no sense)."""
 
-NON_NEGATIVE_INTS = {"prepare": ("num_reviews",), "evaluate": ("num_samples",)}
-"""Counts where 0 has a meaning (all reviews, no samples shown)."""
+NON_NEGATIVE_INTS = {"prepare": ("num_reviews",), "evaluate": ("num_samples",), "ppo": ("sample_every",),
+                     "dpo": ("sample_every",), "kto": ("sample_every",)}
+"""Counts where 0 has a meaning (all reviews, no samples shown, no sample windows)."""
 
 POSITIVE_FLOATS = {
     "sft": ("learning_rate", "num_train_epochs"),

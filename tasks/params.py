@@ -35,6 +35,9 @@ POLICY_STAGES = ("ppo", "dpo", "grpo", "rloo", "kto")
 """Stages that train a policy from the SFT model; each runs only when its section's ``enabled`` is true (a disabled
 one still runs, writing a placeholder ``models/<stage>`` and ``metrics/<stage>.json`` = ``{"enabled": false}``,
 so DVC records it and ``dvc status`` stays clean). ``evaluate`` scores SFT and every enabled policy."""
+WINDOW_STAGES = ("ppo", "dpo", "kto")
+"""Policy stages that score held-out samples every ``sample_every`` steps (tasks/samples.py): each also writes
+``plots/<stage>_windows.csv``, which ``evaluate`` reads to draw the reward-KL frontier (``plots/frontier.csv``)."""
 
 OPTIONAL_STAGES = ("ddpo",)
 """DVC stages outside the default run: run by name, or by the pipeline flow when their section's ``enabled``."""
@@ -164,6 +167,11 @@ class PPOStageParams:
     """``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
     save_steps: int
     """Write the resumable PPO checkpoint every this many steps (0: only on SIGTERM/SIGINT)."""
+    sample_every: int
+    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
+    the gold judge, log the table and a reward-KL point (plots/ppo_windows.csv, tasks/samples.py); 0: never."""
+    sample_prompts: int
+    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
 
 
 @dataclass(frozen=True)
@@ -284,10 +292,15 @@ class OnlineStageParams:
 
 @dataclass(frozen=True)
 class PolicySwitch:
-    """The kto section's key that is not a ``KTOConfig`` field."""
+    """The kto section's keys that are not ``KTOConfig`` fields."""
 
     enabled: bool
     """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
+    sample_every: int
+    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
+    the gold judge, log the table and a reward-KL point (plots/kto_windows.csv, tasks/samples.py); 0: never."""
+    sample_prompts: int
+    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +350,11 @@ class DPOParams:
     """Prompt truncation, in tokens."""
     seed: int
     """Seed for data order."""
+    sample_every: int
+    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
+    the gold judge, log the table and a reward-KL point (plots/dpo_windows.csv, tasks/samples.py); 0: never."""
+    sample_prompts: int
+    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
 
 
 @dataclass(frozen=True)
@@ -585,18 +603,23 @@ def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
                              f"{d}/prompts_eval.jsonl", f"{d}/preferences.jsonl", f"{d}/ratings.jsonl"]},
         "sft": {"deps": [f"{d}/sft_train.jsonl"], "outs": [f"{m}/sft"]},
         "reward_model": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft"], "outs": [f"{m}/reward_model"]},
-        "ppo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model"], "outs": [f"{m}/ppo"]},
-        "dpo": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft"], "outs": [f"{m}/dpo"]},
+        "ppo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model", f"{d}/prompts_eval.jsonl"],
+                "outs": [f"{m}/ppo"]},
+        "dpo": {"deps": [f"{d}/preferences.jsonl", f"{m}/sft", f"{d}/prompts_eval.jsonl"], "outs": [f"{m}/dpo"]},
         "grpo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model"], "outs": [f"{m}/grpo"]},
         "rloo": {"deps": [f"{d}/prompts_train.jsonl", f"{m}/sft", f"{m}/reward_model"], "outs": [f"{m}/rloo"]},
-        "kto": {"deps": [f"{d}/ratings.jsonl", f"{m}/sft"], "outs": [f"{m}/kto"]},
+        "kto": {"deps": [f"{d}/ratings.jsonl", f"{m}/sft", f"{d}/prompts_eval.jsonl"], "outs": [f"{m}/kto"]},
         "evaluate": {"deps": [f"{d}/prompts_eval.jsonl", f"{d}/heldout.jsonl", f"{m}/sft", f"{m}/reward_model",
+                              *(f"{paths.plots}/{s}_windows.csv" for s in WINDOW_STAGES),
                               *(f"{m}/{s}" for s in POLICY_STAGES)], "outs": []},
         "ddpo": {"deps": [], "outs": [f"{m}/ddpo"]},
     }
     for stage, entry in io.items():
         entry["metrics"] = [f"{paths.metrics}/{stage}.json"]
         entry["plots"] = [f"{paths.plots}/{stage}.csv"]
+    for stage in WINDOW_STAGES:  # reward-KL points along training (tasks/samples.py)
+        io[stage]["plots"].append(f"{paths.plots}/{stage}_windows.csv")
+    io["evaluate"]["plots"].append(f"{paths.plots}/frontier.csv")
     return io
 
 
@@ -607,5 +630,5 @@ __all__ = [
     "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",
     "section_keys", "ALL_STAGES", "OPTIONAL_STAGES", "DDPOParams", "DDPOStageParams", "DDPO_CONFIG_KEYS",
     "DDPO_REWARDS", "stage_enabled", "POLICY_STAGES", "GRPOParams", "RLOOParams", "KTOParams", "OnlineStageParams",
-    "PolicySwitch", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
+    "PolicySwitch", "WINDOW_STAGES", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
 ]

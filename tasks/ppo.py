@@ -56,15 +56,17 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
     """
     from tasks.policy import disabled_placeholder
+    from tasks.samples import sample_windows, step_hook, write_empty_windows
 
     if (skipped := disabled_placeholder(root, "ppo", ("step", "reward_mean", "kl", "kl_coef"))) is not None:
+        write_empty_windows(root, "ppo")
         return skipped  # ppo.enabled: false
     from rlhf_core.checkpointing import GracefulStop, Preempted
     from rlhf_core.trainers.ppo_loop import run_ppo
 
     root, params, p, io = load_stage(root, "ppo")
     paths = params.paths
-    prompts_path, sft_dir, rm_dir = io["deps"]
+    prompts_path, sft_dir, rm_dir, eval_prompts_path = io["deps"]
     log = get_logger()
     prompts = [r["query"] for r in read_jsonl(root / prompts_path)]
     if len(prompts) < p.batch_size:
@@ -75,11 +77,16 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         trainer, tokenizer = _build_trainer(root, p, sft_dir, prompts_path, prompts, run.tracker)
         world = trainer.accelerator.num_processes
         reward = _reward_fn(p.reward, str(root / rm_dir))
+        # held-out samples every ppo.sample_every steps (table + reward-KL point; tasks/samples.py)
+        windows, _ = sample_windows("ppo", root, params, run, state.with_name(f"{state.name}.samples.json"),
+                                    eval_prompts_path, sft_dir, table="heldout_samples")
+        policy = lambda: trainer.accelerator.unwrap_model(trainer.model).pretrained_model  # noqa: E731
         run.log_dataset(root / prompts_path, "prompts_train")
         log.info("ppo: %d steps of %d rollouts (%d per process x %d), reward=%s", p.total_steps, p.batch_size * world,
                  p.batch_size, world, p.reward)
         def resuming(step: int, path) -> None:
             log.info("ppo: resuming at step %d from %s", step, path)
+            windows.resume(step)
             run.summary["resumed_at_step"] = step
 
         with GracefulStop() as stop, progress_bar(p.total_steps, desc="ppo", unit="step") as bar:
@@ -87,7 +94,9 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                 result = run_ppo(trainer, reward, total_steps=p.total_steps,
                                  generation_kwargs=generation_kwargs(tokenizer, p.max_new_tokens), checkpoint_dir=state,
                                  save_every=p.save_steps, should_stop=lambda: stop.requested,
-                                 stop_reason=lambda: stop.signal_name, on_step=_step_logger(log, p.total_steps, bar),
+                                 stop_reason=lambda: stop.signal_name,
+                                 on_step=step_hook(windows, policy, p.sample_every, p.total_steps,
+                                                   _step_logger(log, p.total_steps, bar)),
                                  on_resume=resuming)
             except Preempted as stopped:
                 log.warning("ppo: %s at step %d; state saved in %s; run the stage again to resume",
@@ -101,8 +110,10 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             run.write_model_card(out, "PPOTrainer", f"{sft_dir} (SFT policy; also the KL reference)", as_dict(p), metrics)
         write_json(root / paths.metrics / "ppo.json", metrics)
         write_csv(root / paths.plots / "ppo.csv", curve, ["step", "reward_mean", "kl", "kl_coef"])
+        windows.write(root / io["plots"][1])
         if is_main_process():  # outputs are complete: the resumable state is no longer needed
             shutil.rmtree(state, ignore_errors=True)
+            windows.state_file.unlink(missing_ok=True)
         run.log_metrics({f"final/{k}": v for k, v in metrics.items()})
         run.summary.update(metrics)
     return metrics

@@ -16,6 +16,7 @@ from tasks.params import (
     PPO_CONFIG_KEYS,
     SECTIONS,
     STAGES,
+    WINDOW_STAGES,
     ConfigSection,
     ParamsError,
     PPOStageParams,
@@ -29,7 +30,7 @@ from tasks.params import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-PPO_STAGE_ONLY = {"enabled", "total_steps", "max_new_tokens", "reward", "save_steps"}
+PPO_STAGE_ONLY = {"enabled", "total_steps", "max_new_tokens", "reward", "save_steps", "sample_every", "sample_prompts"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,8 @@ def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
         assert (ROOT / dep).is_file(), f"{stage}: code dep {dep} does not exist"
     assert _names(entry.get("outs")) == io["outs"]
     assert _names(entry["metrics"]) == io["metrics"] == [f"metrics/{stage}.json"]
-    assert _names(entry["plots"]) == io["plots"] == [f"plots/{stage}.csv"]
+    extra = {**{s: [f"plots/{s}_windows.csv"] for s in WINDOW_STAGES}, "evaluate": ["plots/frontier.csv"]}
+    assert _names(entry["plots"]) == io["plots"] == [f"plots/{stage}.csv", *extra.get(stage, [])]
     for kind in ("metrics", "plots"):  # git-tracked, as DVC recommends for small metrics and plots
         assert all(e[next(iter(e))]["cache"] is False for e in entry[kind])
     for out in io["outs"]:
