@@ -1,0 +1,75 @@
+"""Reproducibility: the same code and params give byte-identical DVC-tracked outputs in any directory.
+
+A teammate who clones the project elsewhere and re-runs a stage must get the hashes recorded in ``dvc.lock``
+(else ``dvc status`` after a re-run lists changed outputs and a registered version's weights hash cannot be
+reproduced). Each stage here runs in two projects at different absolute paths (different lengths, so a path
+written anywhere shows), then every file under data/, models/, metrics/ and plots/ is compared byte by byte.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _pipeline_project import make_project
+
+TRACKED = ("data", "models", "metrics", "plots")
+"""The project folders whose files DVC (or git, for metrics/plots) tracks as stage outputs."""
+
+
+def tracked_files(root: Path) -> dict[str, bytes]:
+    """relative path -> bytes of every file of the stage outputs under ``root``."""
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for folder in TRACKED for p in sorted((root / folder).rglob("*")) if p.is_file()}
+
+
+def differences(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
+    """Files present in only one listing, or whose bytes differ (with the first differing line when text)."""
+    out = [f"only in one project: {name}" for name in sorted(set(a) ^ set(b))]
+    for name in sorted(set(a) & set(b)):
+        if a[name] != b[name]:
+            try:
+                lines = zip(a[name].decode().splitlines(), b[name].decode().splitlines())
+                first = next(((x, y) for x, y in lines if x != y), ("", ""))
+            except UnicodeDecodeError:
+                first = ("<binary>", "<binary>")
+            out.append(f"{name}: {first[0]!r} != {first[1]!r}")
+    return out
+
+
+@pytest.fixture
+def two_projects(tmp_path, monkeypatch):
+    """The tiny project at two absolute paths of different lengths (no git/DVC: the tasks run through ``.fn``)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    return make_project(tmp_path / "a", git_dvc=False), make_project(tmp_path / "second" / "project-b", git_dvc=False)
+
+
+def test_differences_names_the_file_and_line():
+    a = {"models/sft/training_args.json": b'{\n  "output_dir": "/tmp/a"\n}', "x": b"1"}
+    b = {"models/sft/training_args.json": b'{\n  "output_dir": "/tmp/bb"\n}', "y": b"1"}
+    assert differences(a, b) == ["only in one project: x", "only in one project: y",
+                                 "models/sft/training_args.json: '  \"output_dir\": \"/tmp/a\"' != "
+                                 "'  \"output_dir\": \"/tmp/bb\"'"]
+    assert differences(a, dict(a)) == []
+
+
+def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_directories(two_projects):
+    from tasks.dpo import dpo_task
+    from tasks.prepare import prepare_task
+    from tasks.reward_model import reward_model_task
+    from tasks.sft import sft_task
+
+    for project in two_projects:
+        for task in (prepare_task, sft_task, reward_model_task, dpo_task):
+            task.fn(str(project))
+    a, b = (tracked_files(p) for p in two_projects)
+    assert {"models/sft/model.safetensors", "models/sft/training_args.json", "models/reward_model/README.md",
+            "models/dpo/model.safetensors", "metrics/dpo.json"} <= set(a)
+    assert differences(a, b) == []
+    # the saved training arguments hold no path of the machine that trained (nor of the scratch directory)
+    for project in two_projects:
+        saved = (project / "models" / "sft" / "training_args.json").read_text()
+        assert str(project) not in saved and ".checkpoints" not in saved
+        assert json.loads(saved)["seed"] == 0
