@@ -38,6 +38,20 @@ def differences(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
     return out
 
 
+def test_saved_training_arguments_leave_out_where_and_how_the_process_ran(tmp_path):
+    from transformers import TrainingArguments
+
+    from rlhf_core.trainers.base import RUN_ENVIRONMENT_ARGS, portable_training_args
+
+    here = TrainingArguments(output_dir=str(tmp_path / "a"), seed=3, report_to=[], disable_tqdm=True)
+    there = TrainingArguments(output_dir=str(tmp_path / "elsewhere" / "b"), seed=3, report_to=[], disable_tqdm=False)
+    saved = portable_training_args(here)
+    assert saved == portable_training_args(there)
+    assert not set(RUN_ENVIRONMENT_ARGS) & set(saved) and str(tmp_path) not in json.dumps(saved)
+    assert saved["seed"] == 3 and saved["learning_rate"] == here.learning_rate  # what shapes training stays
+    assert set(saved) == set(here.to_dict()) - set(RUN_ENVIRONMENT_ARGS)
+
+
 @pytest.fixture
 def two_projects(tmp_path, monkeypatch):
     """The tiny project at two absolute paths of different lengths (no git/DVC: the tasks run through ``.fn``)."""
@@ -73,3 +87,17 @@ def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_director
         saved = (project / "models" / "sft" / "training_args.json").read_text()
         assert str(project) not in saved and ".checkpoints" not in saved
         assert json.loads(saved)["seed"] == 0
+
+
+@pytest.mark.slow
+def test_every_stage_gives_byte_identical_outputs_across_directories(two_projects):
+    from flows.stages import STAGE_TASKS
+
+    for project in two_projects:
+        for task in STAGE_TASKS.values():  # pipeline order: prepare, sft, reward_model, policies, evaluate, ddpo
+            task.fn(str(project))
+    a, b = (tracked_files(p) for p in two_projects)
+    for stage in ("ppo", "grpo", "rloo", "kto"):
+        assert f"models/{stage}/model.safetensors" in a and f"metrics/{stage}.json" in a
+    assert "metrics/evaluate.json" in a and "plots/evaluate.csv" in a
+    assert differences(a, b) == []
