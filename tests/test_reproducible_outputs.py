@@ -3,7 +3,8 @@
 A teammate who clones the project elsewhere and re-runs a stage must get the hashes recorded in ``dvc.lock``
 (else ``dvc status`` after a re-run lists changed outputs and a registered version's weights hash cannot be
 reproduced). Each stage here runs in two projects at different absolute paths (different lengths, so a path
-written anywhere shows), then every file under data/, models/, metrics/ and plots/ is compared byte by byte.
+written anywhere shows), the second as from a shell without ``HF_HUB_OFFLINE``; then every file under data/,
+models/, metrics/ and plots/ is compared byte by byte.
 """
 
 from __future__ import annotations
@@ -52,6 +53,32 @@ def test_saved_training_arguments_leave_out_where_and_how_the_process_ran(tmp_pa
     assert set(saved) == set(here.to_dict()) - set(RUN_ENVIRONMENT_ARGS)
 
 
+def run_in_two_environments(projects, tasks, monkeypatch) -> None:
+    """Run ``tasks`` in the first project offline (``HF_HUB_OFFLINE=1``, as ``make run`` sets it), then in the
+    second as from a shell without it (a plain ``dvc repro``): transformers then loads tokenizers with
+    ``local_files_only=False``. Only the tokenizer loader is told so: nothing here can reach a hub."""
+    first, second = projects
+    for task in tasks:
+        task.fn(str(first))
+    with monkeypatch.context() as patch:
+        patch.setattr("transformers.tokenization_utils_base.is_offline_mode", lambda: False)
+        for task in tasks:
+            task.fn(str(second))
+
+
+def test_drop_load_environment_rewrites_only_tokenizer_configs_that_hold_the_keys(tmp_path):
+    from tasks.outputs import drop_load_environment
+
+    loaded = tmp_path / "model" / "tokenizer_config.json"
+    nested = tmp_path / "model" / "tokenizer" / "tokenizer_config.json"
+    nested.parent.mkdir(parents=True)
+    loaded.write_text('{"local_files_only": true, "pad_token": "<pad>", "is_local": true, "bos_token": "<s>"}')
+    nested.write_text('{"pad_token": "<pad>"}')
+    assert drop_load_environment(tmp_path / "model") == [loaded]
+    assert loaded.read_text() == '{\n  "bos_token": "<s>",\n  "pad_token": "<pad>"\n}\n'
+    assert nested.read_text() == '{"pad_token": "<pad>"}'  # nothing to drop: left byte for byte
+
+
 @pytest.fixture
 def two_projects(tmp_path, monkeypatch):
     """The tiny project at two absolute paths of different lengths (no git/DVC: the tasks run through ``.fn``)."""
@@ -69,15 +96,13 @@ def test_differences_names_the_file_and_line():
     assert differences(a, dict(a)) == []
 
 
-def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_directories(two_projects):
+def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_directories(two_projects, monkeypatch):
     from tasks.dpo import dpo_task
     from tasks.prepare import prepare_task
     from tasks.reward_model import reward_model_task
     from tasks.sft import sft_task
 
-    for project in two_projects:
-        for task in (prepare_task, sft_task, reward_model_task, dpo_task):
-            task.fn(str(project))
+    run_in_two_environments(two_projects, (prepare_task, sft_task, reward_model_task, dpo_task), monkeypatch)
     a, b = (tracked_files(p) for p in two_projects)
     assert {"models/sft/model.safetensors", "models/sft/training_args.json", "models/reward_model/README.md",
             "models/dpo/model.safetensors", "metrics/dpo.json"} <= set(a)
@@ -87,15 +112,17 @@ def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_director
         saved = (project / "models" / "sft" / "training_args.json").read_text()
         assert str(project) not in saved and ".checkpoints" not in saved
         assert json.loads(saved)["seed"] == 0
+        # nor how its tokenizer was loaded (transformers writes local_files_only = HF_HUB_OFFLINE)
+        tokenizer_config = json.loads((project / "models" / "dpo" / "tokenizer_config.json").read_text())
+        assert not {"is_local", "local_files_only"} & set(tokenizer_config) and tokenizer_config["pad_token"]
 
 
 @pytest.mark.slow
-def test_every_stage_gives_byte_identical_outputs_across_directories(two_projects):
+def test_every_stage_gives_byte_identical_outputs_across_directories(two_projects, monkeypatch):
     from flows.stages import STAGE_TASKS
 
-    for project in two_projects:
-        for task in STAGE_TASKS.values():  # pipeline order: prepare, sft, reward_model, policies, evaluate, ddpo
-            task.fn(str(project))
+    # pipeline order: prepare, sft, reward_model, policies, evaluate, ddpo
+    run_in_two_environments(two_projects, STAGE_TASKS.values(), monkeypatch)
     a, b = (tracked_files(p) for p in two_projects)
     for stage in ("ppo", "grpo", "rloo", "kto"):
         assert f"models/{stage}/model.safetensors" in a and f"metrics/{stage}.json" in a
