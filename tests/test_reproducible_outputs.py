@@ -128,3 +128,23 @@ def test_every_stage_gives_byte_identical_outputs_across_directories(two_project
         assert f"models/{stage}/model.safetensors" in a and f"metrics/{stage}.json" in a
     assert "metrics/evaluate.json" in a and "plots/evaluate.csv" in a
     assert differences(a, b) == []
+
+
+def _torch_threads_after_importing_flows(env: dict[str, str]) -> int:
+    import subprocess
+    import sys
+
+    code = "import flows, torch; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1], check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_pipeline_entry_points_train_on_one_thread_unless_told_otherwise():
+    """torch's result bits depend on its thread count: a plain ``dvc repro`` (no ``OMP_NUM_THREADS``) must train
+    as ``make run`` does (one thread). On a one-core machine the first check cannot tell; CI has more."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    default, chosen = (_torch_threads_after_importing_flows(e) for e in (env, {**env, "OMP_NUM_THREADS": "2"}))
+    assert (default, chosen) == (1, 2)  # an explicit OMP_NUM_THREADS stays the user's choice
