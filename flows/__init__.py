@@ -15,6 +15,9 @@ for _key, _value in {
     "MLFLOW_DISABLE_TELEMETRY": "true", "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1", "PREFECT_LOGGING_EXTRA_LOGGERS": "rlhf_core,rlhf_pipeline",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    # one CPU thread, as the Makefile sets it, unless the environment says otherwise: torch's result bits depend on
+    # the thread count, so a plain `dvc repro` on a 2-core machine wrote other weights (other hashes) than `make run`
+    "OMP_NUM_THREADS": "1",
     # no "Loading weights"/"Map" bars: one progress bar per training stage (tasks/logs.py), none off a terminal
     "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     # a loaded 2-core machine can take longer than the default 20 s to start the temporary server

@@ -1,5 +1,8 @@
 """Atomic file outputs of the stage tasks: a whole directory, or one text/JSON/CSV file, or nothing at all.
 
+A directory output holds only what follows from the stage's inputs (DVC hashes it): ``atomic_dir`` drops the
+loading-environment keys transformers writes into ``tokenizer_config.json`` before swapping it in.
+
 Under a launcher only the main process writes: ``write_atomic``/``write_json``/``write_csv`` do nothing on the
 other ranks and ``atomic_dir`` hands them a private scratch directory outside the project.
 """
@@ -34,6 +37,26 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         return
     with atomic_directory(target) as tmp:
         yield tmp
+        drop_load_environment(tmp)  # DVC tracks the directory: the same inputs must give the same bytes
+
+
+LOAD_ENVIRONMENT_KEYS = ("is_local", "local_files_only")
+"""Keys transformers copies into a saved ``tokenizer_config.json`` from how the tokenizer was *loaded* (from a
+local folder; ``local_files_only``, true whenever ``HF_HUB_OFFLINE=1``), not from what the tokenizer is: the
+same stage gave a different file, hence a different DVC hash, with and without ``HF_HUB_OFFLINE``."""
+
+
+def drop_load_environment(directory: str | Path) -> list[Path]:
+    """Remove ``LOAD_ENVIRONMENT_KEYS`` from every ``tokenizer_config.json`` under ``directory``; returns the
+    files rewritten (in transformers' own layout: sorted keys, indent 2, a final newline)."""
+    rewritten = []
+    for path in sorted(Path(directory).rglob("tokenizer_config.json")):
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(config, dict) and set(config) & set(LOAD_ENVIRONMENT_KEYS):
+            kept = {k: v for k, v in config.items() if k not in LOAD_ENVIRONMENT_KEYS}
+            path.write_text(json.dumps(kept, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+            rewritten.append(path)
+    return rewritten
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -68,4 +91,4 @@ def write_csv(path: str | Path, rows: list[Mapping[str, Any]], columns: list[str
     write_atomic(path, buf.getvalue())
 
 
-__all__ = ["atomic_dir", "write_atomic", "write_csv", "write_json"]
+__all__ = ["LOAD_ENVIRONMENT_KEYS", "atomic_dir", "drop_load_environment", "write_atomic", "write_csv", "write_json"]

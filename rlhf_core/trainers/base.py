@@ -39,6 +39,16 @@ ARGS_FOR_CARD = (
     "max_steps", "lr_scheduler_type", "warmup_steps", "weight_decay", "seed",
 )
 
+# Trainer arguments that describe where and how this process ran, not what was trained: left out of the
+# ``training_args.json`` saved beside the weights, so the same training saved from another directory, terminal
+# or launcher rank gives the same bytes (a DVC-tracked model directory keeps its hash).
+RUN_ENVIRONMENT_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "disable_tqdm", "local_rank")
+
+
+def portable_training_args(args: TrainingArguments) -> dict[str, Any]:
+    """``args.to_dict()`` without ``RUN_ENVIRONMENT_ARGS`` (scratch paths, progress display, process index)."""
+    return {key: value for key, value in args.to_dict().items() if key not in RUN_ENVIRONMENT_ARGS}
+
 
 def resolve_processing_class(tokenizer: Any = None, processing_class: Any = None) -> Any:
     """Accept the spec's ``tokenizer=`` as transformers 5's ``processing_class=`` (not both, unless equal)."""
@@ -343,9 +353,10 @@ class RlhfTrainerMixin:
             hyperparameters=self.card_hyperparameters(),
             metrics=self.card_metrics(),
         )
-        # transformers pickles the arguments (training_args.bin); keep them as JSON instead: no pickle on disk.
+        # transformers pickles the arguments (training_args.bin); keep them as JSON instead: no pickle on disk,
+        # and no machine-specific paths (``portable_training_args``).
         Path(output_dir, "training_args.bin").unlink(missing_ok=True)
-        Path(output_dir, "training_args.json").write_text(self.args.to_json_string())
+        Path(output_dir, "training_args.json").write_text(json.dumps(portable_training_args(self.args), indent=2))
 
     # ---- reliability: skipped-update count, atomic checkpoints, exact resume -----------------------
 
@@ -420,5 +431,6 @@ class RlhfTrainerMixin:
 __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
     "default_training_args", "keyword_defaults", "merge_config_fields",
-    "disable_dropout", "load_model", "load_tokenizer_for", "resolve_processing_class", "wrap_peft",
+    "disable_dropout", "load_model", "load_tokenizer_for", "portable_training_args", "resolve_processing_class",
+    "wrap_peft",
 ]
