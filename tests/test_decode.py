@@ -92,3 +92,5 @@ def test_other_settings_go_to_generate(setup):
     assert decode_settings(model, 4, {"max_new_tokens": 3, "num_beams": 2}) is None
     assert decode_settings(model, 4, {"max_length": 9}) is None  # only max_new_tokens is implemented
     assert decode_settings(model, 4, {"max_new_tokens": 3, "top_p": 0.9, "temperature": 0.7}) is not None
+    # neutral values add no processor in generate either (TRL 1.16's GRPO passes repetition_penalty=1.0)
+    assert decode_settings(model, 4, {"max_new_tokens": 3, "repetition_penalty": 1.0, "num_beams": 1}) is not None

@@ -25,6 +25,10 @@ _SUPPORTED = {"do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "m
 # Output options that change nothing while they are off (model configs often spell them out as False).
 _OFF_OPTIONS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits",
                 "return_dict_in_generate"}
+# Settings at the value for which generate adds no processor (TRL 1.16's GRPO passes repetition_penalty=1.0).
+_NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1,
+            "num_return_sequences": 1, "length_penalty": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+            "eta_cutoff": 0.0, "no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
 
 
 @dataclass(kw_only=True)
@@ -50,7 +54,8 @@ def decode_settings(model: Any, prompt_len: int, kwargs: dict[str, Any]) -> Deco
         return None  # virtual tokens: generate handles them
     merged = GenerationConfig(**model.generation_config.to_dict())
     unknown = merged.update(**kwargs)
-    active = {k for k, v in merged.to_diff_dict().items() if not (k in _OFF_OPTIONS and not v)}
+    active = {k for k, v in merged.to_diff_dict().items()
+              if not (k in _OFF_OPTIONS and not v) and not (k in _NEUTRAL and v == _NEUTRAL[k])}
     if unknown or not active <= _SUPPORTED or not merged.use_cache:
         return None
     if merged.max_new_tokens is None or merged.max_new_tokens < 1:
