@@ -132,9 +132,9 @@ def render(r: dict) -> str:
             s = rows[0]["settings"]
             lines += ["", f"{s['num_prompts']} prompts of {s['query_len']} tokens, max_new_tokens="
                       f"{s['max_new_tokens']}, do_sample, top_k=0, top_p=1, min_length=-1, the same `batch_size` passed to "
-                      "both libraries. Ours decodes with `rlhf_core.trainers.decode` (same model calls and logits "
-                      "processors as `generate`, exponential-race sampling: the same distribution, a different use of "
-                      "the random stream); TRL with transformers 4.57's `generate`.", ""]
+                      "both libraries. Ours decodes with `rlhf_core.trainers.decode` (the model calls, logits processors "
+                      "and exponential-race draw of `generate`: the same tokens for the same seed, tests/test_decode.py); "
+                      "TRL with transformers 4.57's `generate`.", ""]
         elif name == "memory":
             lines += ["| size | reference | ours peak | TRL peak | ratio | ours above imports | TRL above imports | target |",
                       "|---|---|---|---|---|---|---|---|"]

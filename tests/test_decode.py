@@ -1,9 +1,8 @@
 """The lean decoding loop (``trainers/decode``) against ``model.generate``.
 
-Greedy decoding gives the same tokens as ``generate`` (same model calls, same processors); sampling draws
-from the same distribution (exponential race instead of ``multinomial``): checked on a 3-token distribution
-with many draws, and by the empirical next-token frequencies of both paths on a tiny model. Settings the loop
-does not implement go to ``generate``.
+Greedy and sampled decoding give the same tokens as ``generate`` for the same seed (same model calls, same
+processors, and the exponential race ``torch.multinomial`` itself uses for one sample); the race is also
+checked against a known 3-token distribution. Settings the loop does not implement go to ``generate``.
 """
 
 from __future__ import annotations
@@ -41,6 +40,20 @@ def test_greedy_tokens_equal_generate(setup, kwargs):
     tok, model, prompts = setup
     ours, theirs = _both(model, tok, prompts, do_sample=False, **kwargs)
     assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 12, "top_k": 0, "top_p": 1.0},
+                                    {"max_new_tokens": 8, "temperature": 0.7, "top_k": 20, "top_p": 0.9}])
+def test_sampled_tokens_equal_generate_for_the_same_seed(setup, kwargs):
+    tok, model, prompts = setup
+    torch.manual_seed(5)
+    batch = pad_queries(prompts, tok.pad_token_id, left=True)
+    settings = decode_settings(model, batch["input_ids"].shape[1], {"pad_token_id": tok.pad_token_id,
+                                                                     "do_sample": True, **kwargs})
+    ours = decode(model, batch["input_ids"], batch["attention_mask"], settings, takes_logits_to_keep=True)
+    torch.manual_seed(5)
+    theirs = model.generate(**batch, pad_token_id=tok.pad_token_id, do_sample=True, **kwargs)
+    assert torch.equal(ours, theirs)
 
 
 def test_greedy_stops_at_eos_and_pads_finished_rows(setup):

@@ -4,11 +4,11 @@
 preparation through generic hooks, and samples with ``torch.multinomial``. For a decoder-only LM with plain
 settings (greedy or sampling with temperature / top-k / top-p, suppressed tokens, a minimum length, EOS and
 pad ids, ``max_new_tokens``) this loop does the same model calls (same inputs, position ids, attention mask
-and KV cache as ``generate`` builds them, the logits processors of transformers itself) and samples with an
-exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per token picks token i with probability p_i exactly,
-from one vectorised draw instead of ``multinomial``'s per-row search. Greedy decoding returns the tokens
-``generate`` returns; sampling draws from the same distribution with a different use of the random stream
-(tests/test_decode.py checks both). Any other setting, or a model that does not fit, goes to ``generate``.
+and KV cache as ``generate`` builds them, the logits processors of transformers itself) and samples as
+``torch.multinomial(probs, 1)`` does: an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` per token (token
+i with probability p_i exactly), drawn from the same generator in the same order, so the tokens are the ones
+``generate`` returns for the same seed, greedy or sampled (tests/test_decode.py). Any other setting, or a
+model that does not fit, goes to ``generate``.
 """
 
 from __future__ import annotations
