@@ -40,3 +40,11 @@ def assert_finite_keys(logs: list[dict], keys: list[str]) -> None:
         assert not missing, f"missing {missing} in {sorted(entry)}"
         bad = {k: entry[k] for k in keys if not math.isfinite(entry[k])}
         assert not bad, bad
+
+
+def online_args(config_cls, tmp_path, **overrides):
+    """A small GRPO/RLOO config for the tests: 8 completions per step in groups of 4, 6 tokens, 2 steps."""
+    values = dict(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0)
+    values.update(overrides)
+    return config_cls(**values)

@@ -13,7 +13,7 @@ from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm, tiny_reward_m
 from rlhf_core.trainers import online
 from rlhf_core.trainers.experience import build_causal_batch
 from rlhf_core.trainers.online import GroupRepeatSampler, token_logprobs_and_entropy
-from tests._online_rl import assert_finite_keys, changed, count_e, prompt_dataset, snapshot, train_logs
+from tests._online_rl import assert_finite_keys, changed, count_e, online_args, prompt_dataset, snapshot, train_logs
 
 GRPO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
              "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
@@ -30,10 +30,7 @@ def tok():
 
 
 def _args(tmp_path, **overrides) -> GRPOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0)
-    values.update(overrides)
-    return GRPOConfig(**values)
+    return online_args(GRPOConfig, tmp_path, **overrides)
 
 
 # ---- config

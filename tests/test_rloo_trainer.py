@@ -10,7 +10,7 @@ from rlhf_core import RLOOConfig, RLOOTrainer
 from rlhf_core.core import sequence_logprobs
 from rlhf_core.losses import rloo_advantages
 from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
-from tests._online_rl import assert_finite_keys, changed, count_e, prompt_dataset, snapshot, train_logs
+from tests._online_rl import assert_finite_keys, changed, count_e, online_args, prompt_dataset, snapshot, train_logs
 
 RLOO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
              "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
@@ -27,10 +27,7 @@ def tok():
 
 
 def _args(tmp_path, **overrides) -> RLOOConfig:
-    values = dict(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0)
-    values.update(overrides)
-    return RLOOConfig(**values)
+    return online_args(RLOOConfig, tmp_path, **overrides)
 
 
 def test_config_keeps_trl_116_names_and_defaults(tmp_path):

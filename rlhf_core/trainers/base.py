@@ -266,6 +266,17 @@ class StoredMetricsMixin:
         self.store_metrics(metrics, train_eval="train")
         return (loss, metrics) if return_outputs else loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Eval loss, then (unless only the loss is asked for) the batch's implicit rewards and labels as the
+        subclass's ``_prediction_outputs(inputs)`` gives them; the metrics are stored like training's."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
+        self.store_metrics(metrics, train_eval="eval")
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        return (loss.detach(), *self._prediction_outputs(inputs))
+
     def store_metrics(self, metrics: Mapping[str, float], train_eval: str = "train") -> None:
         """Keep per-step metrics until the next ``log``."""
         for key, value in metrics.items():

@@ -587,16 +587,10 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
     # classic TRL 0.7 name of the same method
     get_batch_metrics = get_batch_loss_metrics
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Eval loss, per-pair implicit rewards (B, 2) [chosen, rejected] and dummy labels (B,)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
-        self.store_metrics(metrics, train_eval="eval")
-        if prediction_loss_only:
-            return loss.detach(), None, None
+    def _prediction_outputs(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prediction_step``'s per-pair implicit rewards (B, 2) [chosen, rejected] and dummy labels (B,)."""
         rewards = self._last_rewards.detach()  # (B, 2)
-        return loss.detach(), rewards, torch.zeros(rewards.shape[0], device=rewards.device)
+        return rewards, torch.zeros(rewards.shape[0], device=rewards.device)
 
     # ---- sampling ------------------------------------------------------------------------
 

@@ -504,15 +504,9 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
             stats["entropy"] = sums[10] / sums[11]
         return {key: float(value) for key, value in stats.items()}
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Eval loss, per-row implicit rewards (B,) and labels (B,) as floats."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
-        self.store_metrics(metrics, train_eval="eval")
-        if prediction_loss_only:
-            return loss.detach(), None, None
-        return loss.detach(), self._last_rewards.detach(), inputs["label"].float()
+    def _prediction_outputs(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prediction_step``'s per-row implicit rewards (B,) and labels (B,) as floats."""
+        return self._last_rewards.detach(), inputs["label"].float()
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         """Usual evaluation; a text dataset given here is tokenised (and given reference log-probs) first."""
