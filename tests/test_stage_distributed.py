@@ -107,11 +107,12 @@ def _changed(before: dict, after: dict) -> list[str]:
 
 
 def _expected_change(stage: str, path: str) -> bool:
-    """What a stage may add or modify: its outputs, the MLflow store, the (empty) checkpoint root, and the
+    """What a stage may add or modify: its outputs (the held-out sample windows of ppo/dpo included), the MLflow
+    store, the (empty) checkpoint root, and the
     checkout lock rank 0's CLI holds (``tasks/locking.py``; at the root in this project, which has no ``.dvc/``)."""
     return (path.startswith((f"models/{stage}/", "mlartifacts/"))
-            or path in ("models/", "metrics/", "plots/", f"metrics/{stage}.json", f"plots/{stage}.csv", "mlflow.db",
-                        ".checkpoints/", ".rlhf-run.lock"))
+            or path in ("models/", "metrics/", "plots/", f"metrics/{stage}.json", f"plots/{stage}.csv",
+                        f"plots/{stage}_windows.csv", "mlflow.db", ".checkpoints/", ".rlhf-run.lock"))
 
 
 @pytest.fixture(scope="module")

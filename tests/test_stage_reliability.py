@@ -70,7 +70,9 @@ def _sigterm_on_call(monkeypatch, cls, method: str, when) -> list[int]:
 
 
 def _checkpoints(root: Path, stage: str) -> list[Path]:
-    return sorted((root / ".checkpoints").glob(f"{stage}-*")) if (root / ".checkpoints").is_dir() else []
+    """The stage's checkpoint directories (not the sample-window points kept beside them as ``<dir>.samples.json``)."""
+    base = root / ".checkpoints"
+    return sorted(p for p in base.glob(f"{stage}-*") if p.is_dir()) if base.is_dir() else []
 
 
 def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch):
