@@ -15,41 +15,27 @@ import torch
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad, tied_input_embedding
 from rlhf_core.models.tiny import build_tokenizer
 from rlhf_core.trainers import packing
+import rlhf_core.trainers.ppo_trainer as ppo_trainer_module
 from rlhf_core.trainers.ppo_trainer import PPOTrainer
-from test_ppo_trainer import batch_of, make_policy, make_trainer
+from test_ppo_trainer import LAYOUTS, batch_in_layout, batch_of, make_policy, make_trainer
 
 
-@pytest.mark.parametrize("padding_side", ["left", "right"])
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_packed_forward_matches_padded(padding_side, arch):
-    tok = build_tokenizer(padding_side=padding_side)
-    trainer = make_trainer(tok, model=make_policy(tok, arch=arch))
-    queries, responses = batch_of(tok)
-    batch = trainer.prepare_model_inputs(queries, responses)
+@LAYOUTS
+def test_packed_forward_matches_padded(padding_side, arch, monkeypatch):
+    trainer, _, _, batch = batch_in_layout(padding_side, arch)
     assert packing.can_pack(batch)
     trainer.model.eval()  # as every PPO forward pass runs (the value head's dropout off)
     with torch.no_grad():
         lm = trainer.model.pretrained_model
         assert packing.packing_works(trainer.model, lm)
         packed_lp, packed_v, packed_logits = PPOTrainer._forward_packed(trainer.model, batch, True)
-        padded_lp, padded_v, padded_logits = _padded(trainer.model, batch)
+        monkeypatch.setattr(ppo_trainer_module, "should_pack", lambda *a: False)  # the padded path
+        padded_lp, padded_v, padded_logits = PPOTrainer._forward_rows(trainer.model, batch, True)
     mask = batch.response_mask.bool()
     assert torch.allclose(packed_lp[mask], padded_lp[mask], atol=1e-5)
     assert torch.allclose(packed_v[mask], padded_v[mask], atol=1e-5)
     assert torch.allclose(packed_logits[mask], padded_logits[mask], atol=1e-5)
     assert (packed_lp[~mask] == 0).all() and (packed_v[~mask] == 0).all()  # padding slots hold 0
-
-
-def _padded(model, batch):
-    """The padded path of ``_forward_rows`` (packing refused)."""
-    original = packing.packing_pays
-    try:
-        import rlhf_core.trainers.ppo_trainer as module
-
-        module.packing_pays = lambda *a: False
-        return PPOTrainer._forward_rows(model, batch, True)
-    finally:
-        module.packing_pays = original
 
 
 def test_pack_rows_layout():

@@ -159,13 +159,22 @@ def test_step_rejects_bad_input_before_any_weight_change(tokenizer, mutate, mess
 # ---------------------------------------------------------------------------- forward passes
 
 
-@pytest.mark.parametrize("padding_side", ["left", "right"])
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_padded_batch_matches_single_sequences(padding_side, arch):
+LAYOUTS = pytest.mark.parametrize("padding_side, arch", [(side, arch) for arch in ("gpt2", "llama")
+                                                         for side in ("left", "right")])
+"""Both padding sides, with absolute (GPT-2) and rotary (Llama) positions."""
+
+
+def batch_in_layout(padding_side, arch):
+    """A trainer over a tiny ``arch`` policy and ``batch_of``'s rows padded on ``padding_side``."""
     tok = build_tokenizer(padding_side=padding_side)
     trainer = make_trainer(tok, model=make_policy(tok, arch=arch))
     queries, responses = batch_of(tok)
-    batch = trainer.prepare_model_inputs(queries, responses)
+    return trainer, queries, responses, trainer.prepare_model_inputs(queries, responses)
+
+
+@LAYOUTS
+def test_padded_batch_matches_single_sequences(padding_side, arch):
+    trainer, queries, responses, batch = batch_in_layout(padding_side, arch)
     with torch.no_grad():
         logprobs, values, _ = trainer._forward_batch(trainer.model, batch)
         for i in range(4):
