@@ -1,17 +1,66 @@
 """Lazy package exports: a name is imported from its module on first access (PEP 562), so importing a package
-loads none of its heavy submodules (diffusers, transformers trainers) until one of its names is used."""
+loads none of its heavy submodules (diffusers, transformers trainers) until one of its names is used.
+
+``PUBLIC`` is the one table of where each public name is defined; every package (``rlhf_core`` and its TRL-path
+mirrors ``rlhf_core.trainer``, ``rlhf_core.models``, ``rlhf_core.ddpo``) re-exports the names of the modules it
+names, so a new public name is added here once and appears at every path that covers its module.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+# module -> the public names it defines
+PUBLIC: dict[str, tuple[str, ...]] = {
+    "rlhf_core.core": ("set_seed", "LengthSampler", "respond_to_batch"),
+    "rlhf_core.import_utils": ("is_diffusers_available", "is_peft_available", "is_wandb_available",
+                               "is_liger_kernel_available"),
+    "rlhf_core.kl_control": ("AdaptiveKLController", "FixedKLController", "RunningMoments"),
+    "rlhf_core.models.value_head": ("PreTrainedModelWrapper", "AutoModelForCausalLMWithValueHead",
+                                    "AutoModelForSeq2SeqLMWithValueHead"),
+    "rlhf_core.models.reference": ("create_reference_model",),
+    "rlhf_core.models.peft_support": ("is_peft_model",),
+    "rlhf_core.models.reward_model": ("sequence_rewards",),
+    "rlhf_core.trainers.ppo_config": ("PPOConfig",),
+    "rlhf_core.trainers.ppo_trainer": ("PPOTrainer",),
+    "rlhf_core.trainers.sft": ("SFTTrainer", "SFTConfig"),
+    "rlhf_core.trainers.reward": ("RewardTrainer", "RewardConfig", "compute_accuracy"),
+    "rlhf_core.trainers.dpo": ("DPOTrainer", "DPOConfig", "FDivergenceType"),
+    "rlhf_core.trainers.collators": ("ConstantLengthDataset", "DataCollatorForCompletionOnlyLM",
+                                     "RewardDataCollatorWithPadding", "DPODataCollatorWithPadding"),
+    "rlhf_core.trainers.grpo_config": ("GRPOConfig",),
+    "rlhf_core.trainers.grpo": ("GRPOTrainer",),
+    "rlhf_core.trainers.rloo_config": ("RLOOConfig",),
+    "rlhf_core.trainers.rloo": ("RLOOTrainer",),
+    "rlhf_core.trainers.kto_config": ("KTOConfig",),
+    "rlhf_core.trainers.kto": ("KTOTrainer",),
+    "rlhf_core.ddpo.config": ("DDPOConfig",),
+    "rlhf_core.ddpo.trainer": ("DDPOTrainer",),
+    "rlhf_core.ddpo.pipeline": ("DDPOStableDiffusionPipeline", "DefaultDDPOStableDiffusionPipeline",
+                                "DDPOPipelineOutput", "DDPOSchedulerOutput", "tiny_stable_diffusion_pipeline"),
+    "rlhf_core.ddpo.math": ("PerPromptStatTracker", "ddim_step_with_logprob", "ddpo_clipped_loss",
+                            "normalize_rewards"),
+    "rlhf_core.ddpo.rewards": ("jpeg_compressibility", "jpeg_incompressibility", "image_grid"),
+}
 
-def lazy_exports(package: str, namespace: dict[str, Any], exports: Mapping[str, str]
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package`` whose ``exports`` map a public name to the module defining it;
-    a resolved name is cached in the package's ``namespace`` (its ``globals()``)."""
+
+def exported_by(*modules: str) -> dict[str, str]:
+    """Public name -> defining module, for the modules of ``PUBLIC`` that are, or lie under, one of ``modules``."""
+    def covered(module: str) -> bool:
+        return any(module == m or module.startswith(m + ".") for m in modules)
+
+    return {name: module for module, names in PUBLIC.items() if covered(module) for name in names}
+
+
+def lazy_exports(package: str, namespace: dict[str, Any], *modules: str
+                 ) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__all__, __getattr__, __dir__)`` for ``package``, exporting the public names of ``modules``
+    (see ``exported_by``); a resolved name is cached in the package's ``namespace`` (its ``globals()``)."""
+    exports = exported_by(*modules)
+    if not exports:
+        raise ValueError(f"{package}: no public names under {modules}")
 
     def __getattr__(name: str) -> Any:
         if name not in exports:
@@ -23,4 +72,4 @@ def lazy_exports(package: str, namespace: dict[str, Any], exports: Mapping[str, 
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(exports))
 
-    return __getattr__, __dir__
+    return sorted(exports), __getattr__, __dir__

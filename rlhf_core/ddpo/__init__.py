@@ -13,25 +13,5 @@ from __future__ import annotations
 
 from rlhf_core._lazy import lazy_exports
 
-# public name -> module that defines it
-_EXPORTS = {
-    "DDPOConfig": "rlhf_core.ddpo.config",
-    "DDPOTrainer": "rlhf_core.ddpo.trainer",
-    "DDPOStableDiffusionPipeline": "rlhf_core.ddpo.pipeline",
-    "DefaultDDPOStableDiffusionPipeline": "rlhf_core.ddpo.pipeline",
-    "DDPOPipelineOutput": "rlhf_core.ddpo.pipeline",
-    "DDPOSchedulerOutput": "rlhf_core.ddpo.pipeline",
-    "tiny_stable_diffusion_pipeline": "rlhf_core.ddpo.pipeline",
-    "PerPromptStatTracker": "rlhf_core.ddpo.math",
-    "ddim_step_with_logprob": "rlhf_core.ddpo.math",
-    "ddpo_clipped_loss": "rlhf_core.ddpo.math",
-    "normalize_rewards": "rlhf_core.ddpo.math",
-    "jpeg_compressibility": "rlhf_core.ddpo.rewards",
-    "jpeg_incompressibility": "rlhf_core.ddpo.rewards",
-    "image_grid": "rlhf_core.ddpo.rewards",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+# the modules whose public names (rlhf_core._lazy.PUBLIC) this package exports
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), "rlhf_core.ddpo")

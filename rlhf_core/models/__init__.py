@@ -9,19 +9,5 @@ from __future__ import annotations
 
 from rlhf_core._lazy import lazy_exports
 
-# public name -> module that defines it
-_EXPORTS = {
-    "PreTrainedModelWrapper": "rlhf_core.models.value_head",
-    "AutoModelForCausalLMWithValueHead": "rlhf_core.models.value_head",
-    "AutoModelForSeq2SeqLMWithValueHead": "rlhf_core.models.value_head",
-    "create_reference_model": "rlhf_core.models.reference",
-    "is_peft_model": "rlhf_core.models.peft_support",
-    "sequence_rewards": "rlhf_core.models.reward_model",
-    "DDPOStableDiffusionPipeline": "rlhf_core.ddpo.pipeline",
-    "DefaultDDPOStableDiffusionPipeline": "rlhf_core.ddpo.pipeline",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+# the modules whose public names (rlhf_core._lazy.PUBLIC) this package exports
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), "rlhf_core.models", "rlhf_core.ddpo.pipeline")

@@ -8,30 +8,6 @@ from __future__ import annotations
 
 from rlhf_core._lazy import lazy_exports
 
-# public name -> module that defines it
-_EXPORTS = {
-    "PPOConfig": "rlhf_core.trainers.ppo_config",
-    "PPOTrainer": "rlhf_core.trainers.ppo_trainer",
-    "SFTConfig": "rlhf_core.trainers.sft",
-    "SFTTrainer": "rlhf_core.trainers.sft",
-    "RewardConfig": "rlhf_core.trainers.reward",
-    "RewardTrainer": "rlhf_core.trainers.reward",
-    "compute_accuracy": "rlhf_core.trainers.reward",
-    "DPOConfig": "rlhf_core.trainers.dpo",
-    "DPOTrainer": "rlhf_core.trainers.dpo",
-    "FDivergenceType": "rlhf_core.trainers.dpo",
-    "DDPOConfig": "rlhf_core.ddpo.config",
-    "DDPOTrainer": "rlhf_core.ddpo.trainer",
-    "ConstantLengthDataset": "rlhf_core.trainers.collators",
-    "DataCollatorForCompletionOnlyLM": "rlhf_core.trainers.collators",
-    "DPODataCollatorWithPadding": "rlhf_core.trainers.collators",
-    "RewardDataCollatorWithPadding": "rlhf_core.trainers.collators",
-    "AdaptiveKLController": "rlhf_core.kl_control",
-    "FixedKLController": "rlhf_core.kl_control",
-    "RunningMoments": "rlhf_core.kl_control",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+# the modules whose public names (rlhf_core._lazy.PUBLIC) this package exports
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__, globals(), "rlhf_core.trainers", "rlhf_core.kl_control", "rlhf_core.ddpo.config", "rlhf_core.ddpo.trainer")
