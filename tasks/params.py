@@ -154,11 +154,28 @@ PPO_CONFIG_KEYS = (
 
 
 @dataclass(frozen=True)
-class PPOStageParams:
-    """The ppo section's keys that are not ``PPOConfig`` fields."""
+class PolicySwitch:
+    """The key of every policy stage's section."""
 
     enabled: bool
     """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
+
+
+@dataclass(frozen=True)
+class SampledPolicy(PolicySwitch):
+    """A policy stage that scores held-out samples along training (tasks/samples.py)."""
+
+    sample_every: int
+    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
+    the gold judge, log the table and a reward-KL point (plots/<stage>_windows.csv, tasks/samples.py); 0: never."""
+    sample_prompts: int
+    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
+
+
+@dataclass(frozen=True)
+class PPOStageParams(SampledPolicy):
+    """The ppo section's keys that are not ``PPOConfig`` fields."""
+
     total_steps: int
     """Number of PPO steps (batches of rollouts)."""
     max_new_tokens: int
@@ -167,11 +184,6 @@ class PPOStageParams:
     """``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
     save_steps: int
     """Write the resumable PPO checkpoint every this many steps (0: only on SIGTERM/SIGINT)."""
-    sample_every: int
-    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
-    the gold judge, log the table and a reward-KL point (plots/ppo_windows.csv, tasks/samples.py); 0: never."""
-    sample_prompts: int
-    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,11 @@ class ConfigSection:
     CONFIG: ClassVar[str] = ""
     CONFIG_KEYS: ClassVar[tuple[str, ...]] = ()
     STAGE: ClassVar[type] = object
+
+    def __init_subclass__(cls, config: str = "", keys: tuple[str, ...] = (), stage: type = object, **kwargs):
+        """``class PPOParams(ConfigSection, config="PPOConfig", keys=PPO_CONFIG_KEYS, stage=PPOStageParams)``."""
+        super().__init_subclass__(**kwargs)
+        cls.CONFIG, cls.CONFIG_KEYS, cls.STAGE = config, keys, stage
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -220,12 +237,8 @@ class ConfigSection:
 
 
 @dataclass(frozen=True)
-class PPOParams(ConfigSection):
+class PPOParams(ConfigSection, config="PPOConfig", keys=PPO_CONFIG_KEYS, stage=PPOStageParams):
     """PPO against the reward with a KL penalty to the SFT reference: ``PPOConfig`` keys + ``PPOStageParams``."""
-
-    CONFIG: ClassVar[str] = "PPOConfig"
-    CONFIG_KEYS: ClassVar[tuple[str, ...]] = PPO_CONFIG_KEYS
-    STAGE: ClassVar[type] = PPOStageParams
 
 
 DDPO_CONFIG_KEYS = (
@@ -250,12 +263,8 @@ class DDPOStageParams:
 
 
 @dataclass(frozen=True)
-class DDPOParams(ConfigSection):
+class DDPOParams(ConfigSection, config="DDPOConfig", keys=DDPO_CONFIG_KEYS, stage=DDPOStageParams):
     """DDPO on a tiny Stable-Diffusion-shaped pipeline built from configs: ``DDPOConfig`` keys + ``DDPOStageParams``."""
-
-    CONFIG: ClassVar[str] = "DDPOConfig"
-    CONFIG_KEYS: ClassVar[tuple[str, ...]] = DDPO_CONFIG_KEYS
-    STAGE: ClassVar[type] = DDPOStageParams
 
 
 GRPO_CONFIG_KEYS = (
@@ -281,61 +290,37 @@ ONLINE_REWARDS = ("reward_model", "gold")
 
 
 @dataclass(frozen=True)
-class OnlineStageParams:
+class OnlineStageParams(PolicySwitch):
     """The grpo/rloo sections' keys that are not ``GRPOConfig``/``RLOOConfig`` fields."""
 
-    enabled: bool
-    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
     reward: str
     """``reward_model`` (the learned RM, as PPO) or ``gold`` (VADER: a verifiable reward, for experiments)."""
 
 
 @dataclass(frozen=True)
-class PolicySwitch:
-    """The kto section's keys that are not ``KTOConfig`` fields."""
-
-    enabled: bool
-    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
-    sample_every: int
-    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
-    the gold judge, log the table and a reward-KL point (plots/kto_windows.csv, tasks/samples.py); 0: never."""
-    sample_prompts: int
-    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
+class KTOStageParams(SampledPolicy):
+    """The kto section's keys that are not ``KTOConfig`` fields (those of every sampled policy)."""
 
 
 @dataclass(frozen=True)
-class GRPOParams(ConfigSection):
+class GRPOParams(ConfigSection, config="GRPOConfig", keys=GRPO_CONFIG_KEYS, stage=OnlineStageParams):
     """GRPO of the SFT policy against the reward (group-relative advantages): ``GRPOConfig`` keys + stage keys."""
 
-    CONFIG: ClassVar[str] = "GRPOConfig"
-    CONFIG_KEYS: ClassVar[tuple[str, ...]] = GRPO_CONFIG_KEYS
-    STAGE: ClassVar[type] = OnlineStageParams
-
 
 @dataclass(frozen=True)
-class RLOOParams(ConfigSection):
+class RLOOParams(ConfigSection, config="RLOOConfig", keys=RLOO_CONFIG_KEYS, stage=OnlineStageParams):
     """RLOO of the SFT policy against the reward (leave-one-out baseline): ``RLOOConfig`` keys + stage keys."""
 
-    CONFIG: ClassVar[str] = "RLOOConfig"
-    CONFIG_KEYS: ClassVar[tuple[str, ...]] = RLOO_CONFIG_KEYS
-    STAGE: ClassVar[type] = OnlineStageParams
+
+@dataclass(frozen=True)
+class KTOParams(ConfigSection, config="KTOConfig", keys=KTO_CONFIG_KEYS, stage=KTOStageParams):
+    """KTO of the SFT policy on the unpaired thumbs-up/down ratings: ``KTOConfig`` keys + ``KTOStageParams``."""
 
 
 @dataclass(frozen=True)
-class KTOParams(ConfigSection):
-    """KTO of the SFT policy on the unpaired thumbs-up/down ratings: ``KTOConfig`` keys + ``enabled``."""
-
-    CONFIG: ClassVar[str] = "KTOConfig"
-    CONFIG_KEYS: ClassVar[tuple[str, ...]] = KTO_CONFIG_KEYS
-    STAGE: ClassVar[type] = PolicySwitch
-
-
-@dataclass(frozen=True)
-class DPOParams:
+class DPOParams(SampledPolicy):
     """Direct preference optimisation of the SFT policy on the preference pairs."""
 
-    enabled: bool
-    """Train this policy; false: the stage writes a placeholder quickly and evaluate skips it."""
     beta: float
     """Strength of the implicit KL constraint to the reference."""
     learning_rate: float
@@ -350,11 +335,6 @@ class DPOParams:
     """Prompt truncation, in tokens."""
     seed: int
     """Seed for data order."""
-    sample_every: int
-    """Every this many steps (and at the last), sample the first ``sample_prompts`` held-out prompts, score them with
-    the gold judge, log the table and a reward-KL point (plots/dpo_windows.csv, tasks/samples.py); 0: never."""
-    sample_prompts: int
-    """How many held-out prompts (the first of data/prompts_eval.jsonl) each sample window scores."""
 
 
 @dataclass(frozen=True)
@@ -630,5 +610,5 @@ __all__ = [
     "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",
     "section_keys", "ALL_STAGES", "OPTIONAL_STAGES", "DDPOParams", "DDPOStageParams", "DDPO_CONFIG_KEYS",
     "DDPO_REWARDS", "stage_enabled", "POLICY_STAGES", "GRPOParams", "RLOOParams", "KTOParams", "OnlineStageParams",
-    "PolicySwitch", "WINDOW_STAGES", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
+    "PolicySwitch", "SampledPolicy", "KTOStageParams", "WINDOW_STAGES", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
 ]
