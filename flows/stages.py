@@ -4,12 +4,11 @@ from tasks.ddpo import ddpo_task
 from tasks.distributed import TRAINING_STAGES
 from tasks.dpo import dpo_task
 from tasks.evaluate import evaluate_task
-from tasks.grpo import grpo_task
+from tasks.online import grpo_task, rloo_task
 from tasks.kto import kto_task
 from tasks.ppo import ppo_task
 from tasks.prepare import prepare_task
 from tasks.reward_model import reward_model_task
-from tasks.rloo import rloo_task
 from tasks.sft import sft_task
 
 STAGE_TASKS = {

@@ -1,5 +1,6 @@
 """What the policy stages share: the enable switch (a placeholder for a disabled stage) and the TRL-1.16-style
-Trainer run of ``grpo``/``rloo``/``kto`` (config from the section, resume/stop plumbing, metrics, plot, card).
+Trainer run of ``grpo``/``rloo``/``kto`` (config from the section, resume/stop plumbing, metrics, plot, card);
+the ``grpo``/``rloo`` stages themselves are in tasks/online.py.
 
 A disabled stage (``enabled: false`` in its section) still runs and is recorded by DVC, in well under a second:
 it writes ``models/<stage>/DISABLED`` (the whole output), ``metrics/<stage>.json`` = ``{"enabled": false}`` and a
@@ -56,19 +57,6 @@ def trainer_arguments(config_cls: type, section: Any, output_dir: Path, **extra:
                       **checkpointing_arguments(), **extra)
 
 
-def text_reward(spec: str, reward_model_path: Path) -> Callable[..., list[float]]:
-    """A TRL ``reward_funcs`` callable scoring prompt + completion text with ``make_reward(spec)`` (as PPO does)."""
-    from rlhf_core.rewards import make_reward
-
-    scorer = make_reward(spec, reward_model_path=str(reward_model_path))
-
-    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-        return [float(s) for s in scorer([p + c for p, c in zip(prompts, completions)])]
-
-    reward.__name__ = spec  # the name in the trainer's ``rewards/<name>/mean`` metrics
-    return reward
-
-
 def curve_rows(log_history: list[dict], columns: Sequence[str]) -> list[dict]:
     """One row per logged training step (``columns[0]`` must be ``step``), from ``trainer.state.log_history``."""
     keys = columns[1:]
@@ -101,58 +89,5 @@ def train_policy(stage: str, root: Path, run: Any, section: Any, build: Callable
     return trainer, rows
 
 
-ONLINE_COLUMNS = ("step", "reward", "reward_std", "kl", "loss", "entropy")
-"""plots/grpo.csv and plots/rloo.csv: per optimizer step (``kl``: GRPO's per-token k3 mean, RLOO's per-sequence sum)."""
-
-
-def online_policy_stage(stage: str, root: str, parent_run_id: str | None) -> dict:
-    """The ``grpo``/``rloo`` stage: ``<Stage>Trainer`` (TRL 1.16 API) on ``data/prompts_train.jsonl`` against
-    ``<stage>.reward`` (the learned reward model by default, or the gold judge); writes ``models/<stage>``,
-    ``metrics/<stage>.json`` and ``plots/<stage>.csv``."""
-    if (skipped := disabled_placeholder(root, stage, ONLINE_COLUMNS)) is not None:
-        return skipped
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import rlhf_core
-    from rlhf_core.data import read_jsonl
-    from tasks.stage_run import stage_run
-
-    root_path, params, p, io = load_stage(root, stage)
-    prompts_path, sft_dir, rm_dir = io["deps"]
-    prompts = [r["query"] for r in read_jsonl(root_path / prompts_path)]
-    prompts_per_step = p.per_device_train_batch_size // p.num_generations
-    if len(prompts) < prompts_per_step:
-        raise ValueError(f"{prompts_path}: {len(prompts)} prompts, fewer than the {prompts_per_step} per step that "
-                         f"{stage}.per_device_train_batch_size / {stage}.num_generations need")
-    name = stage.upper()
-    with stage_run(stage, root_path, p, io["deps"], parent_run_id) as run:
-        rlhf_core.set_seed(p.seed)
-        tokenizer = AutoTokenizer.from_pretrained(root_path / sft_dir)
-        model = AutoModelForCausalLM.from_pretrained(root_path / sft_dir)
-        reward = text_reward(p.reward, root_path / rm_dir)
-        run.log_dataset(root_path / prompts_path, "prompts_train")
-        get_logger().info("%s: %d steps of %d completions (%d per prompt), reward=%s, beta=%g", stage, p.max_steps,
-                          p.per_device_train_batch_size, p.num_generations, p.reward, p.beta)
-
-        def build(ck):
-            args = trainer_arguments(getattr(rlhf_core, f"{name}Config"), p, ck.dir)
-            return getattr(rlhf_core, f"{name}Trainer")(
-                model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                processing_class=tokenizer, callbacks=[ck.callback], tracker=run.tracker)
-
-        trainer, rows = train_policy(stage, root_path, run, p, build, io["outs"][0],
-                                     (f"{name}Trainer", f"{sft_dir} (SFT policy; also the KL reference)"), ONLINE_COLUMNS)
-        metrics = {"enabled": True, "reward_mean_first": round(float(rows[0]["reward"]), 4),
-                   "reward_mean_last": last_fifth_mean(rows, "reward"), "kl_last": last_fifth_mean(rows, "kl"),
-                   "steps": trainer.state.global_step, "num_processes": trainer.args.world_size,
-                   "completions_per_step": p.per_device_train_batch_size * trainer.args.world_size}
-        write_json(root_path / io["metrics"][0], metrics)
-        write_csv(root_path / io["plots"][0], rows, list(ONLINE_COLUMNS))
-        run.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
-        run.summary.update(metrics)
-    return metrics
-
-
-__all__ = ["ONLINE_COLUMNS", "online_policy_stage", "PLACEHOLDER", "curve_rows", "disabled_placeholder", "is_placeholder", "last_fifth_mean",
-           "text_reward", "train_policy", "trainer_arguments"]
+__all__ = ["PLACEHOLDER", "curve_rows", "disabled_placeholder", "is_placeholder", "last_fifth_mean", "train_policy",
+           "trainer_arguments"]

@@ -200,13 +200,12 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
     import csv
 
     from tasks.evaluate import evaluate_task
-    from tasks.grpo import grpo_task
+    from tasks.online import grpo_task, rloo_task
     from tasks.kto import kto_task
     from tasks.policy import PLACEHOLDER, is_placeholder
     from tasks.ppo import ppo_task
     from tasks.prepare import prepare_task
     from tasks.reward_model import reward_model_task
-    from tasks.rloo import rloo_task
     from tasks.sft import sft_task
 
     write_params(project, {"ppo.enabled": False, "grpo.reward": "gold"})

@@ -331,3 +331,16 @@ def _saved(tokenizer, tmp_path) -> str:
     """A copy of the session tokenizer on disk (so a test can change it freely)."""
     tokenizer.save_pretrained(tmp_path / "tok")
     return str(tmp_path / "tok")
+
+
+# ---- the tracking keywords every Trainer-based trainer takes ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["SFTTrainer", "RewardTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer",
+                                  "RLOOTrainer"])
+def test_a_misspelt_tracking_keyword_is_refused_before_anything_loads(name):
+    """``**tracking`` (rlhf_core.trainers.base.TrackingOptions) names the bad key, before a model is loaded."""
+    import rlhf_core
+
+    with pytest.raises(TypeError, match=rf"{name}\(\) got unexpected keyword argument\(s\) 'log_wiht'"):
+        getattr(rlhf_core, name)("no/such/model", log_wiht="memory")

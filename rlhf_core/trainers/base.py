@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
@@ -122,6 +122,27 @@ def load_model(model: Any, auto_class: type, init_kwargs: Mapping[str, Any] | No
     if init_kwargs:
         raise ValueError("model_init_kwargs only apply when model is a name or path, not an instantiated model")
     return model
+
+
+class TrackingOptions(TypedDict, total=False):
+    """The keyword arguments the Trainer-based trainers take beyond TRL's (``**tracking``): where their logs go."""
+
+    log_with: str | Tracker | None
+    """``"mlflow"``, ``"tensorboard"``, ``"memory"``, ``"wandb"`` or a ready ``Tracker``; None: ``report_to`` only."""
+    tracker_project_name: str
+    """The tracker's project / experiment name (default ``"trl"``)."""
+    tracker_kwargs: Mapping[str, Any] | None
+    """Keyword arguments for the tracker named by ``log_with``."""
+    tracker: Tracker | None
+    """A ready tracker (the pipeline's stage run passes its own)."""
+
+
+def check_tracking(trainer: str, tracking: Mapping[str, Any]) -> dict[str, Any]:
+    """``tracking`` as given, after refusing a key that is no ``TrackingOptions`` (before anything is loaded)."""
+    unknown = sorted(set(tracking) - set(TrackingOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"{trainer}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    return dict(tracking)
 
 
 def load_tokenizer_for(model: Any, tokenizer: Any) -> Any:
@@ -308,10 +329,11 @@ class RlhfTrainerMixin:
             model.add_model_tags(self._tag_names)
 
     def _setup_tracking(
-        self, log_with: str | Tracker | None, project_name: str = "trl", tracker_kwargs: Mapping[str, Any] | None = None,
-        tracker: Tracker | None = None,
+        self, log_with: str | Tracker | None = None, tracker_project_name: str = "trl",
+        tracker_kwargs: Mapping[str, Any] | None = None, tracker: Tracker | None = None,
     ) -> None:
-        """Build the tracker named by ``log_with`` (or take ``tracker``, a ready one) and hook it into the callbacks.
+        """Build the tracker named by ``log_with`` (or take ``tracker``, a ready one) and hook it into the callbacks
+        (the ``TrackingOptions`` a trainer was given).
 
         If transformers' own integration for the same backend is also on (``report_to=["mlflow"]``),
         it is removed so every metric is logged once.
@@ -322,7 +344,7 @@ class RlhfTrainerMixin:
         if log_with == "mlflow":  # an outage spools beside the run's outputs (see rlhf_core.tracking)
             tracker_kwargs.setdefault("spool_dir", str(Path(self.args.output_dir) / "tracking-spool"))
         if tracker is None:
-            self.tracker = make_tracker(log_with, project_name=project_name, **tracker_kwargs)
+            self.tracker = make_tracker(log_with, project_name=tracker_project_name, **tracker_kwargs)
             if log_with is None:
                 return
         else:

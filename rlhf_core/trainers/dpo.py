@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     StoredMetricsMixin,
+    TrackingOptions,
+    check_tracking,
     checked_init_kwargs,
     default_training_args,
     disable_dropout as disable_dropout_in_model,
@@ -332,11 +334,9 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         model_init_kwargs: Mapping[str, Any] | None = None,
         ref_model_init_kwargs: Mapping[str, Any] | None = None,
         processing_class: Any = None,
-        log_with: Any = None,
-        tracker_project_name: str = "trl",
-        tracker_kwargs: Mapping[str, Any] | None = None,
-        tracker: Any = None,
+        **tracking: Unpack[TrackingOptions],
     ) -> None:
+        tracking = check_tracking(type(self).__name__, tracking)
         args = default_training_args(args, self.trainer_name, DPOConfig)
         keywords = dict(
             beta=beta, label_pad_token_id=label_pad_token_id, padding_value=padding_value,
@@ -358,7 +358,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         if tokenizer is None:
             raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
         self._check_options(beta, loss_type, label_smoothing, truncation_mode)
-        self._check_sample_logging(generate_during_eval, log_with, tracker)
+        self._check_sample_logging(generate_during_eval, tracking.get("log_with"), tracking.get("tracker"))
         model_init_kwargs = checked_init_kwargs(model_init_kwargs, "DPOConfig")
         ref_model_init_kwargs = checked_init_kwargs(ref_model_init_kwargs, "DPOConfig", "ref_model_init_kwargs")
         if model is None and model_init is not None:
@@ -409,7 +409,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         if precompute_ref_log_probs:
             self._precompute_all_reference_logps()
         self._tag_model()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
+        self._setup_tracking(**tracking)
 
     # ---- setup ---------------------------------------------------------------------------
 

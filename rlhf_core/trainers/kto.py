@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from rlhf_core.core import (
 from rlhf_core.losses import kto_kl_estimate, kto_loss, kto_reference_point, kto_stat_sums, kto_stats_from_sums
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers import base
+from rlhf_core.trainers.base import TrackingOptions, check_tracking
 from rlhf_core.trainers.collators import pad_to_length
 from rlhf_core.trainers.kto_config import KTOConfig
 
@@ -276,12 +277,9 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
         optimizers: tuple = (None, None),
         quantization_config: Any = None,
         peft_config: Any = None,
-        *,
-        log_with: Any = None,
-        tracker_project_name: str = "trl",
-        tracker_kwargs: Mapping[str, Any] | None = None,
-        tracker: Any = None,
+        **tracking: Unpack[TrackingOptions],
     ) -> None:
+        tracking = check_tracking(type(self).__name__, tracking)
         args = self._resolve_args(model, args)
         if train_dataset is None:
             raise ValueError("KTOTrainer needs train_dataset= (rows with prompt, completion, label)")
@@ -327,7 +325,7 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
             self.ref_model.to(self.args.device)
         if self.precompute_ref_logps:
             self._precompute_all_reference_logps()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
+        self._setup_tracking(**tracking)
 
     # ---- setup ---------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from accelerate.utils import set_seed
@@ -34,7 +34,14 @@ from transformers import (
 from rlhf_core.core import entropy_from_logits, logprobs_from_logits
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.reference import create_reference_model
-from rlhf_core.trainers.base import RlhfTrainerMixin, is_peft_model, load_model, wrap_peft
+from rlhf_core.trainers.base import (
+    RlhfTrainerMixin,
+    TrackingOptions,
+    check_tracking,
+    is_peft_model,
+    load_model,
+    wrap_peft,
+)
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import language_model, pack_rows, should_pack, unpack_slots
@@ -193,12 +200,9 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         optimizers: tuple = (None, None),
         quantization_config: Any = None,
         peft_config: Any = None,
-        *,
-        log_with: Any = None,
-        tracker_project_name: str = "trl",
-        tracker_kwargs: dict[str, Any] | None = None,
-        tracker: Any = None,
+        **tracking: Unpack[TrackingOptions],
     ) -> None:
+        tracking = check_tracking(type(self).__name__, tracking)
         if args is None:  # TRL 1.16's default: <model name>-GRPO / -RLOO
             args = self.config_class(output_dir=f"{self._model_id(model)}-{self.trainer_name.upper()}")
         if not isinstance(args, OnlineRLConfig):
@@ -247,7 +251,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model: set beta > 0 (and no peft_config)")
             self.add_callback(_RefSyncCallback(self))
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
+        self._setup_tracking(**tracking)
 
     # ---- setup helpers
 

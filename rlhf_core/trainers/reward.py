@@ -11,7 +11,7 @@ import logging
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.reward_model import sequence_scores
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
+    TrackingOptions,
+    check_tracking,
     default_training_args,
     load_model,
     resolve_processing_class,
@@ -135,11 +137,9 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         center_rewards_coefficient: float | None = None,
         model_init_kwargs: Mapping[str, Any] | None = None,
         processing_class: Any = None,
-        log_with: Any = None,
-        tracker_project_name: str = "trl",
-        tracker_kwargs: Mapping[str, Any] | None = None,
-        tracker: Any = None,
+        **tracking: Unpack[TrackingOptions],
     ) -> None:
+        tracking = check_tracking(type(self).__name__, tracking)
         args = default_training_args(args, self.trainer_name)
         tokenizer = resolve_processing_class(tokenizer, processing_class)
         if model_init_kwargs is None and isinstance(model, str):
@@ -171,7 +171,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
         )
         self.model_accepts_loss_kwargs = False  # our loss is a per-pair mean: scale by gradient accumulation
         self._tag_model()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
+        self._setup_tracking(**tracking)
 
     @staticmethod
     def _check_one_output(model: Any) -> None:

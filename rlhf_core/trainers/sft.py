@@ -11,7 +11,7 @@ import logging
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 from transformers.data.data_collator import default_data_collator
@@ -19,6 +19,8 @@ from transformers.integrations.neftune import activate_neftune
 
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
+    TrackingOptions,
+    check_tracking,
     checked_init_kwargs,
     default_training_args,
     load_model,
@@ -143,11 +145,9 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         model_init_kwargs: Mapping[str, Any] | None = None,
         neftune_noise_alpha: float | None = None,
         processing_class: Any = None,
-        log_with: Any = None,
-        tracker_project_name: str = "trl",
-        tracker_kwargs: Mapping[str, Any] | None = None,
-        tracker: Any = None,
+        **tracking: Unpack[TrackingOptions],
     ) -> None:
+        tracking = check_tracking(type(self).__name__, tracking)
         args = default_training_args(args, self.trainer_name, SFTConfig)
         keywords = dict(
             dataset_text_field=dataset_text_field, packing=packing, max_seq_length=max_seq_length,
@@ -204,7 +204,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
         )
         self._repeat_packed_data_for_max_steps()
         self._tag_model()
-        self._setup_tracking(log_with, tracker_project_name, tracker_kwargs, tracker=tracker)
+        self._setup_tracking(**tracking)
 
     @staticmethod
     def _set_neftune_noise_alpha(args: TrainingArguments, neftune_noise_alpha: float | None) -> None:
