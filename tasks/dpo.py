@@ -20,14 +20,13 @@ from tasks.stage_run import stage_run
 @task(name="dpo", cache_policy=NO_CACHE)  # training: no retries
 def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Train ``models/dpo`` from ``data/preferences.jsonl``; returns the metrics written to metrics/dpo.json."""
-    from tasks.policy import disabled_placeholder
+    from tasks.policy import disabled_placeholder, load_sft_policy
     from tasks.samples import write_empty_windows
 
     if (skipped := disabled_placeholder(root, "dpo", ("step", "loss", "reward_accuracy", "reward_margin"))) is not None:
         write_empty_windows(root, "dpo")
         return skipped  # dpo.enabled: false
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core import DPOTrainer, set_seed
     from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
@@ -43,10 +42,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     with stage_run("dpo", root, p, io["deps"], parent_run_id) as run:
         set_seed(p.seed)
-        tokenizer = AutoTokenizer.from_pretrained(root / sft_dir)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(root / sft_dir)
+        tokenizer, model = load_sft_policy(root, sft_dir)
         dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})
         run.log_dataset(root / pairs_path, "preferences")
         log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
 from tasks.params import load_stage
-from tasks.policy import disabled_placeholder, last_fifth_mean, train_policy, trainer_arguments
+from tasks.policy import disabled_placeholder, last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 
 COLUMNS = ("step", "loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
 """plots/kto.csv: per logged step (``kl``: the batch's KL reference point)."""
@@ -28,7 +28,6 @@ def kto_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         write_empty_windows(root, "kto")
         return skipped
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core import KTOConfig, KTOTrainer, set_seed
     from rlhf_core.data import read_ratings
@@ -43,10 +42,7 @@ def kto_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                          f"({sum(labels)} of {len(labels)} are label: true)")
     with stage_run("kto", root, p, io["deps"], parent_run_id) as run:
         set_seed(p.seed)
-        tokenizer = AutoTokenizer.from_pretrained(root / sft_dir)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(root / sft_dir)
+        tokenizer, model = load_sft_policy(root, sft_dir)
         dataset = Dataset.from_dict({c: [r[c] for r in ratings] for c in ("prompt", "completion", "label")})
         run.log_dataset(root / ratings_path, "ratings")
         get_logger().info("kto: %d ratings (%d desirable), beta %.3g", len(ratings), sum(labels), p.beta)

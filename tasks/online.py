@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
 from tasks.params import load_stage
-from tasks.policy import disabled_placeholder, last_fifth_mean, train_policy, trainer_arguments
+from tasks.policy import disabled_placeholder, last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 
 
 @task(name="grpo", cache_policy=NO_CACHE)  # training: no retries
@@ -58,7 +58,6 @@ def online_policy_stage(stage: str, root: str, parent_run_id: str | None) -> dic
     if (skipped := disabled_placeholder(root, stage, ONLINE_COLUMNS)) is not None:
         return skipped
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rlhf_core
     from rlhf_core.data import read_jsonl
@@ -74,8 +73,7 @@ def online_policy_stage(stage: str, root: str, parent_run_id: str | None) -> dic
     name = stage.upper()
     with stage_run(stage, root_path, p, io["deps"], parent_run_id) as run:
         rlhf_core.set_seed(p.seed)
-        tokenizer = AutoTokenizer.from_pretrained(root_path / sft_dir)
-        model = AutoModelForCausalLM.from_pretrained(root_path / sft_dir)
+        tokenizer, model = load_sft_policy(root_path, sft_dir)
         reward = text_reward(p.reward, root_path / rm_dir)
         run.log_dataset(root_path / prompts_path, "prompts_train")
         get_logger().info("%s: %d steps of %d completions (%d per prompt), reward=%s, beta=%g", stage, p.max_steps,

@@ -46,6 +46,16 @@ def disabled_placeholder(root: str | Path, stage: str, plot_columns: Sequence[st
     return metrics
 
 
+def load_sft_policy(root: Path, sft_dir: str) -> tuple[Any, Any]:
+    """``(tokenizer, causal LM)`` of the SFT policy the policy stages start from; pad = EOS when it has none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / sft_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, AutoModelForCausalLM.from_pretrained(root / sft_dir)
+
+
 def trainer_arguments(config_cls: type, section: Any, output_dir: Path, **extra: Any) -> Any:
     """The TRL-1.16 config (``GRPOConfig``/``RLOOConfig``/``KTOConfig``) from the section's config keys, plus the
     pipeline's fixed choices: no reporters (the stage run's tracker logs), resumable checkpoints, log every step."""
@@ -89,5 +99,5 @@ def train_policy(stage: str, root: Path, run: Any, section: Any, build: Callable
     return trainer, rows
 
 
-__all__ = ["PLACEHOLDER", "curve_rows", "disabled_placeholder", "is_placeholder", "last_fifth_mean", "train_policy",
-           "trainer_arguments"]
+__all__ = ["PLACEHOLDER", "curve_rows", "disabled_placeholder", "is_placeholder", "last_fifth_mean", "load_sft_policy",
+           "train_policy", "trainer_arguments"]
