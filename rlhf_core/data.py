@@ -425,15 +425,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
 RATING_KEYS = ("prompt", "completion", "label")
 
 
-def make_unpaired_ratings(
-    texts: Sequence[str],
-    judge: Callable[[list[str]], list[float]],
-    min_words: int,
-    max_words: int,
-    threshold: float = 0.0,
-    min_margin: float = 0.0,
-    seed: int = 0,
-) -> list[dict]:
+def make_unpaired_ratings(texts: Sequence[str], judge: Callable[[list[str]], list[float]], min_words: int,
+                          max_words: int, threshold: float = 0.0, min_margin: float = 0.0, seed: int = 0
+                          ) -> list[dict]:
     """Thumbs-up/down rows from a corpus and a judge (higher = better): one per review with a continuation.
 
     prompt = the review's first N words (N uniform in [min_words, max_words]), completion = the rest (leading

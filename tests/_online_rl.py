@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from datasets import Dataset
+
+from rlhf_core.models.tiny import build_tokenizer
+
+LOGGED_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
+               "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
+               "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+               "policy_loss", "entropy", "skipped_updates",
+               # TRL 1.16's other names
+               "num_tokens", "step_time", "completions/mean_terminated_length", "completions/min_terminated_length",
+               "completions/max_terminated_length", "clip_ratio/low_min", "clip_ratio/high_max"]
+"""What GRPO and RLOO log every step with the ``count_e`` reward (plus ``kl`` when beta > 0)."""
 
 PROMPTS = ["The film was", "I think the story", "A good", "This movie is", "The acting", "Overall it",
            "The music was", "My favourite part"]
@@ -48,3 +60,22 @@ def online_args(config_cls, tmp_path, **overrides):
                   max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", seed=0)
     values.update(overrides)
     return config_cls(**values)
+
+
+def toy_reward_curve(trainer_cls, config_cls, tokenizer, tmp_path) -> tuple[float, float]:
+    """Mean reward of the first and of the last 5 of 40 steps training a tiny model on ``count_e`` (beta 0)."""
+    from rlhf_core.models.tiny import tiny_causal_lm
+
+    args = online_args(config_cls, tmp_path, max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16,
+                       num_generations=8, max_completion_length=8, beta=0.0)
+    trainer = trainer_cls(tiny_causal_lm(tokenizer), count_e, args=args, train_dataset=prompt_dataset(64),
+                          processing_class=tokenizer)
+    trainer.train()
+    rewards = [h["reward"] for h in train_logs(trainer)]
+    return sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny tokenizer of rlhf_core.models.tiny (import this fixture into a test module to use it)."""
+    return build_tokenizer()

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import run_two_processes
 
 from rlhf_core.models.tiny import DEFAULT_CORPUS
 
@@ -246,20 +244,9 @@ def _trainers_worker(out: Path) -> None:
 # ---- launching -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(flag: str, out: Path) -> None:
     """Run this file as a two-process torchrun job (gloo, CPU) with ``flag out`` and require success."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(Path(__file__).resolve()), flag, str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_two_processes(__file__, flag, str(out))
 
 
 def test_two_process_ppo_keeps_ranks_identical_and_gathers_stats(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -13,24 +14,10 @@ from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm, tiny_reward_m
 from rlhf_core.trainers import online
 from rlhf_core.trainers.experience import build_causal_batch
 from rlhf_core.trainers.online import GroupRepeatSampler, token_logprobs_and_entropy
-from tests._online_rl import assert_finite_keys, changed, count_e, online_args, prompt_dataset, snapshot, train_logs
+from tests._online_rl import (LOGGED_KEYS, assert_finite_keys, changed, count_e, online_args,  # noqa: F401
+                               prompt_dataset, snapshot, tok, toy_reward_curve, train_logs)  # tok: a fixture
 
-GRPO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
-             "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
-             "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             "policy_loss", "entropy", "skipped_updates",
-             # TRL 1.16's other names
-             "num_tokens", "step_time", "completions/mean_terminated_length", "completions/min_terminated_length",
-             "completions/max_terminated_length", "clip_ratio/low_min", "clip_ratio/high_max"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-def _args(tmp_path, **overrides) -> GRPOConfig:
-    return online_args(GRPOConfig, tmp_path, **overrides)
+_args = partial(online_args, GRPOConfig)  # _args(tmp_path, **overrides)
 
 
 # ---- config
@@ -206,7 +193,7 @@ def test_train_moves_policy_keeps_reference_and_logs_every_stat(tok, tmp_path):
     assert changed(model, before) and not changed(trainer.ref_model, ref_before)
     logs = train_logs(trainer)
     assert len(logs) == 2
-    assert_finite_keys(logs, GRPO_KEYS + ["kl", "completions/mean_terminated_length"])
+    assert_finite_keys(logs, LOGGED_KEYS + ["kl", "completions/mean_terminated_length"])
     assert logs[0]["kl"] == 0.0  # the first step's policy is the reference
     assert logs[1]["kl"] > 0.0
     assert "entropy_coef" not in logs[0]  # TRL 1.16 logs it only with an entropy bonus
@@ -405,13 +392,7 @@ class _StopAt(online.TrainerCallback):
 @pytest.mark.slow
 def test_reward_goes_up_on_a_toy_reward(tok, tmp_path):
     torch.manual_seed(0)
-    args = _args(tmp_path, max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16, num_generations=8,
-                 max_completion_length=8, beta=0.0, logging_steps=1)
-    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(64),
-                          processing_class=tok)
-    trainer.train()
-    rewards = [h["reward"] for h in train_logs(trainer)]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = toy_reward_curve(GRPOTrainer, GRPOConfig, tok, tmp_path)
     assert last > first + 0.5, (first, last)
 
 

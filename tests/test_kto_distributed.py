@@ -11,13 +11,11 @@ ranks' local estimates, the same on both ranks; and logged train/eval metrics ar
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import run_two_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = {
@@ -83,12 +81,6 @@ def _worker(out: Path) -> None:
     }))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_process_kto_keeps_ranks_identical_and_averages_the_kl_reference_point(tmp_path):
     import torch
@@ -96,12 +88,7 @@ def test_two_process_kto_keeps_ranks_identical_and_averages_the_kl_reference_poi
 
     from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(Path(__file__).resolve()), "--worker", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               ACCELERATE_USE_CPU="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_two_processes(__file__, "--worker", str(tmp_path), timeout=600)
 
     meta = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [m["world"] for m in meta] == [2, 2] and "MULTI_CPU" in meta[0]["type"]

@@ -9,13 +9,11 @@ different completions (one seed per process), and DDP must keep the weights iden
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import run_two_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,21 +55,10 @@ def _worker(out: Path) -> None:
         (out / f"{name}-{rank}.json").write_text(json.dumps(summary))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("online-ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               ACCELERATE_USE_CPU="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_two_processes(__file__, "--worker", str(out))
     return out
 
 

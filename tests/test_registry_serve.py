@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _launch import free_port
 from test_registry import project  # noqa: F401  (the fixture: a tiny evaluated project)
 
 from tasks.registry import registry_task
@@ -22,12 +22,6 @@ pytestmark = pytest.mark.slow
 
 START_TIMEOUT_S = 180  # the server imports torch + transformers and loads the model
 REQUEST_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_until_up(url: str, server: subprocess.Popen, log: Path) -> None:
@@ -60,7 +54,7 @@ def _stop(server: subprocess.Popen) -> None:
 def test_the_champion_is_served_over_http(project, tmp_path):  # noqa: F811
     record = registry_task.fn(str(project))
     assert record["decision"] == "promote"
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,25 +11,11 @@ from transformers import AutoModelForCausalLM
 from rlhf_core import RLOOConfig, RLOOTrainer
 from rlhf_core.core import sequence_logprobs
 from rlhf_core.losses import rloo_advantages
-from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
-from tests._online_rl import assert_finite_keys, changed, count_e, online_args, prompt_dataset, snapshot, train_logs
+from rlhf_core.models.tiny import tiny_causal_lm
+from tests._online_rl import (LOGGED_KEYS, assert_finite_keys, changed, count_e, online_args,  # noqa: F401
+                               prompt_dataset, snapshot, tok, toy_reward_curve, train_logs)  # tok: a fixture
 
-RLOO_KEYS = ["loss", "grad_norm", "reward", "reward_std", "rewards/count_e/mean", "rewards/count_e/std",
-             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
-             "clip_ratio/high_mean", "clip_ratio/region_mean", "policy_loss", "entropy", "skipped_updates",
-             # TRL 1.16's other names
-             "num_tokens", "step_time", "completions/min_length", "completions/max_length",
-             "completions/mean_terminated_length", "completions/min_terminated_length",
-             "completions/max_terminated_length", "clip_ratio/low_min", "clip_ratio/high_max"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-def _args(tmp_path, **overrides) -> RLOOConfig:
-    return online_args(RLOOConfig, tmp_path, **overrides)
+_args = partial(online_args, RLOOConfig)  # _args(tmp_path, **overrides)
 
 
 def test_config_keeps_trl_116_names_and_defaults(tmp_path):
@@ -116,7 +104,7 @@ def test_train_moves_policy_keeps_reference_and_logs_every_stat(tok, tmp_path):
     assert changed(model, before) and not changed(trainer.ref_model, ref_before)
     logs = train_logs(trainer)
     assert len(logs) == 2
-    assert_finite_keys(logs, RLOO_KEYS + ["kl"])
+    assert_finite_keys(logs, LOGGED_KEYS + ["kl"])
     assert logs[0]["kl"] == 0.0 and logs[1]["kl"] != 0.0
 
 
@@ -159,11 +147,5 @@ def test_resume_from_checkpoint_equals_a_straight_run(tok, tmp_path):
 
 @pytest.mark.slow
 def test_reward_goes_up_on_a_toy_reward(tok, tmp_path):
-    args = _args(tmp_path, max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16, num_generations=8,
-                 max_completion_length=8, beta=0.0)
-    trainer = RLOOTrainer(tiny_causal_lm(tok), count_e, args=args, train_dataset=prompt_dataset(64),
-                          processing_class=tok)
-    trainer.train()
-    rewards = [h["reward"] for h in train_logs(trainer)]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = toy_reward_curve(RLOOTrainer, RLOOConfig, tok, tmp_path)
     assert last > first + 0.5, (first, last)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import torchrun
 from _pipeline_project import make_project, mlflow_client
 
 TRAINING = ("sft", "reward_model", "ppo", "dpo")
@@ -82,12 +82,6 @@ if _root and _log and _rank is not None:
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tree(root: Path) -> dict[str, tuple[int, int] | None]:
     """Every file (size, mtime) and directory (None) under ``root``, relative, without bytecode caches."""
     entries: dict[str, tuple[int, int] | None] = {}
@@ -139,8 +133,7 @@ def launched(tmp_path_factory):
                    "PYTHONPATH": os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
             def launch(stage: str) -> subprocess.CompletedProcess:
-                cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                       "--master_port", str(_free_port()), "-m", "flows.stage", stage]
+                cmd = torchrun("-m", "flows.stage", stage, python=python)
                 return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
 
             before = _tree(root)

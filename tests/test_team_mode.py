@@ -8,23 +8,17 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
+from _launch import free_port
 import yaml
 from _pipeline_project import ROOT, make_project
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 600  # 330 s was exceeded once at load 12 (a CI run beside five other jobs); CI machines are quiet
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> list | None:
@@ -65,7 +59,7 @@ def test_worker_runs_scheduled_retraining(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS", "5")
     monkeypatch.setenv("PREFECT_WORKER_QUERY_SECONDS", "3")
     monkeypatch.setenv("PREFECT_WORKER_PREFETCH_SECONDS", "5")
-    info = start(root, prefect_port=_free_port(), mlflow_port=_free_port(), timeout=120)
+    info = start(root, prefect_port=free_port(), mlflow_port=free_port(), timeout=120)
     pids = info["pids"]
     try:
         assert set(pids) == {"prefect-server", "prefect-worker", "mlflow-server"}

@@ -263,22 +263,12 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
 
     trainer_name = "kto"
 
-    def __init__(
-        self,
-        model: Any,
-        ref_model: nn.Module | None = None,
-        args: KTOConfig | None = None,
-        data_collator: Callable | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        compute_metrics: Callable | None = None,
-        callbacks: list | None = None,
-        optimizers: tuple = (None, None),
-        quantization_config: Any = None,
-        peft_config: Any = None,
-        **tracking: Unpack[TrackingOptions],
-    ) -> None:
+    def __init__(self, model: Any, ref_model: nn.Module | None = None, args: KTOConfig | None = None,
+                 data_collator: Callable | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, compute_metrics: Callable | None = None, callbacks: list | None = None,
+                 optimizers: tuple = (None, None), quantization_config: Any = None, peft_config: Any = None,
+                 **tracking: Unpack[TrackingOptions]) -> None:
+        """TRL 1.16.0's positional order; ``tracking``: ``TrackingOptions``."""
         tracking = check_tracking(type(self).__name__, tracking)
         args = self._resolve_args(model, args)
         if train_dataset is None:
