@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from rlhf_core.trainers.decode import decode, decode_settings
-from rlhf_core.trainers.packing import language_model
+from rlhf_core.models.unwrap import language_model
 
 # Queries generated together. Every decoding step is one forward pass over the whole chunk with the KV cache,
 # so a larger chunk amortises per-step overhead and weight reads: on CPU, 64 tiny-model prompts x 32 tokens

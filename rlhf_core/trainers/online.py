@@ -34,6 +34,7 @@ from transformers import (
 from rlhf_core.core import entropy_from_logits, logprobs_from_logits
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.reference import create_reference_model
+from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     TrackingOptions,
@@ -44,7 +45,7 @@ from rlhf_core.trainers.base import (
 )
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
 from rlhf_core.trainers.generation import generate_batched
-from rlhf_core.trainers.packing import language_model, pack_rows, should_pack, unpack_slots
+from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.trainers.online_config import OnlineRLConfig
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str

@@ -9,47 +9,19 @@ where a response token is scored (M <= b x A rows). Each token sees exactly the 
 the padded layout: the outputs are the same numbers up to float summation order (tests/test_packing.py
 bounds the difference).
 
-Used for decoder-only models whose forward takes ``logits_to_keep`` (``ppo_setup.accepts_logits_to_keep``);
+Used for decoder-only models whose forward takes ``logits_to_keep`` (``rlhf_core.models.unwrap.language_model``);
 encoder-decoders, prompt-learning adapters and batches from a custom collator keep the padded path.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlhf_core.models.peft_support import is_peft_model
+from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.experience import ModelBatch
-
-_TAKES_LOGITS_TO_KEEP: dict[type, bool] = {}
-"""Per model class: whether its ``forward`` takes ``logits_to_keep`` (``inspect.signature`` is slow per call)."""
-
-
-def language_model(model: Any) -> Any:
-    """The transformers causal LM inside ``model`` if its forward takes ``logits_to_keep``, else None.
-
-    Unwraps DDP/accelerate, the value-head wrapper and (non prompt-learning) PEFT adapters. Encoder-decoders,
-    prompt-learning adapters (virtual tokens shift positions) and models without the argument get None: they
-    keep the padded, full-logits path.
-    """
-    inner = getattr(model, "module", model)  # DDP / accelerate wrapper
-    if getattr(inner, "is_encoder_decoder", False):
-        return None
-    lm = getattr(inner, "pretrained_model", inner)  # value-head wrapper
-    if is_peft_model(lm):
-        if getattr(lm.active_peft_config, "is_prompt_learning", False):
-            return None
-        lm = lm.get_base_model()
-    if getattr(getattr(lm, "config", None), "is_encoder_decoder", False) or not hasattr(lm, "forward"):
-        return None
-    key = type(lm)
-    if key not in _TAKES_LOGITS_TO_KEEP:
-        _TAKES_LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(lm.forward).parameters
-    return lm if _TAKES_LOGITS_TO_KEEP[key] else None
-
 
 def should_pack(model: Any, batch: ModelBatch) -> bool:
     """Pack this forward: a packable batch, a model that takes ``logits_to_keep`` and honours packed position

@@ -17,7 +17,7 @@ from torch.utils.data import default_collate
 
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController
 from rlhf_core.tracking import Tracker, make_tracker
-from rlhf_core.trainers.packing import language_model
+from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.ppo_config import PPOConfig
 
 
@@ -31,7 +31,7 @@ def list_collator(rows: list[Any]) -> Any:
 
 def accepts_logits_to_keep(model) -> bool:
     """True when the causal LM under the value head computes logits only for the positions it is asked for
-    (``packing.language_model``: encoder-decoders and prompt-learning adapters keep the full-logits path)."""
+    (``rlhf_core.models.unwrap.language_model``: encoder-decoders and prompt-learning adapters keep the full-logits path)."""
     return language_model(model) is not None
 
 
