@@ -1,10 +1,12 @@
 """The phases of one profiled GRPO/RLOO step, from raw cProfile files of bench/workloads/online.py.
 
-    .venv/bin/python bench/online_phases.py ours-grpo=/tmp/a.prof trl-grpo=/tmp/b.prof ...
+    .venv/bin/python bench/online_phases.py ours-grpo=/tmp/a.prof,/tmp/a2.prof trl-grpo=/tmp/b.prof ...
 
 Each file comes from ``online.py --args '{"steps": 3, "profile_step": 2, "profile_file": "/tmp/a.prof"}'``.
 Prints a markdown table: seconds of each phase (cumulative time of the functions that do it, split by
-caller where one function serves two phases), one column per file.
+caller where one function serves two phases), one column per label; with several files for a label, each
+phase's minimum over them (on a shared machine the least disturbed reading; the phases of one column then
+need not add up to its whole step).
 """
 
 import pstats
@@ -47,16 +49,22 @@ def seconds_of(stats: pstats.Stats, term: str) -> float:
     return total
 
 
+def phase_seconds(path: str, phases: dict) -> dict[str, float]:
+    """{phase: seconds} of one profile file."""
+    stats = pstats.Stats(path)
+    return {phase: stats.total_tt if terms is None else
+            max(0.0, sum((1 if t[0] == "+" else -1) * seconds_of(stats, t[1:]) for t in terms))  # 0: not run
+            for phase, terms in phases.items()}
+
+
 def main():
     columns = [arg.split("=", 1) for arg in sys.argv[1:]]
     table: dict[str, list[str]] = {}
-    for i, (label, path) in enumerate(columns):
-        stats = pstats.Stats(path)
+    for i, (label, paths) in enumerate(columns):
         phases = {"whole step (training_step + optimizer)": None, **(TRL if label.startswith("trl") else OURS)}
-        for phase, terms in phases.items():
-            seconds = stats.total_tt if terms is None else sum(
-                (1 if t[0] == "+" else -1) * seconds_of(stats, t[1:]) for t in terms)
-            table.setdefault(phase, ["-"] * len(columns))[i] = f"{seconds:.3f}"
+        runs = [phase_seconds(path, phases) for path in paths.split(",")]
+        for phase in phases:  # the least disturbed reading of each phase over the runs
+            table.setdefault(phase, ["-"] * len(columns))[i] = f"{min(run[phase] for run in runs):.3f}"
     print("| phase (seconds) | " + " | ".join(label for label, _ in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for phase, cells in table.items():
