@@ -15,7 +15,8 @@ Prints one JSON line: the gold reward of the samples at the first and last steps
 records the mean of every call: one call per step), their gain, seconds per step (median of the
 steps after the first, timed by a TrainerCallback around each optimizer step: generation, reward,
 loss, backward and update), the logged KL, and the peak RSS. ``"profile_step": k`` in the arguments prints
-a cProfile of step k to stderr (the evidence behind "what bounds it" in bench/analysis.md).
+a cProfile of step k to stderr (the evidence behind "what bounds it" in bench/analysis.md); with
+``"profile_file": path`` too, the raw profile is written there for bench/online_phases.py.
 """
 
 import argparse
@@ -99,9 +100,10 @@ class GoldJudge:
         return scores
 
 
-def step_timer(profile_step: int | None = None):
+def step_timer(profile_step: int | None = None, profile_file: str | None = None):
     """A TrainerCallback timing each optimizer step (on_step_begin .. on_step_end); with ``profile_step`` = k it
-    also runs cProfile over step k (1-based) and prints the top functions by own time to stderr."""
+    also runs cProfile over step k (1-based), prints the top functions by own time to stderr and, given
+    ``profile_file``, writes the raw profile there."""
     import cProfile
     import pstats
 
@@ -125,6 +127,8 @@ def step_timer(profile_step: int | None = None):
                 self._profile.disable()
                 for order in ("tottime", "cumulative"):
                     pstats.Stats(self._profile, stream=sys.stderr).sort_stats(order).print_stats(25)
+                if profile_file:
+                    self._profile.dump_stats(profile_file)
                 self._profile = None
 
     return StepTimer()
@@ -162,7 +166,7 @@ def main():
     torch.manual_seed(args["seed"])
     model = AutoModelForCausalLM.from_pretrained(str(path))
     dataset = Dataset.from_dict({"prompt": prompts(args["prompt_words"])})
-    judge, timer = GoldJudge(), step_timer(args.get("profile_step"))
+    judge, timer = GoldJudge(), step_timer(args.get("profile_step"), args.get("profile_file"))
     Config, Trainer = classes(lib, method)
     with tempfile.TemporaryDirectory() as out_dir:
         config = Config(**config_kwargs(args, out_dir))

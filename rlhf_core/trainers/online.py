@@ -111,12 +111,17 @@ class Rollout:
     """(B, A) reference log-probs; None when ``beta == 0`` (no reference model exists)."""
     num_items: torch.Tensor
     """() real completion tokens of the whole generation batch over all processes (``dapo``'s normaliser)."""
+    policy_forward: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The loss forward already run at sampling time: (B, A) log-probs with their graph and (B, A) entropy;
+    None when ``compute_loss`` runs it (see ``OnlineRLTrainer._can_reuse_loss_forward``)."""
 
     def rows(self, index: torch.Tensor) -> "Rollout":
         """The sub-rollout of the given rows."""
         pick = (lambda t: None if t is None else t[index])
+        forward = None if self.policy_forward is None else tuple(t[index] for t in self.policy_forward)
         return replace(self, batch=self.batch.rows(index), advantages=self.advantages[index],
-                       old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs))
+                       old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
+                       policy_forward=forward)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -128,7 +133,7 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
 
     The forward gets ``batch.model_inputs``, position ids included, so left padding changes nothing. Packed
     into one sequence where that saves FLOPs (``packing``; padding slots then hold 0), else padded with the LM
-    head only from the first scored position on.
+    head only on the positions from the first to the last scored one.
     """
     if should_pack(model, batch):
         packed = pack_rows(batch)
@@ -139,15 +144,19 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
         logprobs = unpack_slots(logprobs_from_logits(logits.float(), tokens), packed, shape)
         entropy = unpack_slots(entropy_from_logits(logits.detach()), packed, shape) if with_entropy else None
         return logprobs, entropy
-    index = batch.response_index  # (B, A)
-    width = batch.model_inputs["input_ids"].shape[1]  # T
-    keep = {"logits_to_keep": width - int(index.min())} if language_model(model) is not None else {}
-    logits = model(**batch.model_inputs, **keep).logits  # (B, K, V): position t predicts token t+1
-    offset = width - logits.shape[1]  # position of the first kept logit (0 with all of them)
-    picked = torch.gather(logits, 1, (index - offset)[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, A, V)
-    tokens = torch.gather(batch.model_inputs["input_ids"][:, 1:], 1, index)  # (B, A)
-    logprobs = logprobs_from_logits(picked.float(), tokens)  # (B, A)
-    entropy = entropy_from_logits(picked.detach()) if with_entropy else None
+    ids, index = batch.model_inputs["input_ids"], batch.response_index  # (B, T), (B, A)
+    first, last = int(index.min()), int(index.max())  # every scored position lies in [first, last]
+    if language_model(model) is not None:  # the LM head on those positions only
+        positions = torch.arange(first, last + 1, device=ids.device)
+        logits = model(**batch.model_inputs, logits_to_keep=positions).logits  # (B, K, V)
+    else:
+        logits = model(**batch.model_inputs).logits[:, first:last + 1]  # (B, K, V)
+    # Position t predicts token t+1. Score all K kept positions, then pick each row's A slots (K is about A:
+    # a row's response ends at the last column): gathering the (B, A, V) slot logits first would copy them
+    # once more in the forward and once in the backward.
+    slots = index - first  # (B, A) into K
+    logprobs = torch.gather(logprobs_from_logits(logits.float(), ids[:, first + 1:last + 2]), 1, slots)  # (B, A)
+    entropy = torch.gather(entropy_from_logits(logits.detach()), 1, slots) if with_entropy else None
     return logprobs, entropy
 
 
@@ -440,9 +449,16 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         batch = build_causal_batch(queries, responses, tokenizer.pad_token_id, left_pad=True)
         if self.args.mask_truncated_completions:
             batch = replace(batch, response_mask=batch.response_mask * (~truncated)[:, None].float())
-        needs_old = self._needs_old_logprobs() or self._needs_sampling_logprobs()
-        old = self._logprobs(self.model, batch) if needs_old else None
         ref = self._reference_logprobs(batch)
+        forward, old = None, None
+        if self._needs_old_logprobs() or self._needs_sampling_logprobs():
+            if mode == "train" and self._can_reuse_loss_forward():
+                # The loss forward on these parameters, run now: its values are the sampling-time log-probs.
+                with self.compute_loss_context_manager():  # as training_step runs compute_loss
+                    forward = self._loss_forward(self.model_wrapped, batch)
+                old = forward[0].detach()
+            else:
+                old = self._logprobs(self.model, batch)
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         per_func = self._rewards(rows, prompts, completions, [r.tolist() for r in responses])  # (B, F)
@@ -452,11 +468,24 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         prompt_tokens = torch.tensor([float(len(q)) for q in queries], device=self.args.device).sum()
         self._log_rollout_stats(mode, per_func, scores, lengths, truncated, prompt_tokens)
         self._last_samples = [(str(p), str(c), float(s)) for p, c, s in zip(prompts, completions, scores.tolist())]
-        return Rollout(batch=batch, advantages=advantages, old_logprobs=old, ref_logprobs=ref, num_items=num_items)
+        return Rollout(batch=batch, advantages=advantages, old_logprobs=old, ref_logprobs=ref, num_items=num_items,
+                       policy_forward=forward)
 
     def _needs_sampling_logprobs(self) -> bool:
         """Subclasses that use the policy's log-probs at sampling time in the reward (RLOO's KL) say so."""
         return False
+
+    def _can_reuse_loss_forward(self) -> bool:
+        """Whether the sampling-time log-probs can be the detached values of the loss forward itself.
+
+        They are when the whole generation batch is one micro-batch trained on once (the parameters do not
+        move between sampling and the loss forward) and no dropout draws a different mask per pass: the
+        forward with grad then runs at sampling time and ``compute_loss`` reuses it, one forward fewer
+        (TRL 1.16's GRPO takes the same shortcut, ``old_per_token_logps = per_token_logps.detach()``).
+        """
+        args = self.args
+        return (args.steps_per_generation == 1 and not self._needs_old_logprobs() and args.disable_dropout
+                and torch.is_grad_enabled())
 
     def _rewards(self, rows: list[dict], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
         """(B, F) rewards, one column per reward function; ``None`` from a function becomes NaN (unscorable)."""
@@ -523,14 +552,18 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
 
     def compute_loss(self, model, inputs: Rollout, return_outputs: bool = False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        with dropout_off(model, self.args.disable_dropout):
-            with sparse_tied_embedding_grad(model):
-                logprobs, entropy = token_logprobs_and_entropy(model, inputs.batch.trimmed(), with_entropy=True)
+        logprobs, entropy = inputs.policy_forward or self._loss_forward(model, inputs.batch)
         loss, stats = self._policy_loss(logprobs, entropy, inputs, mode)
         mask = inputs.batch.response_mask
         stats["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
         self._log_loss_stats(mode, stats, mask.sum())
         return (loss, None) if return_outputs else loss
+
+    def _loss_forward(self, model: Any, batch: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's (B, A) log-probs, with grad, and entropy: the forward whose loss is backpropagated."""
+        with dropout_off(model, self.args.disable_dropout):
+            with sparse_tied_embedding_grad(model):
+                return token_logprobs_and_entropy(model, batch.trimmed(), with_entropy=True)
 
     def token_mean_stats(self) -> tuple[str, ...]:
         """Loss stats that are means over the micro-batch's completion tokens (subclasses add theirs)."""
