@@ -376,6 +376,8 @@ class PPOTrainer:
         model.eval()  # classic TRL semantics: no dropout in PPO forward passes
         parts = [self._forward_rows(model, batch.rows(torch.arange(i, min(i + chunk, len(batch)))).trimmed(), return_logits)
                  for i in range(0, len(batch), chunk)]
+        if len(parts) == 1:  # a PPO mini-batch: no copy (its logits are (b, A, V), 52 MB at mid size)
+            return parts[0]
         logprobs = torch.cat([p[0] for p in parts])
         values = torch.cat([p[1] for p in parts])
         logits = torch.cat([p[2] for p in parts]) if return_logits else None
