@@ -122,8 +122,7 @@ def ppo_losses(
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
 
     stats = {
-        # a stat only: without autograd (same values; no graph over the (B, A, V) softmax)
-        "policy/entropy": masked_mean(entropy_from_logits(logits.detach()), response_mask),
+        "policy/entropy": masked_mean(entropy_from_logits(logits), response_mask),
         "policy/approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, response_mask),
         "policy/policykl": masked_mean(old_logprobs - logprobs, response_mask),
         "policy/clipfrac": pg_clipfrac,

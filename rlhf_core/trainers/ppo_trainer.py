@@ -577,8 +577,9 @@ class PPOTrainer:
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
         """Clipped policy loss and ``vf_coef`` x clipped value loss; zeroed past ``ratio_threshold``."""
+        # logits feed only the entropy stat there: detached, it is computed without a graph (same values)
         pg_loss, vf_loss, stats = ppo_losses(
-            old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
+            old_logprobs, values, logits.detach(), vpreds, logprobs, mask, advantages, returns,
             self.config.cliprange, self.config.cliprange_value,
         )
         ratio_mean = stats.pop("policy/ratio_mean")
