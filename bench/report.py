@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 
 
+def _compiled(ours: dict) -> str:
+    """The settings note of a ``torch_compile`` row: ours compiled (its first step, compilation included)."""
+    return f" **ours torch_compile** (first step {_fmt(ours['first_step_seconds'])} s)"
+
+
 def _fmt(x, digits=4):
     if isinstance(x, float):
         return f"{x:.{digits}g}"
@@ -113,7 +118,8 @@ def render(r: dict) -> str:
                 o, t = x["median"]["ours"], x["median"]["trl"]
                 lines.append(f"| {x['size']} | B={s['batch_size']} mb={s['mini_batch_size']} epochs={s['ppo_epochs']} "
                              f"q={s['query_len']} r={s['response_len']}"
-                             f"{' **' + s['mixed_precision'] + ' autocast**' if s.get('mixed_precision') else ' fp32'} | "
+                             f"{' **' + s['mixed_precision'] + ' autocast**' if s.get('mixed_precision') else ' fp32'}"
+                             f"{_compiled(o) if s.get('torch_compile') else ''} | "
                              f"{_fmt(o['seconds_per_step'])} | "
                              f"{_fmt(t['seconds_per_step'])} | {_fmt(x['ratio'], 3)} | {_met(x)} | "
                              f"{_fmt(o['tokens_per_second'])} | {_fmt(t['tokens_per_second'])} | "

@@ -22,10 +22,12 @@ TOL = 1e-4
 pytestmark = pytest.mark.skipif(not PYTHONS["trl"].exists(), reason="bench/.trl-venv missing (bash bench/setup_trl_venv.sh)")
 
 
-def _run(lib: str, out: Path, kl_penalty: str) -> dict:
+def _run(lib: str, out: Path, kl_penalty: str, **extra) -> dict:
     python = PYTHONS[lib] if lib == "trl" else Path(sys.executable)
-    args = json.dumps({"out": str(out), "kl_penalty": kl_penalty, "threads": 1})
+    args = json.dumps({"out": str(out), "kl_penalty": kl_penalty, "threads": 1, **extra})
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if lib == "ours":  # this checkout's rlhf_core, whatever the venv's editable install points at
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([str(python), str(BENCH / "workloads" / "parity.py"), "--lib", lib, "--args", args],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,3 +64,18 @@ def test_updated_weights_match_classic_trl(both):
     assert set(ours) == set(trl)
     worst = max((ours[k] - trl[k]).abs().max().item() for k in ours)
     assert worst < TOL, f"max |w_ours - w_trl| = {worst:.3g}"
+
+
+@pytest.mark.slow  # compiling the tiny model's forward and backward takes ~1.5 min on CPU
+def test_compiled_step_matches_classic_trl(both, request):
+    """The ``torch_compile`` opt-in: same stats and updated weights within the parity tolerance."""
+    from safetensors.torch import load_file
+
+    results, out = both
+    kl_penalty = request.node.callspec.params["both"]
+    compiled = _run("ours", out, kl_penalty, torch_compile=True)["stats"]
+    for key, value in results["trl"]["stats"].items():
+        assert compiled[key] == pytest.approx(value, abs=TOL, rel=TOL), key
+    ours, trl = load_file(str(out / "ours-compiled.safetensors")), load_file(str(out / "trl.safetensors"))
+    worst = max((ours[k] - trl[k]).abs().max().item() for k in trl)
+    assert worst < TOL, f"max |w_compiled - w_trl| = {worst:.3g}"

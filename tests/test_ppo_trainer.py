@@ -92,6 +92,16 @@ def test_fixed_kl_needs_no_target():
     assert PPOConfig(adap_kl_ctrl=False, target=None, horizon=None).target is None
 
 
+def test_torch_compile_opt_in_compiles_policy_and_reference_in_place(tokenizer):
+    """Compiled in place: same parameters and state-dict keys (saving unchanged); eager is the default.
+    The compiled step's numbers are checked against classic TRL by bench/test_parity.py (slow)."""
+    eager, compiled = make_trainer(tokenizer), make_trainer(tokenizer, torch_compile=True)
+    assert eager.model.pretrained_model._compiled_call_impl is None
+    assert compiled.model.pretrained_model._compiled_call_impl is not None
+    assert compiled.ref_model.pretrained_model._compiled_call_impl is not None
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
+
+
 # ---------------------------------------------------------------------------- KL controllers and moments
 
 
@@ -226,6 +236,33 @@ def test_first_minibatch_ratio_is_one_and_kl_zero_when_policy_equals_reference(t
     assert seen[0] == 0.0  # ratio exactly 1
     assert stats["objective/kl"] == 0.0 and stats["ppo/policy/approxkl"] == 0.0
     assert np.all(stats["objective/kl_dist"] == 0.0)
+
+
+@pytest.mark.parametrize("kl_penalty", ["kl", "full"])
+def test_reusing_the_rollout_forward_for_the_first_minibatch_changes_nothing_but_the_forward_count(
+        tokenizer, kl_penalty, monkeypatch):
+    """The first mini-batch's update runs on the rollout's policy forward: one policy forward fewer per step,
+    the same stats and updated weights as forwarding it again (up to float rounding of other chunkings)."""
+    queries, responses = batch_of(tokenizer)
+    scores = [torch.tensor(s) for s in (1.0, -0.5, 0.3, 2.0)]
+    results = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(PPOTrainer, "_reuses_rollout_forward", lambda self, reuse=reuse: reuse)
+        trainer = make_trainer(tokenizer, kl_penalty=kl_penalty, ppo_epochs=2)
+        calls = []
+        trainer.model.pretrained_model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        stats = trainer.step(queries, responses, scores)
+        results[reuse] = stats, weights(trainer.model), calls
+    (stats, after, calls), (plain_stats, plain_after, plain_calls) = results[True], results[False]
+    # policy forwards: rollout 2 chunks + 2 epochs x 2 mini-batches; reusing drops one with-gradient forward
+    assert plain_calls == [False, False] + [True] * 4
+    assert calls == [True, False] + [True] * 3
+    for key in after:
+        torch.testing.assert_close(after[key], plain_after[key], rtol=1e-5, atol=1e-6)
+    for key in STAT_KEYS:
+        if not key.startswith("time/"):
+            np.testing.assert_allclose(np.asarray(stats[key], dtype=np.float64),
+                                       np.asarray(plain_stats[key], dtype=np.float64), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["kl", "abs", "mse", "full"])

@@ -3,7 +3,8 @@
     python bench/workloads/parity.py --lib ours|trl --args '{"out": "bench/.cache/parity-out", "kl_penalty": "kl", ...}'
 
 Dropout is off everywhere and there is one mini-batch per epoch, so both libraries should compute
-the same losses, KL, returns and updated weights (compared by bench/test_parity.py).
+the same losses, KL, returns and updated weights (compared by bench/test_parity.py). ``"torch_compile": true``
+runs rlhf_core's compiled opt-in and writes ``ours-compiled.*``.
 """
 
 import json
@@ -34,7 +35,8 @@ def main():
     bs = args.get("batch_size", 8)
     config = PPOConfig(batch_size=bs, mini_batch_size=bs, ppo_epochs=args.get("ppo_epochs", 2),
                        learning_rate=args.get("learning_rate", 1e-3), seed=0, kl_penalty=args.get("kl_penalty", "kl"),
-                       init_kl_coef=0.2, adap_kl_ctrl=True, model_name="parity")
+                       init_kl_coef=0.2, adap_kl_ctrl=True, model_name="parity",
+                       **({"torch_compile": True} if args.get("torch_compile") else {}))  # rlhf_core's opt-in
     trainer = PPOTrainer(config, policy, None, tokenizer)
     queries, responses, scores = common.synthetic_batch(bs, (3, 9), (2, 12), len(tokenizer), seed=3)
     # Perturb the policy away from the reference first so the KL terms are not all zero: a fixed
@@ -53,8 +55,9 @@ def main():
     weights.update({f"v_head.summary.{k}": v.detach().cpu().contiguous().clone()
                     for k, v in unwrapped.v_head.summary.state_dict().items()})
     os.makedirs(args["out"], exist_ok=True)
-    save_file(weights, os.path.join(args["out"], f"{lib}.safetensors"))
-    with open(os.path.join(args["out"], f"{lib}.json"), "w") as fh:
+    name = f"{lib}-compiled" if args.get("torch_compile") else lib
+    save_file(weights, os.path.join(args["out"], f"{name}.safetensors"))
+    with open(os.path.join(args["out"], f"{name}.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     common.emit({"lib": common.version_of(lib), "stats": out})
 

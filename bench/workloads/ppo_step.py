@@ -30,21 +30,21 @@ def main():
         gradient_accumulation_steps=args.get("gradient_accumulation_steps", 1),
         # "bf16": accelerate's CPU/GPU autocast around both models' forward passes (same kwargs in both libraries)
         accelerator_kwargs={"mixed_precision": args["mixed_precision"]} if args.get("mixed_precision") else {},
+        **({"torch_compile": True} if args.get("torch_compile") and lib == "ours" else {}),  # rlhf_core's opt-in
     )
     trainer = PPOTrainer(config, policy, None, tokenizer)
     vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])
     queries, responses, scores = common.synthetic_batch(
         args["batch_size"], tuple(args["query_len"]), tuple(args["response_len"]), vocab, seed=1
     )
-    times = []
+    times, warmup_times = [], []
     for i in range(args.get("warmup", 1) + args["steps"]):
         t = time.perf_counter()
         stats = trainer.step(queries, responses, scores)
-        if i >= args.get("warmup", 1):
-            times.append(time.perf_counter() - t)
+        (times if i >= args.get("warmup", 1) else warmup_times).append(time.perf_counter() - t)
     width = max(len(q) + len(r) for q, r in zip(queries, responses))
     common.emit({
-        "lib": common.version_of(lib), "step_seconds": times,
+        "lib": common.version_of(lib), "step_seconds": times, "warmup_seconds": warmup_times,  # compile time
         "tokens_per_step": int(sum(len(q) + len(r) for q, r in zip(queries, responses))),
         "response_tokens_per_step": int(sum(len(r) for r in responses)),
         "padded_tokens_per_step": int(len(queries) * width),

@@ -113,6 +113,13 @@ class PPOConfig:
     """Stop with an error after this many updates in a row skipped for a non-finite loss or gradient."""
     gradient_checkpointing: bool = False
     """Enable gradient checkpointing on the policy."""
+    torch_compile: bool = False
+    """Opt-in: run the policy's and reference's transformer under ``torch.compile`` (inductor, dynamic shapes).
+
+    Fewer operator launches per forward and backward: it pays where a step is overhead-bound (small models
+    on CPU). Not exact: fused kernels sum in another order (bench/analysis.md "(a) step" gives the measured
+    error after one step and the speed). The first steps compile (minutes on CPU; a C++ compiler is needed).
+    """
     is_encoder_decoder: Optional[bool] = None
     """Set by the trainer from the model: whether the policy is an encoder-decoder."""
     is_peft_model: Optional[bool] = None

@@ -1,5 +1,6 @@
 """What building a ``PPOTrainer`` needs: the accelerator's project configuration, the tracker, the default
-optimizer and collator, and two device helpers (the ``logits_to_keep`` probe, the device-cache release).
+optimizer and collator, the ``torch_compile`` opt-in, and two device helpers (the ``logits_to_keep`` probe, the
+device-cache release).
 
 Functions only; ``PPOTrainer.__init__`` calls them. Nothing here holds trainer state.
 """
@@ -33,6 +34,15 @@ def accepts_logits_to_keep(model) -> bool:
     """True when the causal LM under the value head computes logits only for the positions it is asked for
     (``rlhf_core.models.unwrap.language_model``: encoder-decoders and prompt-learning adapters keep the full-logits path)."""
     return language_model(model) is not None
+
+
+def compile_transformers(*wrappers) -> None:
+    """``torch_compile``: the transformer under each value-head wrapper runs compiled from now on (in place,
+    so parameters, state-dict keys and saving are unchanged). ``dynamic=True``: mini-batches differ in length,
+    so one graph serves them all instead of one compilation per shape."""
+    for wrapper in wrappers:
+        if wrapper is not None:
+            wrapper.pretrained_model.compile(dynamic=True)
 
 
 def empty_device_cache() -> None:

@@ -142,6 +142,8 @@ class PPOTrainer:
                 self.accelerator.prepare(self.dataloader), self.config.batch_size * self.accelerator.num_processes)
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
+        if self.config.torch_compile:
+            ppo_setup.compile_transformers(self.accelerator.unwrap_model(self.model), self.ref_model)
 
     def _setup_tracker(self, tracker: Tracker | None) -> Tracker:
         """``tracker=`` (a ready Tracker), else the one ``config.log_with`` names; a no-op one off the main
@@ -258,8 +260,9 @@ class PPOTrainer:
             scores = self._process_scores(scores)  # (B,)
             ppo_hub.push_if_best(self, scores)
             batch = self.prepare_model_inputs(queries, responses, response_masks)
+            first = self._first_minibatch() if self._reuses_rollout_forward() else None
             with phase_timer(timing, "forward_pass"):
-                old = self._rollout_forward(batch)
+                old = self._rollout_forward(batch, first)
             with phase_timer(timing, "compute_rewards"):
                 rewards, non_score, kls = self.compute_rewards(
                     scores, old["logprobs"], old["ref_logprobs"], batch.response_mask,
@@ -270,7 +273,7 @@ class PPOTrainer:
                 logprobs=old["logprobs"], ref_logprobs=old["ref_logprobs"], values=values, rewards=rewards,
                 non_score_rewards=non_score, kls=kls, advantages=advantages, returns=returns)
             with phase_timer(timing, "optimize_step"):
-                train_stats = self._optimise(batch, experience)
+                train_stats = self._optimise(batch, experience, first)
             with phase_timer(timing, "calc_stats"):
                 stats = self._step_stats(batch, experience, scores, queries, responses, train_stats)
             self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
@@ -337,12 +340,50 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ forward passes
 
-    @torch.no_grad()
-    def _rollout_forward(self, batch: ModelBatch) -> dict[str, torch.Tensor]:
-        """Old log-probs and values from the policy, reference log-probs from the reference."""
+    def _reuses_rollout_forward(self) -> bool:
+        """Whether the first PPO mini-batch reuses the rollout's policy forward (speed; same values).
+
+        Its weights are the rollout's, so a forward with gradients during the rollout gives the old log-probs
+        of those rows and the first update's graph at once: one policy forward per step fewer. One process
+        only: under DDP the forward must run inside the accumulation context of its backward.
+        """
+        return self.accelerator.distributed_type == DistributedType.NO
+
+    def _first_minibatch(self) -> dict[str, Any]:
+        """The first epoch's row order, drawn before the rollout (the same numpy draw ``_optimise`` would make)."""
+        order = torch.from_numpy(np.random.permutation(self.config.batch_size))
+        return {"order": order, "rows": order[: self.config.mini_batch_size]}
+
+    def _policy_rollout(self, batch: ModelBatch, full: bool, first: dict[str, Any] | None):
+        """The policy's (B, A) log-probs and values (and (B, A, V) logits when ``full``), without gradients.
+
+        With ``first``: its rows are forwarded with gradients and their outputs kept in ``first["forward"]``
+        for the first mini-batch update; the other rows are forwarded without, as before.
+        """
+        if first is None:
+            with torch.no_grad():
+                return self._forward_batch(self.model, batch, return_logits=full)
+        rows = first["rows"]
+        rest = torch.from_numpy(np.setdiff1d(np.arange(len(batch)), rows.numpy()))
+        with self._embedding_grad_context():
+            first["forward"] = self._forward_batch(self.model, batch.rows(rows), return_logits=True)
+        with torch.no_grad():
+            others = self._forward_batch(self.model, batch.rows(rest), return_logits=full) if len(rest) else None
+        outputs = []
+        for i, kept in enumerate(first["forward"][: 3 if full else 2]):  # logprobs, values[, logits]
+            out = kept.new_empty((len(batch), *kept.shape[1:]))
+            out[rows] = kept.detach()
+            if others is not None:
+                out[rest] = others[i]
+            outputs.append(out)
+        return (*outputs, None) if not full else tuple(outputs)
+
+    def _rollout_forward(self, batch: ModelBatch, first: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Old log-probs and values from the policy, reference log-probs from the reference (no gradients,
+        except the first mini-batch's policy forward when ``first`` is given: ``_policy_rollout``)."""
         full = self.config.kl_penalty == "full"
-        logprobs, values, logits = self._forward_batch(self.model, batch, return_logits=full)
-        with self._reference_context():
+        logprobs, values, logits = self._policy_rollout(batch, full, first)
+        with torch.no_grad(), self._reference_context():
             ref_model = self.model if self.is_peft_model else self.ref_model
             ref_logprobs, _, ref_logits = self._forward_batch(ref_model, batch, return_logits=full)
         out = {"logprobs": logprobs, "values": values, "ref_logprobs": ref_logprobs}
@@ -376,6 +417,8 @@ class PPOTrainer:
         model.eval()  # classic TRL semantics: no dropout in PPO forward passes
         parts = [self._forward_rows(model, batch.rows(torch.arange(i, min(i + chunk, len(batch)))).trimmed(), return_logits)
                  for i in range(0, len(batch), chunk)]
+        if len(parts) == 1:  # a PPO mini-batch: no copy (its logits are (b, A, V), 52 MB at mid size)
+            return parts[0]
         logprobs = torch.cat([p[0] for p in parts])
         values = torch.cat([p[1] for p in parts])
         logits = torch.cat([p[2] for p in parts]) if return_logits else None
@@ -439,16 +482,23 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ minibatch epochs
 
-    def _optimise(self, batch: ModelBatch, experience: Experience) -> dict[str, torch.Tensor]:
-        """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats."""
+    def _optimise(self, batch: ModelBatch, experience: Experience,
+                  first: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats.
+
+        ``first`` (``_first_minibatch``): the first epoch's row order, and the first mini-batch's forward kept
+        from the rollout.
+        """
         self._nonfinite_this_step = 0
         all_stats: list[dict[str, torch.Tensor]] = []
         cfg = self.config
-        for _ in range(cfg.ppo_epochs):
-            order = torch.from_numpy(np.random.permutation(cfg.batch_size))
+        for epoch in range(cfg.ppo_epochs):
+            order = first["order"] if first is not None and epoch == 0 else \
+                torch.from_numpy(np.random.permutation(cfg.batch_size))
             for start in range(0, cfg.batch_size, cfg.mini_batch_size):
                 rows = order[start:start + cfg.mini_batch_size]
-                all_stats.append(self._minibatch_update(batch.rows(rows), experience.rows(rows)))
+                kept = first.pop("forward") if first is not None and epoch == 0 and start == 0 else None
+                all_stats.append(self._minibatch_update(batch.rows(rows), experience.rows(rows), kept))
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
         stacked = stack_dicts(all_stats)
@@ -456,16 +506,26 @@ class PPOTrainer:
             stacked[key] = torch.nan_to_num(torch.flatten(stacked[key]).unsqueeze(0), WANDB_PADDING)
         return stacked
 
-    def _minibatch_update(self, batch: ModelBatch, old: Experience) -> dict[str, torch.Tensor]:
-        """Forward the mini-batch with gradients, then ``train_minibatch`` (inside gradient accumulation)."""
+    def _minibatch_update(self, batch: ModelBatch, old: Experience, forward=None) -> dict[str, torch.Tensor]:
+        """Forward the mini-batch with gradients (unless ``forward`` holds it already), then ``train_minibatch``
+        (inside gradient accumulation)."""
         with self.accelerator.accumulate(self.model):
-            with sparse_tied_embedding_grad(self.model):
-                logprobs, vpreds, logits = self._forward_batch(self.model, batch, return_logits=True)  # (b, A), (b, A), (b, A, V)
+            if forward is None:
+                with self._embedding_grad_context():
+                    forward = self._forward_batch(self.model, batch, return_logits=True)
+            logprobs, vpreds, logits = forward  # (b, A), (b, A), (b, A, V)
             stats = self.train_minibatch(old.logprobs, old.values, logprobs, logits, vpreds, batch.response_mask,
                                          old.advantages, old.returns)
         for key in ("policy/advantages", "policy/ratio"):  # per-token stats in classic TRL's (b, T-1) layout
             stats[key] = batch.scatter_to_sequence(stats[key])
         return stats
+
+    def _embedding_grad_context(self):
+        """The sparse tied-embedding gradient (speed, exact) in eager mode only: inductor fails to trace the
+        sparse lookup gradient (an internal assert in torch 2.13), so compiled models keep the dense one."""
+        if self.config.torch_compile:
+            return contextlib.nullcontext()
+        return sparse_tied_embedding_grad(self.model)
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
         """Loss, backward and (at accumulation boundaries) an optimizer step for one mini-batch (classic signature).
@@ -517,8 +577,9 @@ class PPOTrainer:
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
         """Clipped policy loss and ``vf_coef`` x clipped value loss; zeroed past ``ratio_threshold``."""
+        # logits feed only the entropy stat there: detached, it is computed without a graph (same values)
         pg_loss, vf_loss, stats = ppo_losses(
-            old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns,
+            old_logprobs, values, logits.detach(), vpreds, logprobs, mask, advantages, returns,
             self.config.cliprange, self.config.cliprange_value,
         )
         ratio_mean = stats.pop("policy/ratio_mean")
