@@ -28,23 +28,30 @@ def _target(t: dict, unit: str) -> str:
     return "**met**" if t["met"] else f"**missed** by {t['missed_by']:.3g}{unit}"
 
 
+def _table(header: list[str], rows) -> list[str]:
+    """A Markdown table: the header, its rule, then one line per row of cells (cells already formatted)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in cells) + " |" for cells in rows)]
+
+
 def _online_table(rows: list) -> list:
     """Workload (e): per method, gold gain, seconds per step and peak RSS of ours vs TRL 1.16, with the targets."""
-    lines = ["| method | library | gold first step | gold last step | gain | gain, last 5 - first 5 | final KL | s/step | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for x in rows:
-        for lib, name in (("ours", "ours"), ("trl116", "TRL 1.16.0")):
-            m = x["median"][lib]
-            kl = "n/a" if m.get("final_kl") is None else _fmt(m["final_kl"], 3)
-            lines.append(f"| {x['size']} | {name} | {_fmt(m['gold_first'], 3)} | {_fmt(m['gold_last'], 3)} | "
-                         f"{_fmt(m['gold_gain'], 3)} | {_fmt(m['gold_gain5'], 3)} | {kl} | "
-                         f"{_fmt(m['seconds_per_step'], 3)} | {m['peak_rss_mb']:.0f} |")
-    lines += ["", "| method | gain >= TRL's | s/step <= 0.5x TRL's (ratio) | peak RSS <= TRL's (ratio) |", "|---|---|---|---|"]
-    for x in rows:
-        t = x["targets"]
-        lines.append(f"| {x['size']} | {_target(t['gold_gain'], ' gold')} | {_target(t['seconds_per_step'], ' s')} "
-                     f"({_fmt(t['seconds_per_step']['ratio'], 3)}) | {_target(t['peak_rss_mb'], ' MB')} "
-                     f"({_fmt(t['peak_rss_mb']['ratio'], 3)}) |")
+    def library_row(x: dict, lib: str, name: str) -> list:
+        m = x["median"][lib]
+        kl = "n/a" if m.get("final_kl") is None else _fmt(m["final_kl"], 3)
+        return [x["size"], name, *(_fmt(m[k], 3) for k in ("gold_first", "gold_last", "gold_gain", "gold_gain5")), kl,
+                _fmt(m["seconds_per_step"], 3), f"{m['peak_rss_mb']:.0f}"]
+
+    def target_row(t: dict) -> list:
+        return [_target(t["gold_gain"], " gold"),
+                f"{_target(t['seconds_per_step'], ' s')} ({_fmt(t['seconds_per_step']['ratio'], 3)})",
+                f"{_target(t['peak_rss_mb'], ' MB')} ({_fmt(t['peak_rss_mb']['ratio'], 3)})"]
+
+    lines = _table(["method", "library", "gold first step", "gold last step", "gain", "gain, last 5 - first 5",
+                    "final KL", "s/step", "peak RSS MB"],
+                   [library_row(x, lib, name) for x in rows for lib, name in (("ours", "ours"), ("trl116", "TRL 1.16.0"))])
+    lines += ["", *_table(["method", "gain >= TRL's", "s/step <= 0.5x TRL's (ratio)", "peak RSS <= TRL's (ratio)"],
+                          [[x["size"], *target_row(x["targets"])] for x in rows])]
     s = rows[0]["settings"]
     lines += ["", f"Same model (GPT-2 4x128, 2048-token rt-polarity BPE, built from a config with seed 0 and saved once "
               f"with save_pretrained; both venvs have transformers 5.23), same prompts (first {s['prompt_words']} words of "
@@ -128,13 +135,15 @@ def render(r: dict) -> str:
                       "matmul peak, model FLOPs = tokens x forward FLOPs/token x (2 no-grad forwards [policy, reference] "
                       "+ 3 x ppo_epochs [forward + backward]); forward FLOPs/token = 2 x (12 L H^2 + H V) + 4 L T H.", ""]
         elif name == "generate":
-            lines += ["| size | batch size | ours tok/s | TRL tok/s | ratio | target | ours s | TRL s |", "|---|---|---|---|---|---|---|---|"]
-            for x in rows:
+            def generate_row(x: dict) -> list:
                 o, t = x["median"]["ours"], x["median"]["trl"]
                 bsz = x["settings"].get("batch_size")
-                lines.append(f"| {x['size']} | {'library default' if bsz is None else bsz} | {_fmt(o['tokens_per_second'])} | "
-                             f"{_fmt(t['tokens_per_second'])} | {_fmt(x['ratio'], 3)} | "
-                             f"{'>= 2: ' + _met(x)} | {_fmt(o['seconds'])} | {_fmt(t['seconds'])} |")
+                return [x["size"], "library default" if bsz is None else bsz, _fmt(o["tokens_per_second"]),
+                        _fmt(t["tokens_per_second"]), _fmt(x["ratio"], 3), ">= 2: " + _met(x), _fmt(o["seconds"]),
+                        _fmt(t["seconds"])]
+
+            lines += _table(["size", "batch size", "ours tok/s", "TRL tok/s", "ratio", "target", "ours s", "TRL s"],
+                            map(generate_row, rows))
             s = rows[0]["settings"]
             lines += ["", f"{s['num_prompts']} prompts of {s['query_len']} tokens, max_new_tokens="
                       f"{s['max_new_tokens']}, do_sample, top_k=0, top_p=1, min_length=-1, the same `batch_size` passed to "
@@ -142,12 +151,14 @@ def render(r: dict) -> str:
                       "and exponential-race draw of `generate`: the same tokens for the same seed, tests/test_decode.py); "
                       "TRL with transformers 4.57's `generate`.", ""]
         elif name == "memory":
-            lines += ["| size | reference | ours peak | TRL peak | ratio | ours above imports | TRL above imports | target |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for x in rows:
+            def memory_row(x: dict) -> list:
                 o, t = x["median"]["ours"], x["median"]["trl"]
-                lines.append(f"| {x['size']} | {x['settings']['reference']} | {o['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "
-                             f"{_fmt(x['ratio'], 3)} | {o['peak_above_imports_mb']:.0f} | {t['peak_above_imports_mb']:.0f} | {_met(x)} |")
+                return [x["size"], x["settings"]["reference"], f"{o['peak_rss_mb']:.0f}", f"{t['peak_rss_mb']:.0f}",
+                        _fmt(x["ratio"], 3), f"{o['peak_above_imports_mb']:.0f}", f"{t['peak_above_imports_mb']:.0f}",
+                        _met(x)]
+
+            lines += _table(["size", "reference", "ours peak", "TRL peak", "ratio", "ours above imports",
+                             "TRL above imports", "target"], map(memory_row, rows))
             lines += ["", "Peak = ru_maxrss of the process (MB). 'above imports' subtracts the RSS after importing torch, "
                       "transformers and the library (transformers 5 vs 4 differ there). shared = `num_shared_layers` "
                       "(tiny 1 of 2, gpt2s 6 of 12) plus embeddings; lora = LoRA r=16 on c_attn, reference = adapter "
