@@ -1,8 +1,8 @@
 """The phases of one profiled GRPO/RLOO step, from raw cProfile files of bench/workloads/online.py.
 
-    .venv/bin/python bench/online_phases.py ours-grpo=/tmp/a.prof,/tmp/a2.prof trl-grpo=/tmp/b.prof ...
+    .venv/bin/python bench/online_phases.py ours-grpo=bench/.cache/profiles/a.prof,bench/.cache/profiles/a2.prof trl-grpo=bench/.cache/profiles/b.prof ...
 
-Each file comes from ``online.py --args '{"steps": 3, "profile_step": 2, "profile_file": "/tmp/a.prof"}'``.
+Each file comes from ``online.py --args '{"steps": 3, "profile_step": 2, "profile_file": "bench/.cache/profiles/a.prof"}'``.
 Prints a markdown table: seconds of each phase (cumulative time of the functions that do it, split by
 caller where one function serves two phases), one column per label; with several files for a label, each
 phase's minimum over them (on a shared machine the least disturbed reading; the phases of one column then

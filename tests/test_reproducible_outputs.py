@@ -88,11 +88,11 @@ def two_projects(tmp_path, monkeypatch):
 
 
 def test_differences_names_the_file_and_line():
-    a = {"models/sft/training_args.json": b'{\n  "output_dir": "/tmp/a"\n}', "x": b"1"}
-    b = {"models/sft/training_args.json": b'{\n  "output_dir": "/tmp/bb"\n}', "y": b"1"}
+    a = {"models/sft/training_args.json": b'{\n  "output_dir": "/runs/a"\n}', "x": b"1"}
+    b = {"models/sft/training_args.json": b'{\n  "output_dir": "/runs/bb"\n}', "y": b"1"}
     assert differences(a, b) == ["only in one project: x", "only in one project: y",
-                                 "models/sft/training_args.json: '  \"output_dir\": \"/tmp/a\"' != "
-                                 "'  \"output_dir\": \"/tmp/bb\"'"]
+                                 "models/sft/training_args.json: '  \"output_dir\": \"/runs/a\"' != "
+                                 "'  \"output_dir\": \"/runs/bb\"'"]
     assert differences(a, dict(a)) == []
 
 

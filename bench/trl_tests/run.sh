@@ -2,7 +2,7 @@
 # Run classic TRL 0.11.4's own unit tests against rlhf_core (default) or against trl 0.11.4 itself (--trl).
 #   bench/trl_tests/run.sh [--trl] TRL_CHECKOUT [pytest args...]
 # TRL_CHECKOUT: a checkout of github.com/huggingface/trl at tag v0.11.4 (the PyPI sdist and wheel ship no tests):
-#   git clone --depth 1 --branch v0.11.4 https://github.com/huggingface/trl /tmp/trl-v0.11.4
+#   git clone --depth 1 --branch v0.11.4 https://github.com/huggingface/trl bench/.cache/trl-v0.11.4
 # Hub ids are served by local random-weight models (fixtures.py); nothing is downloaded.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"

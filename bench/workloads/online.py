@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
@@ -128,6 +129,7 @@ def step_timer(profile_step: int | None = None, profile_file: str | None = None)
                 for order in ("tottime", "cumulative"):
                     pstats.Stats(self._profile, stream=sys.stderr).sort_stats(order).print_stats(25)
                 if profile_file:
+                    Path(profile_file).parent.mkdir(parents=True, exist_ok=True)
                     self._profile.dump_stats(profile_file)
                 self._profile = None
 
