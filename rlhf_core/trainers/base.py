@@ -27,6 +27,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from rlhf_core import checkpointing as ckpt
+from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.model_card import write_model_card
 from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.tracking import Tracker, make_tracker
@@ -438,6 +439,8 @@ class RlhfTrainerMixin:
             guard = getattr(self, "nonfinite_guard", None)
             if extra.is_file() and guard is not None and ckpt.read_json(extra).get("nonfinite_guard"):
                 guard.load_state_dict(ckpt.read_json(extra)["nonfinite_guard"])
+        if self.args.device.type == "cpu":
+            keep_freed_cpu_memory()  # speed: fewer page faults for the step's large temporaries (exact)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

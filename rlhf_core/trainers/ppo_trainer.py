@@ -38,6 +38,7 @@ from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
+from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.tracking import Tracker, make_tracker
 from rlhf_core.trainers import ppo_hub, ppo_setup, ppo_state, ppo_stats
 from rlhf_core.trainers.generation import (
@@ -88,6 +89,8 @@ class PPOTrainer:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             project_config=ppo_setup.project_configuration(config.project_kwargs), **config.accelerator_kwargs,
         )
+        if self.accelerator.device.type == "cpu":
+            keep_freed_cpu_memory()  # speed: fewer page faults for the step's large temporaries (exact)
         self.tokenizer = tokenizer
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.is_peft_model = bool(getattr(model, "is_peft_model", False))
