@@ -65,6 +65,17 @@ def test_logprobs_and_entropy_from_logits():
     assert torch.allclose(entropy, expected, atol=1e-6)
 
 
+def test_entropy_matches_float64_for_large_logits():
+    # Logits of magnitude ~300 over a GPT-2-sized vocabulary: logsumexp(l) - sum(softmax(l) * l) subtracts two
+    # numbers near 300 in fp32 (error 1.1e-3 here); the shifted form keeps every term small (1e-7).
+    g = torch.Generator().manual_seed(0)
+    logits = 300.0 + 3.0 * torch.randn(4, 50257, generator=g)
+    probs = torch.softmax(logits.double(), -1)
+    expected = -(probs * torch.log_softmax(logits.double(), -1)).sum(-1)  # the definition, in float64
+    assert (core.entropy_from_logits(logits).double() - expected).abs().max() < 1e-5
+    assert core.entropy_from_logits(logits).dtype == torch.float32
+
+
 def test_logprobs_from_logits_is_fp32_for_half_inputs():
     logits = torch.randn(2, 3, 5).to(torch.bfloat16)
     assert core.logprobs_from_logits(logits, torch.zeros(2, 3, dtype=torch.long)).dtype == torch.float32
