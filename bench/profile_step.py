@@ -13,7 +13,10 @@ import os
 import pstats
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+if "--lib" in sys.argv and sys.argv[sys.argv.index("--lib") + 1] == "ours":
+    sys.path.insert(0, os.path.dirname(BENCH))  # this checkout's rlhf_core, not the one the editable install names
 import common  # noqa: E402
 
 

@@ -44,6 +44,11 @@ WORKLOADS = [
     # rlhf_core's torch_compile opt-in (TRL eager, as above); two warm-up steps absorb the compilations
     ("step", "tiny", {**STEP, "size": "tiny", "batch_size": 32, "mini_batch_size": 8, "steps": 4, "warmup": 2,
                       "torch_compile": True}),
+    # both libraries under the glibc settings rlhf_core applies itself on the CPU (rlhf_core/cpu_allocator.py),
+    # given in the environment: how much of the lead is the allocator, how much the step
+    *[("step", size, {**STEP, "size": size, "batch_size": bsz, "mini_batch_size": mb, "steps": steps,
+                      "same_allocator": True})
+      for size, bsz, mb, steps in (("mid", 16, 8, 3), ("gpt2s", 8, 4, 2))],
     # the same with bf16 autocast in both libraries (PPOConfig.accelerator_kwargs); skipped on a CPU without bf16 units
     ("step", "gpt2s", {**STEP, "size": "gpt2s", "batch_size": 8, "mini_batch_size": 4, "steps": 2,
                        "mixed_precision": "bf16"}),
@@ -80,9 +85,23 @@ def command(lib: str, workload: str, args: dict) -> list[str]:
     return cmd + ["--args", json.dumps(args, separators=(",", ":"))]
 
 
+# rlhf_core.cpu_allocator.SETTINGS as glibc's environment variables (rlhf_core then leaves malloc as given)
+SAME_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                      "MALLOC_TOP_PAD_": str(64 << 20)}
+
+
+def shown_command(lib: str, workload: str, args: dict) -> str:
+    """The command of a row as a shell line, with the allocator environment it ran under."""
+    env = [f"{k}={v}" for k, v in SAME_ALLOCATOR_ENV.items()] if args.get("same_allocator") else []
+    return shlex.join([*env, *command(lib, workload, args)])
+
+
 def run_one(lib: str, workload: str, args: dict) -> dict:
     cmd = command(lib, workload, args)
     env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONHASHSEED="0")
+    env = {k: v for k, v in env.items() if k not in SAME_ALLOCATOR_ENV}  # each row sets its own allocator
+    if args.get("same_allocator"):
+        env.update(SAME_ALLOCATOR_ENV)
     if lib == "ours":  # this checkout's rlhf_core, whatever the venv's editable install points at
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     load = os.getloadavg()[0]
@@ -123,7 +142,7 @@ def median(values):
 def summarise(workload: str, size: str, args: dict, runs: dict, peaks: dict) -> dict:
     """One results row: medians per library, ratio ours/trl, target and whether it is met."""
     row = {"workload": workload, "size": size, "settings": {k: v for k, v in args.items() if k != "threads"},
-           "threads": args["threads"], "commands": {lib: shlex.join(command(lib, workload, args)) for lib in runs},
+           "threads": args["threads"], "commands": {lib: shown_command(lib, workload, args) for lib in runs},
            "runs": runs, "libs": {lib: runs[lib][0].get("lib") for lib in runs}}
     med = {}
     if workload == "step":
