@@ -139,7 +139,8 @@ def render(r: dict) -> str:
             def generate_row(x: dict) -> list:
                 o, t = x["median"]["ours"], x["median"]["trl"]
                 bsz = x["settings"].get("batch_size")
-                return [x["size"], "library default" if bsz is None else bsz, _fmt(o["tokens_per_second"]),
+                size = x["size"] + (" **ours prepacked_generation**" if x["settings"].get("prepacked_generation") else "")
+                return [size, "library default" if bsz is None else bsz, _fmt(o["tokens_per_second"]),
                         _fmt(t["tokens_per_second"]), _fmt(x["ratio"], 3), ">= 2: " + _met(x), _fmt(o["seconds"]),
                         _fmt(t["seconds"])]
 

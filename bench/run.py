@@ -56,6 +56,9 @@ WORKLOADS = [
     *[("generate", size, {"size": size, "num_prompts": 64, "query_len": [4, 12], "max_new_tokens": 32,
                           "batch_size": bsz, "repeats": 3 if size == "tiny" else 1})
       for size in ("tiny", "gpt2s") for bsz in (4, 64)],
+    # rlhf_core's prepacked_generation opt-in (weights packed once per call for oneDNN; not bit-exact)
+    *[("generate", "gpt2s", {"size": "gpt2s", "num_prompts": 64, "query_len": [4, 12], "max_new_tokens": 32,
+                             "batch_size": bsz, "repeats": 1, "prepacked_generation": True}) for bsz in (4, 64)],
     # (c) peak RSS of a short PPO run with a full / layer-sharing / LoRA reference
     *[("memory", size, {"size": size, "reference": ref, "num_shared_layers": n_shared, "batch_size": 8,
                         "mini_batch_size": 4, "ppo_epochs": 1, "steps": 2, "query_len": [8, 16],

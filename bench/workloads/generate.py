@@ -24,7 +24,8 @@ def main():
     tokenizer = common.load_tokenizer(common.tokenizer_json_path("default"))
     policy = common.load_policy(lib, ckpt)
     n = args["num_prompts"]
-    config = PPOConfig(batch_size=n, mini_batch_size=n, seed=0, model_name=f"bench-{size}")
+    config = PPOConfig(batch_size=n, mini_batch_size=n, seed=0, model_name=f"bench-{size}",
+                       **({"prepacked_generation": True} if args.get("prepacked_generation") and lib == "ours" else {}))
     trainer = PPOTrainer(config, policy, None, tokenizer)
     vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])
     queries, _, _ = common.synthetic_batch(n, tuple(args["query_len"]), (1, 1), vocab, seed=2)

@@ -7,12 +7,14 @@ response is cut after its first EOS (kept), and never contains padding.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rlhf_core.trainers.decode import decode, decode_settings
+from rlhf_core.models.prepacked_linear import prepacked_linears
 from rlhf_core.models.unwrap import language_model
 
 # Queries generated together. Every decoding step is one forward pass over the whole chunk with the KV cache,
@@ -75,26 +77,34 @@ def clean_generation(row: torch.Tensor, mask: torch.Tensor, return_prompt: bool,
 def generate_batched(model, tokenizer, queries: list[torch.Tensor], *, device: torch.device | str,
                      batch_size: int = DEFAULT_GENERATION_BATCH_SIZE,
                      length_sampler: Callable[[], int] | None = None, return_prompt: bool = True,
-                     is_encoder_decoder: bool = False, **generation_kwargs) -> list[torch.Tensor]:
+                     is_encoder_decoder: bool = False, prepack_weights: bool = False,
+                     **generation_kwargs) -> list[torch.Tensor]:
     """Generate for a list of 1-d queries in padded chunks of ``batch_size``; one cleaned tensor per query.
 
     ``model`` is an unwrapped model with ``generate``; ``generation_kwargs`` go to ``generate`` after
     ``generation_defaults``. ``length_sampler`` (if given) draws ``max_new_tokens`` once per chunk.
+    ``prepack_weights``: the CPU opt-in of ``rlhf_core.models.prepacked_linear`` for the whole call.
     """
     kwargs = generation_defaults(tokenizer, generation_kwargs)
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    outputs: list[torch.Tensor] = []
     batch_size = max(1, min(len(queries), batch_size))
-    for start in range(0, len(queries), batch_size):
-        if length_sampler is not None:
-            kwargs["max_new_tokens"] = length_sampler()
-        chunk = [q.to(device) for q in queries[start:start + batch_size]]
-        batch = pad_queries(chunk, pad_id_of(tokenizer), left=not is_encoder_decoder)
-        generated = _generate(model, batch, kwargs, is_encoder_decoder)  # (b, T + A)
-        for row, mask in zip(generated, batch["attention_mask"]):
-            outputs.append(clean_generation(row, mask, return_prompt, eos_id=eos_id, pad_id=pad_id,
-                                            is_encoder_decoder=is_encoder_decoder))
-    return outputs
+    lm = getattr(model, "pretrained_model", model)  # the value head does not take part
+    with prepacked_linears(lm, batch_size) if prepack_weights else contextlib.nullcontext():
+        return [row for start in range(0, len(queries), batch_size)
+                for row in _generate_chunk(model, tokenizer, queries[start:start + batch_size], kwargs, device,
+                                           length_sampler, return_prompt, is_encoder_decoder)]
+
+
+def _generate_chunk(model, tokenizer, chunk: list[torch.Tensor], kwargs: dict[str, Any], device,
+                    length_sampler: Callable[[], int] | None, return_prompt: bool,
+                    is_encoder_decoder: bool) -> list[torch.Tensor]:
+    """One chunk of ``generate_batched``: pad, generate, one cleaned tensor per query."""
+    if length_sampler is not None:
+        kwargs["max_new_tokens"] = length_sampler()
+    batch = pad_queries([q.to(device) for q in chunk], pad_id_of(tokenizer), left=not is_encoder_decoder)
+    generated = _generate(model, batch, kwargs, is_encoder_decoder)  # (b, T + A)
+    return [clean_generation(row, mask, return_prompt, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                             is_encoder_decoder=is_encoder_decoder)
+            for row, mask in zip(generated, batch["attention_mask"])]
 
 
 def _generate(model, batch: dict[str, torch.Tensor], kwargs: dict[str, Any], is_encoder_decoder: bool) -> torch.Tensor:

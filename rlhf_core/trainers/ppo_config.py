@@ -120,6 +120,14 @@ class PPOConfig:
     on CPU). Not exact: fused kernels sum in another order (bench/analysis.md "(a) step" gives the measured
     error after one step and the speed). The first steps compile (minutes on CPU; a C++ compiler is needed).
     """
+    prepacked_generation: bool = False
+    """Opt-in: ``generate`` on the CPU multiplies with weights packed once per call for oneDNN.
+
+    Decoding multiplies a few rows by every weight matrix per token, and the default CPU matmul repacks each
+    weight on every call; packed once, a GPT-2-small decoding step at batch 4 runs faster (bench/analysis.md
+    (b)). Not exact: the products are summed in another order (~1e-6 relative in the logits), so a sampled
+    token can differ where two candidates are that close; it holds a packed copy of the weights meanwhile.
+    """
     is_encoder_decoder: Optional[bool] = None
     """Set by the trainer from the model: whether the policy is an encoder-decoder."""
     is_peft_model: Optional[bool] = None

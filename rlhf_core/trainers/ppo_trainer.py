@@ -213,7 +213,8 @@ class PPOTrainer:
             run = lambda model: generate_batched(  # noqa: E731
                 self.accelerator.unwrap_model(model), self.tokenizer, list(query_tensor), device=self.accelerator.device,
                 batch_size=batch_size, length_sampler=length_sampler, return_prompt=return_prompt,
-                is_encoder_decoder=self.is_encoder_decoder, **generation_kwargs)
+                is_encoder_decoder=self.is_encoder_decoder, prepack_weights=self.config.prepacked_generation,
+                **generation_kwargs)
         else:
             if query_tensor.dim() != 1:
                 raise ValueError(
