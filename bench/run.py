@@ -29,6 +29,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
 import prepare  # noqa: E402
+from rlhf_core import cpu_allocator  # noqa: E402
 
 PYTHONS = {"ours": ROOT / ".venv" / "bin" / "python", "trl": BENCH / ".trl-venv" / "bin" / "python",
            "trl116": BENCH / ".trl116-venv" / "bin" / "python"}
@@ -88,9 +89,9 @@ def command(lib: str, workload: str, args: dict) -> list[str]:
     return cmd + ["--args", json.dumps(args, separators=(",", ":"))]
 
 
-# rlhf_core.cpu_allocator.SETTINGS as glibc's environment variables (rlhf_core then leaves malloc as given)
-SAME_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-                      "MALLOC_TOP_PAD_": str(64 << 20)}
+# rlhf_core's own CPU allocator settings as environment variables, given to both libraries' processes in the
+# "same_allocator" rows (rlhf_core then leaves malloc as given)
+SAME_ALLOCATOR_ENV = cpu_allocator.ENVIRONMENT
 
 
 def shown_command(lib: str, workload: str, args: dict) -> str:

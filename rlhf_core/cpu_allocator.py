@@ -35,7 +35,10 @@ SETTINGS = {
     M_TRIM_THRESHOLD: 1 << 30,  # give the heap top back to the kernel only when 1 GiB of it is free
     M_TOP_PAD: 64 << 20,  # grow the heap 64 MiB at a time
 }
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(SETTINGS[M_MMAP_THRESHOLD]),
+               "MALLOC_TRIM_THRESHOLD_": str(SETTINGS[M_TRIM_THRESHOLD]), "MALLOC_TOP_PAD_": str(SETTINGS[M_TOP_PAD])}
+"""The same settings as glibc's environment variables, for a process that does not import rlhf_core."""
+_USER_SETTINGS = (*ENVIRONMENT, "MALLOC_MMAP_MAX_")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 _state: dict[str, bool] = {}

@@ -1,5 +1,6 @@
 """rlhf_core.cpu_allocator: when glibc is told to keep freed memory, and that it then stops page-faulting."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,11 @@ from rlhf_core import cpu_allocator
 from rlhf_core.cpu_allocator import OPT_OUT_ENV, skip_reason
 
 linux_glibc = pytest.mark.skipif(cpu_allocator._glibc_mallopt() is None, reason="needs glibc")
+
+
+def test_the_environment_form_names_the_same_values():
+    assert cpu_allocator.ENVIRONMENT == {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "1073741824",
+                                         "MALLOC_TOP_PAD_": "67108864"}
 
 
 def test_a_plain_linux_environment_applies_the_settings():
@@ -51,8 +57,6 @@ _FAULTS = textwrap.dedent("""
 
 
 def _faults(env_extra: dict[str, str]) -> tuple[str, int]:
-    import os
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", _FAULTS], env={**env, **env_extra}, capture_output=True, text=True,
                          check=True).stdout.split()

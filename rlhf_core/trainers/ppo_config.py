@@ -121,7 +121,7 @@ class PPOConfig:
     error after one step and the speed). The first steps compile (minutes on CPU; a C++ compiler is needed).
     """
     prepacked_generation: bool = False
-    """Opt-in: ``generate`` on the CPU multiplies with weights packed once per call for oneDNN.
+    """Opt-in: ``generate`` on a list of queries, on the CPU, multiplies with weights packed once per call for oneDNN.
 
     Decoding multiplies a few rows by every weight matrix per token, and the default CPU matmul repacks each
     weight on every call; packed once, a GPT-2-small decoding step at batch 4 runs faster (bench/analysis.md
