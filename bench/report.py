@@ -120,13 +120,15 @@ def render(r: dict) -> str:
             for x in rows:
                 s = x["settings"]
                 if "skipped" in x:
-                    lines.append(f"| {x['size']} | {s.get('mixed_precision', 'fp32')} | skipped: {x['skipped']} |||||||| ")
+                    lines.append(f"| {x['size']} | {s.get('mixed_precision', 'fp32')}"
+                                 f"{', ours bf16_weights' if s.get('bf16_weights') else ''} | skipped: {x['skipped']} |||||||| ")
                     continue
                 o, t = x["median"]["ours"], x["median"]["trl"]
                 lines.append(f"| {x['size']} | B={s['batch_size']} mb={s['mini_batch_size']} epochs={s['ppo_epochs']} "
                              f"q={s['query_len']} r={s['response_len']}"
                              f"{' **' + s['mixed_precision'] + ' autocast**' if s.get('mixed_precision') else ' fp32'}"
                              f"{_compiled(o) if s.get('torch_compile') else ''}"
+                             f"{', **ours bf16_weights** (fp32 masters)' if s.get('bf16_weights') else ''}"
                              f"{' **both with the same allocator settings**' if s.get('same_allocator') else ''} | "
                              f"{_fmt(o['seconds_per_step'])} | "
                              f"{_fmt(t['seconds_per_step'])} | {_fmt(x['ratio'], 3)} | {_met(x)} | "

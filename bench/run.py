@@ -53,6 +53,9 @@ WORKLOADS = [
     # the same with bf16 autocast in both libraries (PPOConfig.accelerator_kwargs); skipped on a CPU without bf16 units
     ("step", "gpt2s", {**STEP, "size": "gpt2s", "batch_size": 8, "mini_batch_size": 4, "steps": 2,
                        "mixed_precision": "bf16"}),
+    # ours with bf16 weights and fp32 master weights (PPOConfig.bf16_weights) against TRL's bf16 autocast
+    ("step", "gpt2s", {**STEP, "size": "gpt2s", "batch_size": 8, "mini_batch_size": 4, "steps": 2,
+                       "mixed_precision": "bf16", "bf16_weights": True}),
     # (b) generate at EQUAL batch sizes (4 and 64), same prompts and sampling, in both libraries
     *[("generate", size, {"size": size, "num_prompts": 64, "query_len": [4, 12], "max_new_tokens": 32,
                           "batch_size": bsz, "repeats": 3 if size == "tiny" else 1})

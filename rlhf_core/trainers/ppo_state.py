@@ -2,9 +2,9 @@
 position that goes with them.
 
 A checkpoint is a directory (written atomically by ``rlhf_core.checkpointing``): policy + value head
-(``model.safetensors``), optimizer and scheduler (``torch.save``, read back with ``weights_only=True``), RNG
-states, and ``trainer_state.json`` (step, KL controller, running score moments, dataloader position, config,
-and the caller's ``extra``).
+(``model.safetensors``), optimizer and scheduler (``torch.save``, read back with ``weights_only=True``), the fp32
+master weights under ``bf16_weights``, RNG states, and ``trainer_state.json`` (step, KL controller, running score
+moments, dataloader position, config, and the caller's ``extra``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import warnings
 from typing import Any
 
 from rlhf_core import checkpointing as ckpt
+
+MASTER_WEIGHTS_FILE = "master_weights.pt"  # written only with PPOConfig(bf16_weights=True)
 
 # Config fields that may differ on resume without making the run inexact.
 _COSMETIC_FIELDS = {"exp_name", "log_with", "tracker_project_name", "tracker_kwargs", "project_kwargs"}
@@ -76,6 +78,8 @@ def save_state(trainer, path: str, extra: dict[str, Any] | None = None) -> None:
         with ckpt.atomic_directory(path) as tmp:
             ckpt.save_module_weights(accelerator.unwrap_model(trainer.model), tmp / "model.safetensors")
             ckpt.save_torch(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+            if trainer._master is not None:  # bf16_weights: the fp32 weights the bf16 ones are rounded from
+                ckpt.save_torch(trainer._master.state_dict(), tmp / MASTER_WEIGHTS_FILE)
             if trainer.lr_scheduler is not None:
                 ckpt.save_torch(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
             ckpt.save_torch(ckpt.capture_rng_state(), tmp / "rng_state.pt")
@@ -98,6 +102,9 @@ def _check_compatible(trainer, path, state: dict[str, Any]) -> dict[str, Any]:
                       stacklevel=3)
     if (trainer.lr_scheduler is None) != (not (path / "scheduler.pt").exists()):
         raise ValueError(f"{path}: the checkpoint and this trainer disagree on having an lr_scheduler")
+    if (trainer._master is None) != (not (path / MASTER_WEIGHTS_FILE).exists()):
+        raise ValueError(f"{path}: the checkpoint and this trainer disagree on PPOConfig.bf16_weights "
+                         "(fp32 master weights); build the trainer with the checkpoint's setting")
     return kl_state
 
 
@@ -108,6 +115,8 @@ def load_state(trainer, path: str) -> dict[str, Any]:
     kl_state = _check_compatible(trainer, path, state)
     accelerator = trainer.accelerator
     ckpt.load_module_weights(accelerator.unwrap_model(trainer.model), path / "model.safetensors")
+    if trainer._master is not None:
+        trainer._master.load_state_dict(ckpt.load_torch(path / MASTER_WEIGHTS_FILE))
     trainer.optimizer.load_state_dict(ckpt.load_torch(path / "optimizer.pt"))
     if trainer.lr_scheduler is not None:
         trainer.lr_scheduler.load_state_dict(ckpt.load_torch(path / "scheduler.pt"))

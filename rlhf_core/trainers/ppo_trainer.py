@@ -48,6 +48,7 @@ from rlhf_core.trainers.generation import (
     pad_id_of,
 )
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
+from rlhf_core.trainers.master_weights import MasterWeights
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo_config import PPOConfig
@@ -106,6 +107,7 @@ class PPOTrainer:
         self.dataloader = None if dataset is None else self.prepare_dataloader(dataset, data_collator)
         if optimizer is None:
             optimizer = ppo_setup.default_adam([p for p in model.parameters() if p.requires_grad], config.learning_rate)
+        self._master = self._bf16_weights(model, optimizer)
         self.kl_ctl = ppo_setup.kl_controller(config)
         self._prepare(model, optimizer, lr_scheduler)
         self.running = RunningMoments(self.accelerator)
@@ -135,6 +137,21 @@ class PPOTrainer:
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
             raise ValueError("tokenizer needs a pad_token or an eos_token to pad batches")
 
+    def _bf16_weights(self, model, optimizer) -> MasterWeights | None:
+        """``bf16_weights``: cast policy and reference to bf16, fp32 masters into the optimizer (before
+        ``accelerate`` wraps the model, so DDP buckets the bf16 gradients)."""
+        if not self.config.bf16_weights:
+            return None
+        if self.accelerator.mixed_precision == "fp16":
+            raise ValueError("PPOConfig.bf16_weights cannot be combined with mixed_precision='fp16'")
+        if self.accelerator.distributed_type not in _PLAIN_GRADIENTS:
+            raise ValueError(f"PPOConfig.bf16_weights is not supported with {self.accelerator.distributed_type}, "
+                             "which keeps its own master weights; use its mixed-precision setting instead")
+        master = MasterWeights(model, optimizer, torch.bfloat16)
+        if self.ref_model is not None:
+            self.ref_model.to(torch.bfloat16)
+        return master
+
     def _prepare(self, model, optimizer, lr_scheduler) -> None:
         """Hand model, optimizer, scheduler and dataloader to accelerate; put the reference model on the device."""
         if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
@@ -145,6 +162,8 @@ class PPOTrainer:
                 self.accelerator.prepare(self.dataloader), self.config.batch_size * self.accelerator.num_processes)
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
+        if self._master is not None:
+            self._master.to(self.accelerator.device)
         if self.config.torch_compile:
             ppo_setup.compile_transformers(self.accelerator.unwrap_model(self.model), self.ref_model)
 
@@ -544,11 +563,15 @@ class PPOTrainer:
         if not torch.isfinite(loss):
             return self._skip_update(stats, f"non-finite loss ({float(loss.detach())})")
         self.accelerator.backward(loss)
+        if self._master is not None:
+            self._master.grads_to_masters()  # fp32 accumulation; the norm, clipping and update act on the masters
         if self.accelerator.sync_gradients:
             grad_norm = self._gradient_norm()
             if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
                 return self._skip_update(stats, f"non-finite gradient norm ({float(grad_norm)})")
         self.optimizer.step()
+        if self._master is not None and self.accelerator.sync_gradients:
+            self._master.masters_to_params()
         self.optimizer.zero_grad()  # the accelerator only really steps/zeroes at accumulation boundaries
         self._nonfinite_in_a_row = 0
         return stats
@@ -560,11 +583,12 @@ class PPOTrainer:
         also multiply every gradient by 1.0 (3% of a GPT-2-small step, bench/profile_step.py). Sharded
         engines (DeepSpeed, FSDP) keep their own norm computation.
         """
+        params = self._master.masters if self._master is not None else list(self.model.parameters())
         if self.config.max_grad_norm is not None or self.accelerator.distributed_type not in _PLAIN_GRADIENTS:
             max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
-            return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+            return self.accelerator.clip_grad_norm_(params, max_norm)
         self.accelerator.unscale_gradients()  # fp16 loss scaling: measure the true gradients
-        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
     def _skip_update(self, stats: dict[str, torch.Tensor], reason: str) -> dict[str, torch.Tensor]:
         """Drop this mini-batch's gradients, count the skip, stop after too many in a row."""
