@@ -141,3 +141,37 @@ def test_bad_setups_are_refused_before_any_weight_changes(tokenizer):
     with pytest.raises(ValueError, match="freshly built optimizer"):
         MasterWeights(layer, optimizer)
     assert layer.weight.dtype == torch.float32  # untouched
+
+
+def test_lora_policy_keeps_masters_for_the_adapter_only(tokenizer):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0), peft_config=lora)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-2, bf16_weights=True),
+                             model, None, tokenizer)
+    assert len(trainer._master.masters) == len(trainable)  # the frozen base has no fp32 copy
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer.step(*_batch(), SCORES)
+    second = trainer.step(*_batch(), SCORES)
+    assert second["objective/kl"] != 0.0  # the adapter moved away from the adapter-disabled reference
+    assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n in base)
+
+
+def test_shared_reference_layers_stay_shared_and_frozen(tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-3, bf16_weights=True),
+                             model, None, tokenizer, num_shared_layers=1)
+    policy_block = model.pretrained_model.transformer.h[0].attn.c_attn.weight
+    ref_block = trainer.ref_model.pretrained_model.transformer.h[0].attn.c_attn.weight
+    assert policy_block is ref_block and policy_block.dtype == torch.bfloat16 and not policy_block.requires_grad
+    before = policy_block.detach().clone()
+    trainer.step(*_batch(), SCORES)
+    assert torch.equal(before, policy_block)

@@ -9,7 +9,8 @@ rely on it.)
 PPO: each rank builds the same tiny policy, steps twice on its OWN batch (different queries and scores
 per rank), and writes its weights and returned stats. The test then checks that DDP kept both ranks'
 weights identical, that the weights moved, and that the returned stats are gathered across ranks (the
-mean score both ranks report is the mean of the two local means, and equal on both ranks).
+mean score both ranks report is the mean of the two local means, and equal on both ranks). The same again with
+``bf16_weights=True``: bf16 weights on both ranks, and identical fp32 master weights.
 
 SFT, reward, DPO (``transformers.Trainer`` subclasses): ONE launch runs the three trainers in sequence
 (imports cost more than training). Each trains ``HF_STEPS`` steps, per-device batch 2, on an 8-example
@@ -63,7 +64,7 @@ def _local_scores(rank: int, step: int) -> list[float]:
     return [(1.0 if rank == 0 else -3.0) + 0.25 * i + 0.1 * step for i in range(4)]
 
 
-def _worker(out: Path) -> None:
+def _worker(out: Path, bf16_weights: bool = False) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -74,7 +75,8 @@ def _worker(out: Path) -> None:
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     policy = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
-    config = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3, seed=0)
+    config = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3, seed=0,
+                       bf16_weights=bf16_weights)
     trainer = PPOTrainer(config, policy, None, tokenizer)
     rank = trainer.accelerator.process_index
     g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
@@ -88,6 +90,9 @@ def _worker(out: Path) -> None:
                                                              "objective/kl_coef")})
     model = trainer.accelerator.unwrap_model(trainer.model)
     save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{rank}.safetensors"))
+    if bf16_weights:  # the fp32 masters the bf16 weights are rounded from
+        save_file({k: v.clone().contiguous() for k, v in trainer._master.state_dict().items()},
+                  str(out / f"masters{rank}.safetensors"))
     (out / f"rank{rank}.json").write_text(json.dumps({"world": trainer.accelerator.num_processes,
                                                       "type": str(trainer.accelerator.distributed_type),
                                                       "stats": records}))
@@ -249,8 +254,9 @@ def _launch(flag: str, out: Path) -> None:
     run_two_processes(__file__, flag, str(out))
 
 
-def test_two_process_ppo_keeps_ranks_identical_and_gathers_stats(tmp_path):
-    _launch("--worker", tmp_path)
+@pytest.mark.parametrize("bf16_weights", [False, True])
+def test_two_process_ppo_keeps_ranks_identical_and_gathers_stats(tmp_path, bf16_weights):
+    _launch("--worker-bf16" if bf16_weights else "--worker", tmp_path)
 
     from safetensors.torch import load_file
 
@@ -265,7 +271,12 @@ def test_two_process_ppo_keeps_ranks_identical_and_gathers_stats(tmp_path):
     for key in w0:
         assert torch.equal(w0[key], w1[key]), f"ranks differ on {key}"
     initial = tiny_causal_lm(build_tokenizer(), seed=0).state_dict()
-    assert not torch.equal(w0["transformer.h.0.mlp.c_fc.weight"], initial["transformer.h.0.mlp.c_fc.weight"])
+    assert not torch.equal(w0["transformer.h.0.mlp.c_fc.weight"].float(), initial["transformer.h.0.mlp.c_fc.weight"])
+    if bf16_weights:  # DDP reduced the bf16 gradients; both ranks' fp32 masters took the same updates
+        assert {t.dtype for t in w0.values() if t.is_floating_point()} == {torch.bfloat16}
+        m0, m1 = (load_file(str(tmp_path / f"masters{r}.safetensors")) for r in (0, 1))
+        assert m0 and set(m0) == set(m1) and all(torch.equal(m0[k], m1[k]) for k in m0)
+        assert {t.dtype for t in m0.values()} == {torch.float32}
 
     for step in range(STEPS):
         expected = (sum(_local_scores(0, step)) / 4 + sum(_local_scores(1, step)) / 4) / 2
@@ -409,5 +420,7 @@ def test_two_process_dpo_shards_data_keeps_reference_frozen_and_gathers_metrics(
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker(Path(sys.argv[sys.argv.index("--worker") + 1]))
+if __name__ == "__main__" and "--worker-bf16" in sys.argv:
+    _worker(Path(sys.argv[sys.argv.index("--worker-bf16") + 1]), bf16_weights=True)
 if __name__ == "__main__" and "--trainers-worker" in sys.argv:
     _trainers_worker(Path(sys.argv[sys.argv.index("--trainers-worker") + 1]))
