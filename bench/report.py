@@ -28,6 +28,32 @@ def _target(t: dict, unit: str) -> str:
     return "**met**" if t["met"] else f"**missed** by {t['missed_by']:.3g}{unit}"
 
 
+# A run's 1-minute load before it starts above this means other work shared the host: the bench's own
+# processes (one per run, one thread each) keep the load near 1.0 on their own.
+LOADED = 1.5
+
+
+def loaded_runs_note(rows: list[dict]) -> list[str]:
+    """A line naming the rows with a run that started under another job's load (``load_before`` > ``LOADED``)."""
+    flagged = []
+    for x in rows:
+        loads = [run["load_before"] for runs in x.get("runs", {}).values() for run in runs if "load_before" in run]
+        if loads and max(loads) > LOADED:
+            flagged.append(f"{x['size']} {x['workload']} {_settings_tag(x['settings'])}(up to {max(loads):.2f})")
+    if not flagged:
+        return []
+    return [f"**Measured under load** (1-minute load above {LOADED} before a run: other work shared the host, "
+            f"so these timings are noisier): {'; '.join(flagged)}.", ""]
+
+
+def _settings_tag(settings: dict) -> str:
+    tags = [name for name in ("torch_compile", "same_allocator", "prepacked_generation", "bf16_weights")
+            if settings.get(name)]
+    if "batch_size" in settings:
+        tags.append(f"batch {settings['batch_size']}")
+    return "".join(f"[{t}] " for t in tags)
+
+
 def _table(header: list[str], rows) -> list[str]:
     """A Markdown table: the header, its rule, then one line per row of cells (cells already formatted)."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
@@ -187,6 +213,7 @@ def render(r: dict) -> str:
                           "", "KL per step, TRL: " + ", ".join(f"{k:.3f}" for k in t["kl_per_step"]), ""]
         elif name == "online":
             lines += _online_table(rows)
+        lines += loaded_runs_note(rows)
         lines += ["Commands (one process each):", ""]
         for x in rows:
             for lib, cmd in x.get("commands", {}).items():

@@ -80,3 +80,18 @@ def test_report_table_says_which_target_is_missed_and_by_how_much(run):
                            max_completion_length=20, prompt_words=4)
     text = "\n".join(report._online_table([row]))
     assert "| grpo | **missed** by 0.05 gold | **missed** by 1 s (1) | **missed** by 5 MB (1.01) |" in text
+
+
+def test_report_flags_rows_measured_under_load(run):
+    import report
+
+    def timed(load):
+        return {"seconds_per_step": 1.0, "load_before": load}
+
+    quiet = {"workload": "step", "size": "mid", "settings": {"batch_size": 16},
+             "runs": {"ours": [timed(1.0), timed(1.2)], "trl": [timed(1.1), timed(1.0)]}}
+    loaded = {"workload": "step", "size": "tiny", "settings": {"batch_size": 32, "torch_compile": True},
+              "runs": {"ours": [timed(1.0), timed(1.72)], "trl": [timed(1.3), timed(1.0)]}}
+    assert report.loaded_runs_note([quiet]) == []
+    note = "\n".join(report.loaded_runs_note([quiet, loaded]))
+    assert "tiny step [torch_compile] [batch 32] (up to 1.72)" in note and "mid" not in note
