@@ -221,6 +221,28 @@ def test_step_returns_every_documented_stat_finite(tokenizer):
     assert stats["ppo/mean_scores"] == pytest.approx(0.7)
 
 
+class RetrainsAfterEachUpdate(PPOTrainer):
+    """A subclass that puts the policy back in train mode after every update (as custom loops do)."""
+
+    def train_minibatch(self, *args):
+        stats = super().train_minibatch(*args)
+        self.model.train()
+        return stats
+
+
+def test_every_forward_of_a_step_runs_without_dropout(tokenizer):
+    model = make_policy(tokenizer).train()  # handed over in train mode
+    trainer = RetrainsAfterEachUpdate(PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-3), model, None,
+                                      tokenizer)
+    modes = []
+    for network in (trainer.model, trainer.ref_model):
+        for module in network.modules():
+            module.register_forward_pre_hook(lambda m, _: modes.append(m.training))
+    queries, responses = batch_of(tokenizer)
+    trainer.step(queries, responses, [torch.tensor(1.0)] * 4)
+    assert len(modes) > 100 and not any(modes)  # every module of every forward, the rollout's and the updates'
+
+
 def test_first_minibatch_ratio_is_one_and_kl_zero_when_policy_equals_reference(tokenizer):
     trainer = make_trainer(tokenizer, ppo_epochs=1, batch_size=4, mini_batch_size=4)
     seen = []
