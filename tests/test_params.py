@@ -102,6 +102,48 @@ def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
         assert out.startswith(("data/", "models/"))
 
 
+# Imported by the stage tasks but only report elsewhere (MLflow, Prefect, logs): they cannot change a stage's outputs
+REPORTING_ONLY = {"rlhf_core/tracking.py", "rlhf_core/wandb_tracker.py", "tasks/logs.py", "tasks/mlflow_runs.py",
+                  "tasks/prefect_context.py", "tasks/provenance.py", "tasks/stage_run.py"}
+
+
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
+    """Every project module the stage's task imports (tests/import_closure.py), but the reporting ones, is a dep:
+    a change to any of them re-runs the stage, so no committed output is left behind its code. Deps beyond the
+    static imports stay allowed (names resolved at run time, e.g. ``getattr(rlhf_core, f"{name}Trainer")``)."""
+    from import_closure import ImportGraph
+
+    from rlhf_core._lazy import PUBLIC
+
+    graph = ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
+    task_file = ROOT / task_module_file(stage)
+    imported = graph.files(graph.closure(graph.module_of(task_file)))
+    assert len(imported) > 10 and REPORTING_ONLY & imported  # the walk reached the stage's library code
+    missing = sorted(imported - REPORTING_ONLY - set(_names(dvc_stages[stage]["deps"])))
+    assert not missing, f"dvc.yaml stage {stage} lacks deps it imports: {missing}"
+
+
+def test_import_closure_follows_lazy_exports_and_lazy_imports(tmp_path):
+    from import_closure import ImportGraph
+
+    for rel, text in {
+        "pkg/__init__.py": "from pkg._lazy import lazy\n__getattr__ = lazy\n",
+        "pkg/_lazy.py": "",
+        "pkg/trainer.py": "from . import losses\ndef build():\n    from pkg.sub import helper\n",
+        "pkg/losses.py": "import torch\n",
+        "pkg/sub/__init__.py": "from .impl import helper\n",
+        "pkg/sub/impl.py": "",
+        "pkg/unused.py": "",
+        "task.py": "from pkg import Trainer\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = ImportGraph(tmp_path, ("pkg", "task"), {"Trainer": "pkg.trainer"})
+    assert graph.files(graph.closure("task")) == {
+        "task.py", "pkg/__init__.py", "pkg/_lazy.py", "pkg/trainer.py", "pkg/losses.py", "pkg/sub/impl.py"}
+
+
 def test_outputs_feed_downstream_stages(dvc_stages):
     produced = {o for s in dvc_stages.values() for o in _names(s.get("outs"))}
     for stage, entry in dvc_stages.items():
