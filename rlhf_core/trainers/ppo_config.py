@@ -118,8 +118,9 @@ class PPOConfig:
 
     Fewer operator launches per forward and backward, which can pay only where a step is overhead-bound (small
     models); on the bench's tiny model on CPU four runs measured step times of -10%, -1%, +16% and -25% against
-    eager, so no reliable gain there. Not exact: fused kernels sum in another order (bench/analysis.md "(a) step" gives the measured
-    error after one step and the speed). The first steps compile (minutes on CPU; a C++ compiler is needed).
+    eager, so no reliable gain there. Not exact: fused kernels sum in another order (bench/analysis.md "(a)
+    step" gives the measured error after one step and the speed). The first steps compile (minutes on CPU; a
+    C++ compiler is needed).
     """
     prepacked_generation: bool = False
     """Opt-in: ``generate`` on a list of queries, on the CPU, multiplies with weights packed once per call for oneDNN.
