@@ -251,6 +251,22 @@ def synthetic_batch(n: int, query_len: tuple[int, int], response_len: tuple[int,
     return queries, responses, scores
 
 
+def profiled_step(lib: str, args: dict):
+    """The step bench's trainer and batch for the profiling scripts: ``(trainer, tokenizer, queries, responses,
+    scores)`` on the random ``args["size"]`` model (batch 32 / mini-batch 8 on tiny, 8 / 4 otherwise)."""
+    PPOConfig, PPOTrainer, _, _ = library(lib)
+    size = args.get("size", "tiny")
+    tokenizer = load_tokenizer(tokenizer_json_path("default"))
+    policy = load_policy(lib, ensure_random_checkpoint(size, seed=0))
+    bs, mb = args.get("batch_size", 32 if size == "tiny" else 8), args.get("mini_batch_size", 8 if size == "tiny" else 4)
+    trainer = PPOTrainer(PPOConfig(batch_size=bs, mini_batch_size=mb, ppo_epochs=args.get("ppo_epochs", 4),
+                                   learning_rate=1e-5, seed=0,
+                                   accelerator_kwargs={"mixed_precision": args["mixed_precision"]}
+                                   if args.get("mixed_precision") else {}), policy, None, tokenizer)
+    vocab = min(len(tokenizer), SIZES[size]["vocab_size"])
+    return (trainer, tokenizer, *synthetic_batch(bs, (8, 16), (16, 32), vocab, seed=1))
+
+
 def rt_polarity_lines() -> list[str]:
     """All snippets of the rt-polarity corpus (latin-1 text files), or [] when it is not present."""
     lines: list[str] = []

@@ -53,15 +53,7 @@ def main():
     lib, args = common.parse_args()
     import torch
 
-    PPOConfig, PPOTrainer, _, _ = common.library(lib)
-    size = args.get("size", "tiny")
-    bs, mb = args.get("batch_size", 32 if size == "tiny" else 8), args.get("mini_batch_size", 8 if size == "tiny" else 4)
-    tokenizer = common.load_tokenizer(common.tokenizer_json_path("default"))
-    policy = common.load_policy(lib, common.ensure_random_checkpoint(size, seed=0))
-    trainer = PPOTrainer(PPOConfig(batch_size=bs, mini_batch_size=mb, ppo_epochs=4, learning_rate=1e-5, seed=0),
-                         policy, None, tokenizer)
-    vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])
-    q, r, s = common.synthetic_batch(bs, (8, 16), (16, 32), vocab, seed=1)
+    trainer, _, q, r, s = common.profiled_step(lib, args)
     trainer.step(q, r, s)  # warm-up
     clock = Clock()
     for model in {id(m): m for m in (trainer.model, trainer.ref_model) if m is not None}.values():
@@ -73,8 +65,8 @@ def main():
         trainer.step(q, r, s)
     total = (time.perf_counter() - start) / steps
     forward, backward = clock.forward / steps, clock.backward / steps
-    common.emit({"lib": common.version_of(lib), "size": size, "step_seconds": total, "forward_seconds": forward,
-                 "backward_seconds": backward, "rest_seconds": total - forward - backward})
+    common.emit({"lib": common.version_of(lib), "size": args.get("size", "tiny"), "step_seconds": total,
+                 "forward_seconds": forward, "backward_seconds": backward, "rest_seconds": total - forward - backward})
 
 
 if __name__ == "__main__":

@@ -22,20 +22,9 @@ import common  # noqa: E402
 
 def main():
     lib, args = common.parse_args()
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    PPOConfig, PPOTrainer, _, _ = common.library(lib)
-    size = args.get("size", "tiny")
-    tokenizer = common.load_tokenizer(common.tokenizer_json_path("default"))
-    policy = common.load_policy(lib, common.ensure_random_checkpoint(size, seed=0))
-    bs, mb = args.get("batch_size", 32 if size == "tiny" else 8), args.get("mini_batch_size", 8 if size == "tiny" else 4)
-    trainer = PPOTrainer(PPOConfig(batch_size=bs, mini_batch_size=mb, ppo_epochs=args.get("ppo_epochs", 4),
-                                   learning_rate=1e-5, seed=0,
-                                   accelerator_kwargs={"mixed_precision": args["mixed_precision"]}
-                                   if args.get("mixed_precision") else {}), policy, None, tokenizer)
-    vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])
-    q, r, s = common.synthetic_batch(bs, (8, 16), (16, 32), vocab, seed=1)
+    trainer, tokenizer, q, r, s = common.profiled_step(lib, args)
     if args.get("what", "step") == "step":
         run = lambda: trainer.step(q, r, s)  # noqa: E731
     else:
