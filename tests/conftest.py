@@ -44,3 +44,28 @@ def _isolate_mlflow_tracking_uri():
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+@pytest.fixture(scope="session")
+def committed_tree(tmp_path_factory):
+    """The checkout's last commit, extracted into a temporary folder (``git archive HEAD``).
+
+    Tests of "what is committed is true" (dvc.lock, metrics, plots, the README table) read this, never the
+    working tree: the documented journeys change the working tree on purpose (``make run`` on another CPU,
+    ``dvc exp run`` applies an experiment, ``make intake`` adds a batch), and a test must not fail because a
+    user did what the README says. Outside a git checkout (an unpacked archive) the folder itself is the state."""
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=root, capture_output=True)
+    if archive.returncode != 0:
+        return root
+    target = tmp_path_factory.mktemp("committed")
+    tar_path = target.parent / f"{target.name}.tar"
+    tar_path.write_bytes(archive.stdout)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(target, filter="data")
+    tar_path.unlink()
+    return target

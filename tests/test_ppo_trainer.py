@@ -255,9 +255,14 @@ def test_first_minibatch_ratio_is_one_and_kl_zero_when_policy_equals_reference(t
     trainer.loss = spy
     queries, responses = batch_of(tokenizer)
     stats = trainer.step(queries, responses, [torch.tensor(1.0)] * 4)
-    assert seen[0] == 0.0  # ratio exactly 1
-    assert stats["objective/kl"] == 0.0 and stats["ppo/policy/approxkl"] == 0.0
-    assert np.all(stats["objective/kl_dist"] == 0.0)
+    assert seen[0] == 0.0  # ratio exactly 1: the first mini-batch re-uses the rollout's own log-probs
+    assert stats["ppo/policy/approxkl"] == 0.0
+    # The KL compares two forwards of equal weights that do not run the same kernels: the policy's first
+    # mini-batch forward (with gradients, rows in the mini-batch's shuffled order) and the reference's no-grad
+    # forward of the batch. AVX2 kernels happen to round both alike; AVX-512 ones do not (measured 1.2e-7 and
+    # 3.6e-7 nats), so "zero" means zero up to float32 rounding of ~10 summed log-probs.
+    assert abs(stats["objective/kl"]) < 1e-5
+    assert np.all(np.abs(stats["objective/kl_dist"]) < 1e-5)
 
 
 @pytest.mark.parametrize("kl_penalty", ["kl", "full"])

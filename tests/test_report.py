@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from flows.report import END, START, replace_block, results_block, results_table
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def test_readme_results_block_is_generated_from_committed_metrics():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = results_block(ROOT)
+def test_readme_results_block_is_generated_from_committed_metrics(committed_tree):
+    text = (committed_tree / "README.md").read_text(encoding="utf-8")
+    block = results_block(committed_tree)
     assert text.count(START) == 1 and text.count(END) == 1
     assert block in text, "README.md's results table is stale: run `python -m flows.report readme`"
 
