@@ -25,12 +25,47 @@ for _key, _value in {
     # a tracking server that dies mid-stage: fail over to the spool in seconds, not 4 minutes of client retries
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    # a CLI's own log lines outside a flow run (intake, the end block) are not flow-run logs: no UserWarning that
+    # they cannot be sent to the API (they still print); inside a flow run, logs stream as before
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }.items():
     os.environ.setdefault(_key, _value)
 
+PORTABLE_CPU_KERNELS = {
+    # ATen's vectorised kernels (elementwise ops, softmax, layer norm, torch.randn's normal fill): AVX2 on every
+    # AVX2 machine, instead of AVX-512 code on machines that have it (other rounding, other initial weights)
+    "ATEN_CPU_CAPABILITY": "avx2",
+    # MKL's sgemm: the one code branch MKL documents as giving the same bits on Intel and AMD ("COMPATIBLE";
+    # MKL_CBWR=AVX2 is honoured on Intel only and falls back to the native branch on AMD)
+    "MKL_CBWR": "COMPATIBLE",
+    # oneDNN (bf16 matmuls, some fused ops): no AVX-512/AMX kernels
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+"""The CPU kernel pins of the pipeline's entry points: with them (and one thread) a stage writes the same bytes on
+every x86-64 CPU with AVX2, AMD or Intel, AVX-512/AMX or not (docs/pipeline.md, "Same bytes on every CPU").
+Measured cost on the default pipeline: docs/pipeline.md. ``RLHF_CPU_KERNELS=native`` leaves the environment as
+it is (fastest kernels of the machine; outputs then differ between CPU kinds in the last bits)."""
+
+
+def pin_cpu_kernels(environ=os.environ) -> dict[str, str]:
+    """Set :data:`PORTABLE_CPU_KERNELS` in ``environ`` (overriding: a machine's own choice is what they pin) unless
+    ``RLHF_CPU_KERNELS=native``; returns what was set. Must run before torch first runs a kernel (at import here)."""
+    mode = environ.get("RLHF_CPU_KERNELS", "portable")
+    if mode not in ("portable", "native"):
+        raise ValueError(f"RLHF_CPU_KERNELS={mode!r}: use 'portable' (default, same bytes on every CPU) or 'native'")
+    if mode == "native":
+        return {}
+    environ.update(PORTABLE_CPU_KERNELS)
+    return dict(PORTABLE_CPU_KERNELS)
+
+
+pin_cpu_kernels()
+
 from rlhf_core.tracking import install_log_redaction  # noqa: E402
+from tasks.logs import quiet_known_messages  # noqa: E402
 
 install_log_redaction()  # credentials in MLFLOW_TRACKING_URI never reach the Prefect log or stderr
+quiet_known_messages()  # known, harmless third-party messages (tasks/logs.py KNOWN_HARMLESS says why each)
 
 
 def exit_promptly(code: int, drain_s: float = 2.0, server_grace_s: float = 2.0) -> None:

@@ -148,3 +148,44 @@ def test_the_pipeline_entry_points_train_on_one_thread_unless_told_otherwise():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     default, chosen = (_torch_threads_after_importing_flows(e) for e in (env, {**env, "OMP_NUM_THREADS": "2"}))
     assert (default, chosen) == (1, 2)  # an explicit OMP_NUM_THREADS stays the user's choice
+
+
+def _after_importing_flows(env: dict[str, str], code: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", f"import flows, os, torch; {code}"], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_pipeline_entry_points_pin_portable_cpu_kernels():
+    """ATen's vectorised kernels at AVX2, MKL's CNR branch that Intel and AMD share, oneDNN capped at AVX2: the
+    same bytes on every x86-64 CPU with AVX2 (docs/pipeline.md). A machine's own setting is overridden (that is
+    what is pinned); ``RLHF_CPU_KERNELS=native`` keeps it."""
+    import os
+
+    import torch
+
+    code = "print(torch.backends.cpu.get_cpu_capability(), os.environ['MKL_CBWR'], os.environ['ONEDNN_MAX_CPU_ISA'])"
+    from flows import PORTABLE_CPU_KERNELS
+
+    # (another test may have imported flows in this process: its pins are in os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in ("RLHF_CPU_KERNELS", *PORTABLE_CPU_KERNELS)}
+    native = torch.backends.cpu.get_cpu_capability()  # this test process: nothing pinned
+    expected = "AVX2" if native in ("AVX2", "AVX512") else native  # a CPU without AVX2 keeps its default kernels
+    assert _after_importing_flows({**env, "ATEN_CPU_CAPABILITY": "avx512"}, code) == f"{expected} COMPATIBLE AVX2"
+    kept = _after_importing_flows({**env, "RLHF_CPU_KERNELS": "native", "MKL_CBWR": "AUTO"},
+                                  "print(os.environ.get('MKL_CBWR'), 'ONEDNN_MAX_CPU_ISA' in os.environ)")
+    assert kept == "AUTO False"
+
+
+def test_an_unknown_kernel_mode_is_refused_by_name():
+    from flows import pin_cpu_kernels
+
+    environ = {"RLHF_CPU_KERNELS": "fast"}
+    with pytest.raises(ValueError, match="RLHF_CPU_KERNELS='fast'"):
+        pin_cpu_kernels(environ)
+    assert environ == {"RLHF_CPU_KERNELS": "fast"}  # nothing set
+    assert pin_cpu_kernels({"RLHF_CPU_KERNELS": "native"}) == {}
