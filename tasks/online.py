@@ -48,7 +48,25 @@ def text_reward(spec: str, reward_model_path: Path) -> Callable[..., list[float]
 
 
 ONLINE_COLUMNS = ("step", "reward", "reward_std", "kl", "loss", "entropy")
-"""plots/grpo.csv and plots/rloo.csv: per optimizer step (``kl``: GRPO's per-token k3 mean, RLOO's per-sequence sum)."""
+"""plots/grpo.csv and plots/rloo.csv: per optimizer step (``kl``: GRPO's per-token k3 mean, RLOO's per-sequence sum).
+``reward``/``reward_std`` (and RLOO's ``kl``, part of its reward) are those of the completions the step optimises,
+measured when they were generated (see :func:`fill_reused_batches`)."""
+
+GENERATION_COLUMNS = ("reward", "reward_std", "kl")
+"""Columns the trainers log only on the step that generates a batch (RLOO's ``kl`` enters its reward there)."""
+
+
+def fill_reused_batches(rows: list[dict], num_iterations: int) -> list[dict]:
+    """Rows whose :data:`GENERATION_COLUMNS` are complete: with ``num_iterations`` > 1 one generated batch is
+    optimised for ``num_iterations`` steps, and the trainers log its reward (and RLOO its KL) only at the first.
+    The steps that re-use the batch get that batch's values: they are the rewards of what those steps optimise,
+    not a guess (a blank cell is drawn as 0 by DVC's plots). A value logged on a re-use step is kept."""
+    filled, batch = [], {}
+    for i, row in enumerate(rows):
+        if i % num_iterations == 0:  # the step that generated this block's batch
+            batch = {k: row.get(k) for k in GENERATION_COLUMNS}
+        filled.append({**row, **{k: batch[k] for k in GENERATION_COLUMNS if row.get(k) is None}})
+    return filled
 
 
 def online_policy_stage(stage: str, root: str, parent_run_id: str | None) -> dict:
@@ -87,6 +105,7 @@ def online_policy_stage(stage: str, root: str, parent_run_id: str | None) -> dic
 
         trainer, rows = train_policy(stage, root_path, run, p, build, io["outs"][0],
                                      (f"{name}Trainer", f"{sft_dir} (SFT policy; also the KL reference)"), ONLINE_COLUMNS)
+        rows = fill_reused_batches(rows, p.num_iterations)
         metrics = {"enabled": True, "reward_mean_first": round(float(rows[0]["reward"]), 4),
                    "reward_mean_last": last_fifth_mean(rows, "reward"), "kl_last": last_fifth_mean(rows, "kl"),
                    "steps": trainer.state.global_step, "num_processes": trainer.args.world_size,
@@ -98,4 +117,4 @@ def online_policy_stage(stage: str, root: str, parent_run_id: str | None) -> dic
     return metrics
 
 
-__all__ = ["ONLINE_COLUMNS", "grpo_task", "online_policy_stage", "rloo_task", "text_reward"]
+__all__ = ["GENERATION_COLUMNS", "ONLINE_COLUMNS", "fill_reused_batches", "grpo_task", "online_policy_stage", "rloo_task", "text_reward"]

@@ -224,6 +224,7 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
         assert json.loads((project / "metrics" / f"{stage}.json").read_text()) == metrics
         rows = list(csv.DictReader((project / "plots" / f"{stage}.csv").open()))
         assert len(rows) == metrics["steps"], stage  # one row per optimizer step (logging_steps 1)
+        assert stage == "kto" or all(r["reward"] for r in rows), stage  # a re-used batch carries its reward
     assert json.loads((project / "metrics" / "grpo.json").read_text())["completions_per_step"] == 8
     from tasks.dpo import dpo_task
 
@@ -235,6 +236,6 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
     from tasks.registry import pick_challenger
 
     rule = RegistryParams(model_name="m", candidates=["ppo", "dpo", "grpo", "rloo", "kto"], metric="gold_reward",
-                          min_improvement=0.0, max_kl=1e9)
+                          min_improvement=0.0, max_kl=1e9, significance=0.05, bootstrap_samples=100, seed=0)
     best = max(("grpo", "rloo", "kto"), key=lambda n: results[n]["gold_reward"])
     assert pick_challenger(results, rule) == best
