@@ -141,23 +141,74 @@ def mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
+@dataclass(frozen=True)
+class PromptScores:
+    """Per-prompt scores of one policy's samples, in prompt order (what a paired comparison of two policies on the
+    same prompts needs; the means are ``gold_reward`` and ``rm_reward``)."""
+
+    gold: list[float]
+    """Gold-judge score of each prompt's sample."""
+    rm: list[float]
+    """Learned reward-model score of each prompt's sample."""
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """Paired bootstrap test (Koehn 2004, "Statistical significance tests for machine translation evaluation") of
+    ``mean(scores - baseline) > 0`` over the same prompts."""
+
+    n: int
+    """Prompts compared."""
+    gain: float
+    """Mean per-prompt difference, scores - baseline."""
+    low: float
+    """Lower end of the two-sided ``confidence`` interval of the gain (bootstrap percentiles)."""
+    high: float
+    """Upper end of that interval."""
+    p_value: float
+    """One-sided: the share of resamples in which the scores do not win, ``(1 + #{mean <= 0}) / (1 + samples)``."""
+
+
+def paired_bootstrap(scores: Sequence[float], baseline: Sequence[float], samples: int = 10_000, seed: int = 0,
+                     confidence: float = 0.95) -> PairedTest:
+    """Resample the prompts with replacement ``samples`` times (numpy PCG64 seeded with ``seed``: the same
+    resamples on every machine) and count how often the mean difference fails to be positive.
+
+    ``scores`` and ``baseline`` are paired per prompt (N,). A small p-value says the gain is larger than what
+    the choice of prompts alone would produce; identical lists give p = 1."""
+    import numpy as np
+
+    diff = np.asarray(scores, dtype=np.float64) - np.asarray(baseline, dtype=np.float64)  # (N,)
+    if diff.ndim != 1 or len(diff) == 0 or len(scores) != len(baseline):
+        raise ValueError(f"paired_bootstrap needs two equal, non-empty lists, got {len(scores)} and {len(baseline)}")
+    if samples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"paired_bootstrap: samples={samples} must be >= 1, confidence={confidence} in (0, 1)")
+    rows = np.random.default_rng(seed).integers(0, len(diff), size=(samples, len(diff)))  # (S, N) prompt indices
+    means = diff[rows].mean(axis=1)  # (S,)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return PairedTest(n=len(diff), gain=float(diff.mean()), low=float(low), high=float(high),
+                      p_value=float((1 + np.count_nonzero(means <= 0)) / (1 + samples)))
+
+
 def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], heldout_texts: Sequence[str],
                     gold: Callable[[list[str]], list[float]], learned: Callable[[list[str]], list[float]],
                     baseline_gold: Sequence[float] | None = None, max_new_tokens: int = 20, batch_size: int = 64,
-                    seed: int = 0) -> tuple[dict[str, float], Samples, list[float]]:
-    """All metrics of one policy: (metrics, samples, per-sample gold scores).
+                    seed: int = 0) -> tuple[dict[str, float], Samples, PromptScores]:
+    """All metrics of one policy: (metrics, samples, per-prompt gold and reward-model scores).
 
     ``baseline_gold`` = the reference policy's per-sample gold scores on the same prompts (for the win
     rate); without it the policy is the baseline and its win rate is 0.5.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     samples = sample_responses(policy, tokenizer, prompts, max_new_tokens, batch_size, seed)
-    gold_scores = gold(samples.texts)
+    scores = PromptScores(gold=[float(g) for g in gold(samples.texts)], rm=[float(r) for r in learned(samples.texts)])
+    gold_scores = scores.gold
     metrics = {
         "gold_reward": mean(gold_scores),
-        "rm_reward": mean(learned(samples.texts)),
+        "rm_reward": mean(scores.rm),
         "kl": 0.0 if policy is reference else kl_to_reference(policy, reference, samples, pad_id, batch_size),
         "perplexity": perplexity(policy, tokenizer, heldout_texts, batch_size),
         "win_rate": 0.5 if baseline_gold is None else win_rate(gold_scores, baseline_gold),
     }
-    return metrics, samples, gold_scores
+    return metrics, samples, scores

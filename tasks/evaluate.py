@@ -10,6 +10,8 @@ reference, perplexity on held-out text, win rate against SFT under the gold judg
 gold reward against KL to SFT for SFT, each policy's final score here, and the PPO/DPO/KTO points measured along
 training on held-out samples (``plots/<stage>_windows.csv``, tasks/samples.py).
 
+``data/evaluate_prompts.csv`` (DVC-cached) holds each policy's per-prompt gold and reward-model scores (one row per
+held-out prompt, in order): the registry's paired test compares a challenger with the champion prompt by prompt.
 ``evaluate.json`` also records, under ``scored``, the DVC hash of each policy directory it scored (computed
 from the files, not read from dvc.lock) and of the evaluation set (prompts, held-out text, SFT reference,
 reward model, scoring params): the registry refuses weights that differ and compares scores only on one set.
@@ -31,6 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.data import read_jsonl
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
+from tasks.mlflow_runs import mlflow_compare_link
 from tasks.outputs import write_csv, write_json
 from tasks.params import METRIC_KEYS, POLICY_STAGES, WINDOW_STAGES, as_dict, load_stage
 from tasks.policy import is_placeholder
@@ -193,22 +196,48 @@ def load_evaluation_set(root: str | Path) -> EvaluationSet:
 
 
 def score_policy(policy, evaluation: EvaluationSet, baseline_gold=None):
-    """(metrics rounded as in evaluate.json, samples, per-sample gold scores) of one policy on ``evaluation``."""
+    """(metrics rounded as in evaluate.json, samples, per-prompt scores) of one policy on ``evaluation``."""
     from rlhf_core.evaluation import evaluate_policy
 
     p = evaluation.params
-    metrics, samples, gold_scores = evaluate_policy(
+    metrics, samples, scores = evaluate_policy(
         policy, evaluation.reference, evaluation.tokenizer, evaluation.prompts, evaluation.heldout, evaluation.gold,
         evaluation.learned, baseline_gold=baseline_gold, max_new_tokens=p.max_new_tokens, batch_size=p.batch_size,
         seed=p.seed)
-    return {k: round(float(metrics[k]), 4) for k in METRIC_KEYS}, samples, gold_scores
+    return {k: round(float(metrics[k]), 4) for k in METRIC_KEYS}, samples, scores
 
 
-def rescore(policy, evaluation: EvaluationSet) -> dict[str, float]:
-    """Metrics of ``policy`` on ``evaluation``, exactly as the evaluate stage would record them (the win rate
-    against the SFT reference's samples)."""
-    _, _, sft_gold = score_policy(evaluation.reference, evaluation)
-    return score_policy(policy, evaluation, baseline_gold=sft_gold)[0]
+def rescore(policy, evaluation: EvaluationSet):
+    """(metrics, per-prompt scores) of ``policy`` on ``evaluation``, exactly as the evaluate stage would record
+    them (the win rate against the SFT reference's samples)."""
+    _, _, sft = score_policy(evaluation.reference, evaluation)
+    metrics, _, scores = score_policy(policy, evaluation, baseline_gold=sft.gold)
+    return metrics, scores
+
+
+def write_prompt_scores(path: Path, scores: Mapping[str, Any]) -> None:
+    """One row per prompt (``prompt`` = its index), two columns per policy; full float precision."""
+    names = list(scores)
+    columns = ["prompt"] + [f"{n}_{kind}" for n in names for kind in ("gold", "rm")]
+    count = len(next(iter(scores.values())).gold)
+    rows = [{"prompt": i, **{f"{n}_gold": repr(scores[n].gold[i]) for n in names},
+             **{f"{n}_rm": repr(scores[n].rm[i]) for n in names}} for i in range(count)]
+    write_csv(path, rows, columns)
+
+
+def read_prompt_scores(path: Path) -> dict:
+    """policy -> ``PromptScores`` from a file :func:`write_prompt_scores` wrote (empty when there is none)."""
+    import csv
+
+    from rlhf_core.evaluation import PromptScores
+
+    if not path.is_file():
+        return {}
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    names = [c.removesuffix("_gold") for c in (rows[0] if rows else {}) if c.endswith("_gold")]
+    return {n: PromptScores(gold=[float(r[f"{n}_gold"]) for r in rows], rm=[float(r[f"{n}_rm"]) for r in rows])
+            for n in names}
 
 
 def policy_results(evaluation_json: dict) -> dict[str, dict[str, float]]:
@@ -251,10 +280,10 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                  ", ".join(s for s in POLICY_STAGES if s not in trained) or "none")
         run.log_dataset(root / prompts_path, "prompts_eval", context="eval")
         run.log_dataset(root / heldout_path, "heldout", context="eval")
-        results, samples, gold_scores = {}, {}, {}
+        results, samples, scores = {}, {}, {}
         for name in names:
-            results[name], samples[name], gold_scores[name] = score_policy(
-                policies[name], evaluation, baseline_gold=gold_scores.get("sft"))
+            results[name], samples[name], scores[name] = score_policy(
+                policies[name], evaluation, baseline_gold=scores["sft"].gold if "sft" in scores else None)
             log.info("evaluate %s: %s", name, ", ".join(f"{k}={v}" for k, v in results[name].items()))
             run.log_metrics({f"{name}/{k}": v for k, v in results[name].items()})
         if any(content_md5(root / dirs[name]) != scored[name] for name in names):
@@ -265,6 +294,8 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         _set_tags(run, {"evaluation.set_md5": evaluation.md5, **{f"evaluation.scored.{n}": h for n, h in scored.items()}})
         write_csv(root / paths.plots / "evaluate.csv", [{"policy": n, **results[n]} for n in names],
                   ["policy", *METRIC_KEYS])
+        write_prompt_scores(root / io["outs"][0], scores)  # data/evaluate_prompts.csv
+        gold_scores = {n: scores[n].gold for n in names}
         # before/after: the same prompt, the SFT response, then each optimised policy's
         rows = [{"prompt": prompts[i],
                  **{f"{n}_response": samples[n].responses[i] for n in names},
@@ -281,6 +312,11 @@ def evaluate_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             run.log_artifact(Path(tmp) / "evaluate.png", artifact_path="plots")
             frontier_png(frontier, Path(tmp) / "frontier.png")
             run.log_artifact(Path(tmp) / "frontier.png", artifact_path="plots")
+        # one run per policy with the same metric keys: MLflow's run comparison shows them side by side
+        compared = run.log_child_runs({n: ({"policy": n, "weights_md5": scored[n], "evaluation_set": evaluation.md5},
+                                           results[n]) for n in names})
+        if compared:
+            run.summary["compare_policies"] = mlflow_compare_link(run.experiment_id, list(compared.values()))
         for n in trained:
             run.summary[f"{n}_gold_gain"] = round(results[n]["gold_reward"] - results["sft"]["gold_reward"], 4)
         run.summary.update({f"{n}.{k}": v for n in names for k, v in results[n].items()})

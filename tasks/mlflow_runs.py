@@ -12,6 +12,7 @@ tracking-spool``) replays them.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -87,6 +88,15 @@ def mlflow_ui_link(experiment_id: str, run_id: str) -> str:
     UI's "Model training" view (``workflowType=machine_learning``; without it a fresh browser shows GenAI)."""
     base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def mlflow_compare_link(experiment_id: str, run_ids: list[str]) -> str:
+    """The MLflow UI's run comparison of ``run_ids`` (metrics side by side, parallel coordinates, charts)."""
+    from urllib.parse import quote
+
+    base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
+    runs, experiments = json.dumps(list(run_ids)), json.dumps([experiment_id])
+    return f"{base}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}"
 
 
 RUNNING_NAME = "pipeline (running)"
@@ -309,7 +319,8 @@ def stage_tracker(root: Path, stage: str) -> StageSpoolingTracker:
 
 __all__ = [
     "DEFAULT_EXPERIMENT", "NOOP_NAME", "PARENT_ENV", "RUNNING_NAME", "SPOOL_DIR", "StageSpoolingTracker",
-    "changed_params", "end_pipeline_run", "experiment_name", "flat_params", "headline_metrics", "mlflow_setup",
+    "changed_params", "end_pipeline_run", "experiment_name", "flat_params", "headline_metrics", "mlflow_compare_link",
+    "mlflow_setup",
     "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "stage_tracker",
     "start_pipeline_run", "tracking_reachable", "tracking_uri",
 ]

@@ -37,6 +37,7 @@ POSITIVE_INTS = {
     "dpo": ("per_device_train_batch_size", "max_length", "max_prompt_length", "sample_prompts"),
     "evaluate": ("num_prompts", "max_new_tokens", "batch_size"),
     "kto": ("sample_prompts",),
+    "registry": ("bootstrap_samples",),
 }
 """Sizes and counts that must be >= 1 (0 divides by zero or trains nothing; negatives make no sense)."""
 
@@ -61,7 +62,7 @@ NON_NEGATIVE_FLOATS = {
 }
 """Finite and >= 0."""
 
-UNIT_INTERVAL = {"ppo": ("gamma", "lam")}
+UNIT_INTERVAL = {"ppo": ("gamma", "lam"), "registry": ("significance",)}
 """Finite and in [0, 1]."""
 
 CHOICES = {("ppo", "kl_penalty"): ("kl", "abs", "mse", "full"), ("sft", "arch"): ("gpt2", "llama")}

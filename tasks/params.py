@@ -367,6 +367,13 @@ class RegistryParams:
     """Challenger must beat the champion's metric by at least this much."""
     max_kl: float
     """Challenger's KL to the SFT reference must not exceed this."""
+    significance: float
+    """And the win must be larger than the evaluation's noise: the paired bootstrap test over the evaluation
+    prompts (rlhf_core.evaluation.paired_bootstrap) must give a one-sided p-value below this."""
+    bootstrap_samples: int
+    """Resamples of the evaluation prompts in that test."""
+    seed: int
+    """Seed of the resampling (the same decision on every machine)."""
 
 
 @dataclass(frozen=True)
@@ -493,7 +500,8 @@ def validate(p: Params, source: str = PARAMS_FILE) -> None:
         need(section.num_generations >= 2, f"{stage}.num_generations must be >= 2")
         need(section.per_device_train_batch_size % section.num_generations == 0,
              f"{stage}.per_device_train_batch_size must be a multiple of {stage}.num_generations")
-    need(p.registry.metric in METRIC_KEYS, f"registry.metric must be one of {METRIC_KEYS}")
+    need(p.registry.metric in PAIRED_METRICS, f"registry.metric must be one of {PAIRED_METRICS} (higher is better, "
+                                               "one value per evaluation prompt for the paired test)")
     need(p.ddpo.reward in DDPO_REWARDS, f"ddpo.reward must be one of {DDPO_REWARDS}")
     need(1 <= p.ddpo.num_prompts <= 24, "ddpo.num_prompts must be in [1, 24] (the animal prompts)")
     need(p.ddpo.num_epochs >= 1, "ddpo.num_epochs must be >= 1")
@@ -505,6 +513,8 @@ DDPO_REWARDS = ("compressibility", "incompressibility")
 # evaluate.json: one object per policy with these keys.
 POLICIES = ("sft",) + POLICY_STAGES
 METRIC_KEYS = ("gold_reward", "rm_reward", "kl", "perplexity", "win_rate")
+PAIRED_METRICS = ("gold_reward", "rm_reward", "win_rate")
+"""The metrics the registry can decide on: higher is better and each has a value per evaluation prompt."""
 
 
 def read_raw(path: str | Path) -> dict:
@@ -591,7 +601,7 @@ def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
         "kto": {"deps": [f"{d}/ratings.jsonl", f"{m}/sft", f"{d}/prompts_eval.jsonl"], "outs": [f"{m}/kto"]},
         "evaluate": {"deps": [f"{d}/prompts_eval.jsonl", f"{d}/heldout.jsonl", f"{m}/sft", f"{m}/reward_model",
                               *(f"{paths.plots}/{s}_windows.csv" for s in WINDOW_STAGES),
-                              *(f"{m}/{s}" for s in POLICY_STAGES)], "outs": []},
+                              *(f"{m}/{s}" for s in POLICY_STAGES)], "outs": [f"{d}/evaluate_prompts.csv"]},
         "ddpo": {"deps": [], "outs": [f"{m}/ddpo"]},
     }
     for stage, entry in io.items():
@@ -604,7 +614,7 @@ def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
 
 
 __all__ = [
-    "PARAMS_FILE", "STAGES", "POLICIES", "METRIC_KEYS", "ParamsError", "Params", "PathsParams", "PrepareParams",
+    "PARAMS_FILE", "STAGES", "POLICIES", "METRIC_KEYS", "PAIRED_METRICS", "ParamsError", "Params", "PathsParams", "PrepareParams",
     "SFTParams", "RewardModelParams", "PPOParams", "DPOParams", "EvaluateParams", "RegistryParams", "SECTIONS",
     "load_params", "parse_params", "build_section", "apply_overrides", "as_dict", "stage_param_keys", "stage_io",
     "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",

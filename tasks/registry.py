@@ -12,6 +12,10 @@ requirements: ``mlflow.pyfunc.load_model("models:/rlhf-policy@champion")`` works
 - **Same data only.** ``champion`` moves only when :func:`decide` says so, on numbers measured on the same
   evaluation set: a champion scored on another set is re-scored on this one first (its weights loaded from the
   registry, scored by ``tasks.evaluate.rescore``). The decision and the numbers behind it are tags on the version.
+- **Larger than the noise.** A win must also pass a paired bootstrap test over the evaluation prompts
+  (``registry.significance``): the challenger's and the champion's per-prompt values of ``registry.metric``
+  on the same prompts (``data/evaluate_prompts.csv``, or the champion re-scored when its weights are not among
+  the evaluated ones). Differences of a few thousandths on a few hundred prompts do not promote.
 - **Idempotent.** A version is identified by (weights hash, evaluation set hash) and is ``registry.state=pending``
   until the aliases its decision asks for are set. Running again (a Prefect retry after a failed alias call)
   completes a pending version instead of registering another one; a complete one is left alone. Weights already
@@ -29,7 +33,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.distributed import require_single_process
-from tasks.evaluate import SCORED_KEY, content_md5, load_evaluation_set, load_policy, policy_results, rescore
+from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
+from tasks.evaluate import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, policy_results,
+                            read_prompt_scores, rescore)
 from tasks.logs import get_logger
 from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, as_dict, load_params, stage_io
 from tasks.provenance import git_commit, input_hashes
@@ -63,9 +69,11 @@ def pick_challenger(results: dict[str, dict[str, float]], rule: RegistryParams) 
     return max(present, key=lambda name: (results[name][rule.metric], -rule.candidates.index(name)))
 
 
-def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule: RegistryParams) -> Decision:
+def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule: RegistryParams,
+           test: PairedTest | None = None) -> Decision:
     """The registry rule: the challenger replaces the champion only if it stays within ``max_kl`` of the
-    SFT reference and beats the champion's ``metric`` by at least ``min_improvement``.
+    SFT reference, beats the champion's ``metric`` by at least ``min_improvement``, and the paired test over the
+    evaluation prompts (``test``, challenger minus champion) gives a p-value below ``significance``.
 
     Both dicts must be scores on the same evaluation set (the caller re-scores the champion when not)."""
     m = rule.metric
@@ -74,11 +82,37 @@ def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule
     if champion is None:
         return Decision(True, f"no champion yet; challenger {m}={challenger[m]:.4f}")
     gain = challenger[m] - champion[m]
-    if gain >= rule.min_improvement:
-        return Decision(True, f"{m} {challenger[m]:.4f} beats champion {champion[m]:.4f} by {gain:+.4f} "
-                              f"(>= min_improvement {rule.min_improvement})")
-    return Decision(False, f"{m} {challenger[m]:.4f} vs champion {champion[m]:.4f}: gain {gain:+.4f} "
-                           f"< min_improvement {rule.min_improvement}")
+    versus = f"{m} {challenger[m]:.4f} vs champion {champion[m]:.4f}: gain {gain:+.4f}"
+    if gain < rule.min_improvement:
+        return Decision(False, f"{versus} < min_improvement {rule.min_improvement}")
+    if test is None:
+        raise ValueError("decide: a challenger that beats the champion needs the paired test over the prompts")
+    noise = f"paired test over {test.n} prompts: p={test.p_value:.4f}, 95% CI [{test.low:+.4f}, {test.high:+.4f}]"
+    if test.p_value >= rule.significance:
+        return Decision(False, f"{versus}, but not beyond the evaluation's noise ({noise} >= significance "
+                               f"{rule.significance})")
+    return Decision(True, f"{versus} (>= min_improvement {rule.min_improvement}; {noise} < significance "
+                          f"{rule.significance})")
+
+
+def prompt_values(metric: str, scores: PromptScores, sft_gold: list[float]) -> list[float]:
+    """The per-prompt values whose mean is ``metric`` (``registry.metric``): gold or reward-model score, or for
+    ``win_rate`` 1 / 0.5 / 0 as the policy's sample beats, ties or loses to SFT's on that prompt."""
+    if metric == "gold_reward":
+        return list(scores.gold)
+    if metric == "rm_reward":
+        return list(scores.rm)
+    if metric == "win_rate":
+        return [win_rate([g], [b]) for g, b in zip(scores.gold, sft_gold)]
+    raise ValueError(f"registry.metric {metric!r} has no per-prompt values")
+
+
+def paired_test(challenger: PromptScores, champion: PromptScores, sft_gold: list[float],
+                rule: RegistryParams) -> PairedTest:
+    """Challenger minus champion, prompt by prompt, on ``rule.metric`` (``paired_bootstrap``)."""
+    return paired_bootstrap(prompt_values(rule.metric, challenger, sft_gold),
+                            prompt_values(rule.metric, champion, sft_gold),
+                            samples=rule.bootstrap_samples, seed=rule.seed)
 
 
 def pinned_requirements() -> list[str]:
@@ -142,20 +176,37 @@ def _data_hashes(root: Path, paths, policy: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _champion_on(client, rule: RegistryParams, root: Path, evaluation_md5: str) -> tuple[object, dict | None, bool]:
-    """(champion version or None, its metrics on ``evaluation_md5``, whether they were re-scored now)."""
+@dataclass(frozen=True)
+class Champion:
+    """The version holding ``champion``, scored on the challenger's evaluation set."""
+
+    version: object
+    """The MLflow ``ModelVersion``."""
+    metrics: dict[str, float]
+    """Its metrics on that set."""
+    scores: PromptScores
+    """Its per-prompt scores on that set (for the paired test)."""
+    rescored: bool
+    """Whether it was scored now (else its scores come from this evaluation, which scored the same weights)."""
+
+
+def _champion_on(client, rule: RegistryParams, root: Path, challenger: "Challenger") -> Champion | None:
+    """The champion (None when there is none yet) with its metrics and per-prompt scores on the challenger's
+    evaluation set: read from this evaluation when it scored the champion's weights, else re-scored now."""
     champion = _alias_version(client, rule.model_name, CHAMPION)
     if champion is None:
-        return None, None, False
+        return None
+    evaluation_md5 = challenger.evaluation_md5
     if champion.tags.get("evaluation.set_md5") == evaluation_md5:
         metrics = _metrics_from_tags(champion.tags)
-        if rule.metric in metrics and "kl" in metrics:
-            return champion, metrics, False
+        same = [n for n, md5 in challenger.evaluated.items() if md5 == champion.tags.get("lineage.weights_md5")]
+        if rule.metric in metrics and "kl" in metrics and same and same[0] in challenger.prompt_scores:
+            return Champion(champion, metrics, challenger.prompt_scores[same[0]], False)
     import mlflow
 
-    log = get_logger()
-    log.info("registry: champion v%s was scored on evaluation set %s, not %s: re-scoring it on this set",
-             champion.version, champion.tags.get("evaluation.set_md5", "(none recorded)")[:8], evaluation_md5[:8])
+    get_logger().info("registry: champion v%s (scored on evaluation set %s) is not among the policies this evaluation "
+                      "scored: re-scoring it on set %s", champion.version,
+                      champion.tags.get("evaluation.set_md5", "(none recorded)")[:8], evaluation_md5[:8])
     uri = f"models:/{rule.model_name}/{champion.version}"
     try:
         components = mlflow.transformers.load_model(uri, return_type="components")
@@ -166,7 +217,8 @@ def _champion_on(client, rule: RegistryParams, root: Path, evaluation_md5: str) 
     if evaluation.md5 != evaluation_md5:
         raise RuntimeError(f"the evaluation set changed since evaluate ran ({evaluation_md5[:8]} in evaluate.json, "
                            f"{evaluation.md5[:8]} now): run the evaluate stage again")
-    return champion, rescore(components["model"], evaluation), True
+    metrics, scores = rescore(components["model"], evaluation)
+    return Champion(champion, metrics, scores, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,22 +279,27 @@ def _complete(client, rule: RegistryParams, version) -> None:
 
 
 def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: dict[str, float],
-             champion_version: str | None, champion: dict[str, float] | None, rescored: bool,
-             lineage: dict[str, str], evaluation_link: str) -> str:
+             champion: Champion | None, test: PairedTest | None, lineage: dict[str, str],
+             evaluation_link: str) -> str:
     """The version's description (markdown, what the MLflow UI shows first): the decision, the numbers behind
-    it side by side, and where the weights, data and evaluation come from."""
+    it side by side (the paired test's row included), and where the weights, data and evaluation come from."""
     verdict = "promoted to champion" if decision.promote else "kept as challenger (champion unchanged)"
     lines = [f"{policy}: {verdict}. {decision.reason}.", ""]  # plain: the versions list shows it as text
     if champion is not None:
-        how = "re-scored now on this evaluation set" if rescored else "as scored on this evaluation set"
-        lines += [f"| metric | this version | champion v{champion_version} ({how}) |", "|---|---|---|"]
-        lines += [f"| {'**' + k + '**' if k == rule.metric else k} | {challenger[k]} | {champion.get(k, '-')} |"
+        how = "re-scored now on this evaluation set" if champion.rescored else "as scored on this evaluation set"
+        lines += [f"| metric | this version | champion v{champion.version.version} ({how}) |", "|---|---|---|"]
+        lines += [f"| {'**' + k + '**' if k == rule.metric else k} | {challenger[k]} | {champion.metrics.get(k, '-')} |"
                   for k in METRIC_KEYS if k in challenger]
+        if test is not None:
+            lines.append(f"| paired test ({rule.metric}, {test.n} prompts) | gain {test.gain:+.4f}, 95% CI "
+                         f"[{test.low:+.4f}, {test.high:+.4f}] | p = {test.p_value:.4f} (significance "
+                         f"{rule.significance}) |")
     else:
         lines += ["| metric | this version |", "|---|---|"] + [f"| {k} | {challenger[k]} |" for k in METRIC_KEYS
                                                                if k in challenger]
     lines += ["", f"Rule: `{rule.metric}` must beat the champion by `min_improvement={rule.min_improvement}` on the "
-                  f"same evaluation set, with `kl <= {rule.max_kl}`.", "",
+                  f"same evaluation set, with a paired bootstrap p-value over its prompts below "
+                  f"`significance={rule.significance}` and `kl <= {rule.max_kl}`.", "",
               f"Lineage: git `{lineage['lineage.git_commit'][:12]}`; weights `{lineage['lineage.weights_md5']}`; "
               f"evaluation set `{lineage['evaluation.set_md5']}`; evaluation run {evaluation_link}. "
               "DVC hashes of the data: the `dvc.*` tags. Model card: `model_card.md` in the Source Model's artifacts; "
@@ -278,10 +335,15 @@ class Challenger:
     """Hash of the evaluation set it was scored on."""
     metrics: dict[str, float]
     """Its metrics on that evaluation set (``metrics/evaluate.json``)."""
+    evaluated: dict[str, str]
+    """Every policy that evaluation scored (``sft`` included) -> the content hash of the weights it scored."""
+    prompt_scores: dict[str, PromptScores]
+    """Their per-prompt scores (``data/evaluate_prompts.csv``)."""
 
 
 def _load_challenger(root: Path, rule: RegistryParams, paths) -> Challenger:
-    """Read ``metrics/evaluate.json``, pick the challenger and check its weights are the ones evaluate scored."""
+    """Read ``metrics/evaluate.json`` and the per-prompt scores, pick the challenger and check its weights are
+    the ones evaluate scored."""
     evaluation_path = root / paths.metrics / "evaluate.json"
     if not evaluation_path.exists():
         raise FileNotFoundError(f"{evaluation_path}: run the evaluate stage before the registry step")
@@ -298,7 +360,13 @@ def _load_challenger(root: Path, rule: RegistryParams, paths) -> Challenger:
         raise WeightsMismatchError(
             f"{weights}: its content hash {weights_md5} is not the {scored['policies'].get(name)} that evaluate "
             f"scored ({evaluation_path}); nothing registered. Run the evaluate stage again (`python -m flows.pipeline`)")
-    return Challenger(name, weights, weights_md5, scored["evaluation_set"], results[name])
+    prompts_path = root / stage_io(paths)["evaluate"]["outs"][0]
+    prompt_scores = read_prompt_scores(prompts_path)
+    if not {name, "sft"} <= set(prompt_scores):
+        raise ValueError(f"{prompts_path}: no per-prompt scores of {name} and sft (missing, or written by an older "
+                         "evaluate): run the evaluate stage again before the registry step")
+    return Challenger(name, weights, weights_md5, scored["evaluation_set"], results[name], scored["policies"],
+                      prompt_scores)
 
 
 def _finish_earlier_attempt(client, rule: RegistryParams, challenger: Challenger) -> dict | None:
@@ -340,15 +408,20 @@ def _lineage(client, root: Path, paths, experiment_id: str, challenger: Challeng
             **{f"dvc.{k}": v for k, v in _data_hashes(root, paths, c.name).items()}}
 
 
-def _decision_tags(challenger: Challenger, decision: Decision, rule: RegistryParams, champion,
-                   champion_metrics: dict[str, float] | None, rescored: bool) -> dict[str, str]:
-    """Decision tags: policy, promote/keep and why, the rule, and both sides' metrics."""
+def _decision_tags(challenger: Challenger, decision: Decision, rule: RegistryParams, champion: Champion | None,
+                   test: PairedTest | None) -> dict[str, str]:
+    """Decision tags: policy, promote/keep and why, the rule, both sides' metrics and the paired test."""
     tags = {"policy": challenger.name, "decision": "promote" if decision.promote else "keep",
             "reason": decision.reason, "rule": json.dumps(as_dict(rule), sort_keys=True),
             **{f"metric.{k}": str(v) for k, v in challenger.metrics.items()}}
     if champion is not None:
-        tags.update({"champion.version": champion.version, "champion.rescored": str(rescored).lower(),
-                     **{f"champion.metric.{k}": str(v) for k, v in champion_metrics.items()}})
+        tags.update({"champion.version": champion.version.version, "champion.rescored": str(champion.rescored).lower(),
+                     **{f"champion.metric.{k}": str(v) for k, v in champion.metrics.items()}})
+    if test is not None:
+        tags.update({"test.kind": "paired_bootstrap", "test.metric": rule.metric, "test.prompts": str(test.n),
+                     "test.gain": f"{test.gain:.6f}", "test.ci95_low": f"{test.low:.6f}",
+                     "test.ci95_high": f"{test.high:.6f}", "test.p_value": f"{test.p_value:.6f}",
+                     "test.significance": str(rule.significance)})
     return tags
 
 
@@ -380,11 +453,12 @@ def _register_version(client, rule: RegistryParams, run_id: str | None, source: 
     return version
 
 
-def _tag_run(client, run, decision_tags: dict[str, str], decision: Decision, version, champion) -> None:
+def _tag_run(client, run, decision_tags: dict[str, str], decision: Decision, version, champion_version) -> None:
     """Tag the registry's MLflow run (when there is one) with the outcome, and put it in the stage summary."""
     run_tags = {"registry.decision": decision_tags["decision"], "registry.reason": decision.reason,
                 "registry.version": version.version,
-                "registry.previous_champion": champion.version if champion else "none"}
+                "registry.previous_champion": champion_version.version if champion_version else "none",
+                **{f"registry.{k}": v for k, v in decision_tags.items() if k.startswith("test.")}}
     for key, value in run_tags.items() if run.run_id else ():
         client.set_tag(run.run_id, key, value)
     run.summary.update(run_tags)
@@ -411,19 +485,20 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     done = _finish_earlier_attempt(client, rule, challenger)
     if done is not None:
         return done
-    champion, champion_metrics, rescored = _champion_on(client, rule, root, challenger.evaluation_md5)
-    decision = decide(challenger.metrics, champion_metrics, rule)
+    champion = _champion_on(client, rule, root, challenger)
+    test = None if champion is None else paired_test(challenger.prompt_scores[challenger.name], champion.scores,
+                                                     challenger.prompt_scores["sft"].gold, rule)
+    decision = decide(challenger.metrics, champion.metrics if champion else None, rule, test)
     lineage = _lineage(client, root, paths, experiment_id, challenger)
-    decision_tags = _decision_tags(challenger, decision, rule, champion, champion_metrics, rescored)
+    decision_tags = _decision_tags(challenger, decision, rule, champion, test)
     deps = [f"{paths.metrics}/evaluate.json", f"{paths.models}/{challenger.name}"]
     with stage_run("registry", root, rule, deps, parent_run_id) as run:
         source, model_id = _model_source(client, rule, root, challenger, lineage)
-        description = describe(challenger.name, decision, rule, challenger.metrics,
-                               champion.version if champion else None, champion_metrics, rescored, lineage,
+        description = describe(challenger.name, decision, rule, challenger.metrics, champion, test, lineage,
                                _run_link(experiment_id, lineage))
         version = _register_version(client, rule, run.run_id, source, model_id, {**lineage, **decision_tags},
                                     description)
-        _tag_run(client, run, decision_tags, decision, version, champion)
+        _tag_run(client, run, decision_tags, decision, version, champion.version if champion else None)
     record = _record(rule, client.get_model_version(rule.model_name, version.version), True)
     get_logger().info("registry: %s v%s (%s) -> %s: %s", rule.model_name, version.version, challenger.name,
                       record["decision"], decision.reason)

@@ -99,6 +99,31 @@ class StageRun:
         self._direct(f"artifact {Path(path).name}",
                      lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
 
+    def log_child_runs(self, children: Mapping[str, tuple[Mapping[str, Any], Mapping[str, float]]]) -> dict[str, str]:
+        """One finished run per ``name -> (params, metrics)``, nested under this stage's run and named
+        ``<stage>: <name>``, each with the same metric keys: what MLflow's run comparison puts side by side (a
+        stage's own run holds them only as ``<name>/<key>``). Returns name -> run id; nothing offline (the
+        stage's own metrics carry the numbers to the spool)."""
+        created: dict[str, str] = {}
+
+        def log() -> None:
+            from mlflow import MlflowClient
+            from mlflow.entities import Metric, Param
+            from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+            client, now = MlflowClient(), int(time.time() * 1000)
+            for name, (params, metrics) in children.items():
+                tags = {MLFLOW_PARENT_RUN_ID: self.run_id, MLFLOW_RUN_NAME: f"{self.stage}: {name}",
+                        "rlhf.stage": f"{self.stage}.{name}", **owner_tags()}
+                child = client.create_run(self.experiment_id, tags=tags, run_name=f"{self.stage}: {name}")
+                client.log_batch(child.info.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                                 params=[Param(k, str(v)) for k, v in params.items()])
+                client.set_terminated(child.info.run_id, "FINISHED")
+                created[name] = child.info.run_id
+
+        self._direct(f"{len(children)} comparison runs", log)
+        return created
+
     def log_dataset(self, path: str | Path, name: str, context: str = "training") -> None:
         """Log a JSONL dataset as an MLflow run input (source = its path, digest = its content)."""
         path = Path(path)

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 from _pipeline_project import make_project, mlflow_client
 
+from rlhf_core.evaluation import PairedTest, PromptScores
 from tasks.params import RegistryParams
-from tasks.registry import Decision, WeightsMismatchError, decide, pick_challenger, registry_task
+from tasks.registry import Decision, WeightsMismatchError, decide, pick_challenger, prompt_values, registry_task
 
 RULE = RegistryParams(model_name="rlhf-policy", candidates=["ppo", "dpo"], metric="gold_reward",
-                      min_improvement=0.05, max_kl=10.0)
+                      min_improvement=0.05, max_kl=10.0, significance=0.05, bootstrap_samples=2000, seed=0)
+CLEAR = PairedTest(n=400, gain=0.06, low=0.03, high=0.09, p_value=0.0005)
+NOISE = PairedTest(n=400, gain=0.06, low=-0.02, high=0.14, p_value=0.09)
 NAME = "rlhf-policy"
 
 
@@ -26,19 +29,34 @@ def test_pick_challenger_by_metric():
     assert pick_challenger({"ppo": m(0.5), "dpo": m(0.5)}, RULE) == "ppo"  # tie: first listed
 
 
-@pytest.mark.parametrize("challenger, champion, promote, words", [
-    (m(0.5), None, True, "no champion yet"),
-    (m(0.56), m(0.5), True, "beats champion"),
-    (m(0.55), m(0.5), True, "beats champion"),       # exactly min_improvement
-    (m(0.54), m(0.5), False, "< min_improvement"),
-    (m(0.2), m(0.5), False, "< min_improvement"),
-    (m(0.9, kl=11.0), m(0.5), False, "exceeds registry.max_kl"),
-    (m(0.9, kl=11.0), None, False, "exceeds registry.max_kl"),
+@pytest.mark.parametrize("challenger, champion, test, promote, words", [
+    (m(0.5), None, None, True, "no champion yet"),
+    (m(0.56), m(0.5), CLEAR, True, "p=0.0005"),
+    (m(0.55), m(0.5), CLEAR, True, ">= min_improvement"),       # exactly min_improvement
+    (m(0.56), m(0.5), NOISE, False, "not beyond the evaluation's noise"),  # a big enough mean, but noise
+    (m(0.54), m(0.5), CLEAR, False, "< min_improvement"),
+    (m(0.2), m(0.5), None, False, "< min_improvement"),
+    (m(0.9, kl=11.0), m(0.5), CLEAR, False, "exceeds registry.max_kl"),
+    (m(0.9, kl=11.0), None, None, False, "exceeds registry.max_kl"),
 ])
-def test_decide(challenger, champion, promote, words):
-    decision = decide(challenger, champion, RULE)
+def test_decide(challenger, champion, test, promote, words):
+    decision = decide(challenger, champion, RULE, test)
     assert isinstance(decision, Decision) and decision.promote is promote
     assert words in decision.reason
+
+
+def test_decide_needs_the_paired_test_for_a_win():
+    with pytest.raises(ValueError, match="paired test"):
+        decide(m(0.6), m(0.5), RULE)
+
+
+def test_prompt_values_per_metric():
+    scores = PromptScores(gold=[0.5, -0.2, 0.1], rm=[2.0, 1.0, 0.0])
+    assert prompt_values("gold_reward", scores, [0.0, 0.0, 0.1]) == [0.5, -0.2, 0.1]
+    assert prompt_values("rm_reward", scores, [0.0, 0.0, 0.1]) == [2.0, 1.0, 0.0]
+    assert prompt_values("win_rate", scores, [0.0, 0.0, 0.1]) == [1.0, 0.0, 0.5]  # beats, loses, ties SFT
+    with pytest.raises(ValueError, match="kl"):
+        prompt_values("kl", scores, [0.0, 0.0, 0.1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,15 +118,35 @@ def _evaluation(root: Path) -> dict:
     return json.loads((root / "metrics" / "evaluate.json").read_text())
 
 
-def _set_scores(root: Path, **gold: float) -> None:
-    """Pretend evaluate gave these gold rewards to the current weights (hashes recomputed from disk)."""
-    from tasks.evaluate import content_md5
+PROMPTS_FILE = Path("data") / "evaluate_prompts.csv"
 
-    evaluation = _evaluation(root)
-    for policy, value in gold.items():
-        evaluation[policy]["gold_reward"] = value
+
+def _set_scores(root: Path, **gold: list[float]) -> None:
+    """Pretend evaluate gave these per-prompt gold scores (and their mean) to the current weights (hashes
+    recomputed from disk), in evaluate.json and data/evaluate_prompts.csv."""
+    from tasks.evaluate import content_md5, read_prompt_scores, write_prompt_scores
+
+    evaluation, scores = _evaluation(root), read_prompt_scores(root / PROMPTS_FILE)
+    for policy, values in gold.items():
+        evaluation[policy]["gold_reward"] = round(sum(values) / len(values), 4)
         evaluation["scored"]["policies"][policy] = content_md5(root / "models" / policy)
+        scores[policy] = PromptScores(gold=list(values), rm=scores[policy].rm)
     (root / "metrics" / "evaluate.json").write_text(json.dumps(evaluation))
+    write_prompt_scores(root / PROMPTS_FILE, scores)
+
+
+def _rescored_as(monkeypatch, gold: list[float]) -> list[int]:
+    """Make re-scoring the champion return these per-prompt gold scores; returns the list of calls."""
+    from tasks import registry
+
+    calls = []
+
+    def fake(policy, evaluation):
+        calls.append(1)
+        return (m(round(sum(gold) / len(gold), 4)), PromptScores(gold=list(gold), rm=[0.0] * len(gold)))
+
+    monkeypatch.setattr(registry, "rescore", fake)
+    return calls
 
 
 def test_evaluate_records_what_it_scored(project):
@@ -184,28 +222,61 @@ def test_refuses_weights_that_evaluate_did_not_score(project):
     assert client.search_registered_models() == [] or client.search_model_versions(f"name='{NAME}'") == []
 
 
-def test_champion_moves_only_on_a_win_on_the_same_data(project, tokenizer):
+def test_champion_moves_only_on_a_win_beyond_the_noise(project, tokenizer, monkeypatch):
     client = mlflow_client(project)
-    _set_scores(project, ppo=0.30)
+    base = [0.3, 0.1, 0.5, 0.2, 0.4, 0.3]  # six evaluation prompts
+    _set_scores(project, ppo=base)
     first = registry_task.fn(str(project))
     assert first["decision"] == "promote"
+    calls = _rescored_as(monkeypatch, base)  # new ppo weights: the champion's are no longer on disk
 
     _save_policy(project, "ppo", tokenizer, seed=3, value_head=True)
-    _set_scores(project, ppo=0.34)  # better, by less than min_improvement
+    _set_scores(project, ppo=[v + 0.04 for v in base])  # better on every prompt, by less than min_improvement
     weak = registry_task.fn(str(project))
     assert weak["registered"] and weak["decision"] == "keep" and "< min_improvement" in weak["reason"]
     assert client.get_model_version_by_alias(NAME, "champion").version == first["version"]
     assert client.get_model_version_by_alias(NAME, "challenger").version == weak["version"]
     tags = client.get_model_version(NAME, weak["version"]).tags
-    assert tags["champion.version"] == str(first["version"]) and tags["champion.rescored"] == "false"
-    assert float(tags["champion.metric.gold_reward"]) == 0.30 and float(tags["metric.gold_reward"]) == 0.34
+    assert tags["champion.version"] == str(first["version"]) and tags["champion.rescored"] == "true" and calls
+    assert float(tags["champion.metric.gold_reward"]) == 0.3 and float(tags["metric.gold_reward"]) == 0.34
 
     _save_policy(project, "ppo", tokenizer, seed=4, value_head=True)
-    _set_scores(project, ppo=0.40)  # wins
+    _set_scores(project, ppo=[v + d for v, d in zip(base, (0.9, -0.7, 0.8, -0.8, 0.6, -0.44))])  # mean +0.06: noise
+    noisy = registry_task.fn(str(project))
+    assert noisy["decision"] == "keep" and "not beyond the evaluation's noise" in noisy["reason"]
+    tags = client.get_model_version(NAME, noisy["version"]).tags
+    assert float(tags["test.p_value"]) >= 0.05 and tags["test.prompts"] == "6" and tags["test.metric"] == "gold_reward"
+    assert float(tags["test.ci95_low"]) < 0 < float(tags["test.ci95_high"])
+
+    _save_policy(project, "ppo", tokenizer, seed=5, value_head=True)
+    _set_scores(project, ppo=[v + 0.1 for v in base])  # wins on every prompt
     strong = registry_task.fn(str(project))
     assert strong["decision"] == "promote" and strong["previous_champion"] == first["version"]
     champion = client.get_model_version_by_alias(NAME, "champion")
-    assert champion.version == strong["version"] and "beats champion" in champion.tags["reason"]
+    assert champion.version == strong["version"] and "p=0.0001" in champion.tags["reason"]  # 1 / (1 + 10000)
+    assert "| paired test (gold_reward, 6 prompts) | gain +0.1000" in champion.description
+    run_tags = client.get_run(champion.run_id).data.tags
+    assert run_tags["registry.test.p_value"] == champion.tags["test.p_value"]
+
+
+def test_a_champion_this_evaluation_scored_is_compared_on_its_own_scores(project, monkeypatch):
+    """The champion's weights are still among the evaluated policies: no re-scoring, this run's per-prompt scores."""
+    from tasks.params import apply_overrides, read_raw
+
+    import yaml
+
+    client = mlflow_client(project)
+    first = registry_task.fn(str(project))  # ppo, the only candidate
+    raw = apply_overrides(read_raw(project / "params.yaml"), {"registry.candidates": ["ppo", "dpo"]})
+    (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    calls = _rescored_as(monkeypatch, [0.0] * 6)
+    champion_scores = [0.1] * 6
+    _set_scores(project, ppo=champion_scores, dpo=[0.3] * 6)
+    second = registry_task.fn(str(project))
+    assert second["policy"] == "dpo" and second["decision"] == "promote" and not calls
+    tags = client.get_model_version(NAME, second["version"]).tags
+    assert tags["champion.rescored"] == "false" and float(tags["test.gain"]) == pytest.approx(0.2)
+    assert tags["champion.version"] == str(first["version"])
 
 
 def test_champion_scored_on_other_data_is_rescored_before_comparing(project):
@@ -230,6 +301,7 @@ def test_champion_scored_on_other_data_is_rescored_before_comparing(project):
     assert float(tags["champion.metric.gold_reward"]) == evaluation["ppo"]["gold_reward"]
     assert float(tags["champion.metric.kl"]) == evaluation["ppo"]["kl"]
     assert second["decision"] == "keep" and "gain +0.0000" in second["reason"]
+    assert float(tags["test.p_value"]) == 1.0 and float(tags["test.gain"]) == 0.0  # the same samples, prompt by prompt
     assert client.get_model_version_by_alias(NAME, "champion").version == first["version"]
     # the same weights are one MLflow Model, registered under two evaluations
     assert client.get_model_version(NAME, second["version"]).source == client.get_model_version(

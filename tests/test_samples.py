@@ -69,7 +69,7 @@ def test_window_scorer_measures_what_evaluate_reports(tokenizer, models):
     assert policy.training  # restored after sampling in eval mode
     metrics, samples, eval_gold = evaluate_policy(policy, reference, tokenizer, PROMPTS, ["some held out text"],
                                                   _judge, _judge, max_new_tokens=6, batch_size=64, seed=3)
-    assert responses == samples.responses and gold == eval_gold
+    assert responses == samples.responses and gold == eval_gold.gold
     assert point["gold_reward"] == pytest.approx(metrics["gold_reward"])
     assert point["kl"] == pytest.approx(metrics["kl"], abs=1e-6)
     again = sample_responses(policy, tokenizer, PROMPTS, 6, seed=3)
