@@ -20,11 +20,15 @@ help: ## list the targets, one line each
 setup: $(STAMP) ## create .venv and install the pinned dependencies (CPU torch)
 
 # torch first, pinned: an unpinned or transitive torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml requirements.lock
+# Then: `.venv/bin/<tool>` finds the venv's other tools as if activated (tools/venv_path.py), and the offline
+# template `dvc plots show` uses is written (tools/offline_plots.py; .dvc/config names it).
+$(STAMP): pyproject.toml requirements.lock tools/venv_path.py tools/offline_plots.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(PY) tools/venv_path.py >/dev/null
+	$(PY) tools/offline_plots.py template >/dev/null
 	touch $(STAMP)
 
 examples: setup ## run the classic-TRL example scripts against rlhf_core
@@ -61,7 +65,7 @@ clean: ## remove .venv and pytest caches
 	rm -rf $(VENV) .pytest_cache
 
 # One thread per process: on a shared 2-core machine two threads per process made PPO ~10x slower.
-.PHONY: run pipeline repro mlflow-ui prefect-ui retrain serve-retrain
+.PHONY: run pipeline repro mlflow-ui prefect-ui retrain land-retrain serve-retrain
 
 run: setup remote ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
@@ -72,17 +76,23 @@ pipeline: run ## same as run
 
 # The same stages through DVC, then the registry step (the flow finds nothing stale).
 repro: setup ## run the stages through dvc repro, then the registry step
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/dvc repro
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/dvc repro
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
 
-mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000 (runs, charts, registered models)
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+# Prints where to open it (the training runs' view, the policies side by side), then runs `mlflow ui` (same PID).
+mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000, opened on the training runs (runs, charts, comparison, registry)
+	$(PY) -m flows.ui --port 5000
 
 prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
-retrain: setup ## run the retraining flow once (stale stages only, evaluate, register)
+retrain: setup ## retrain from the committed state (stale stages only, evaluate, register), then land the record on the branch
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.retrain
+
+# A retrain whose branch moved meanwhile leaves its record on retrain/<stamp>: this merges it and restores outputs.
+land-retrain: setup ## land a retraining record on the checked-out branch: make land-retrain REF=retrain/<stamp>
+	@test -n "$(REF)" || { echo "usage: make land-retrain REF=retrain/<stamp>  (git branch --list 'retrain/*')" >&2; exit 2; }
+	$(PY) -m flows.retrain --land $(REF)
 
 # Needs `make prefect-ui` running in another terminal.
 serve-retrain: setup ## serve the retraining flow on its cron schedule (needs make prefect-ui)
@@ -94,11 +104,10 @@ serve-retrain: setup ## serve the retraining flow on its cron schedule (needs ma
 tracking-upload: setup ## replay tracking data spooled while MLflow was unreachable
 	$(PY) -m rlhf_core.tracking upload tracking-spool --tracking-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}"
 
-# DVC's plot page loads vega from a CDN (blank offline): tools/offline_plots.py inlines the scripts into
-# .venv/vega/dvc-template.html, which .dvc/config names, so `dvc plots show` works with no network.
+# DVC's plot page loads vega from a CDN (blank offline): `make setup` writes .venv/vega/dvc-template.html with the
+# scripts inlined (tools/offline_plots.py), which .dvc/config names, so `.venv/bin/dvc plots show` works offline.
 plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inlined)
-	$(PY) tools/offline_plots.py template
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc plots show -o dvc_plots
+	$(VENV)/bin/dvc plots show -o dvc_plots
 
 # `dvc exp show` with only the headline columns, so it fits a terminal.
 # One evaluate.json key per policy in a table under 100 columns; dvc exp show --md lists every column.

@@ -15,7 +15,7 @@ COLUMNS = (("gold_reward", "gold reward", 3), ("rm_reward", "RM score", 3), ("kl
 """(metric key in evaluate.json, column header, decimals), in display order."""
 
 NEXT_COMMANDS = (
-    ("make mlflow-ui", "MLflow UI on http://127.0.0.1:5000 (runs, charts, registered model rlhf-policy)"),
+    ("make mlflow-ui", "MLflow UI on http://127.0.0.1:5000: training runs, policies side by side, rlhf-policy"),
     (".venv/bin/dvc metrics show", "the metrics of this workspace"),
     (".venv/bin/dvc plots show", "the plots as offline HTML (dvc_plots/index.html)"),
     (".venv/bin/dvc status", "which stages are stale"),

@@ -1,29 +1,27 @@
 """``dvc plots show`` with no network: an HTML template that carries the vega scripts inline.
 
-DVC's default page loads vega, vega-lite and vega-embed from a CDN, so it renders blank offline. This tool
-installs those three packages from the npm registry into ``.venv/vega`` (once; never committed) and writes
-``.venv/vega/dvc-template.html``: DVC's page with the scripts inlined and a UTF-8 charset (without it vega's
-minus signs, U+2212, show as mojibake). ``.dvc/config`` names that template (``plots.html_template``), so a
-plain ``dvc plots show`` uses it.
+DVC's default page loads vega, vega-lite and vega-embed from a CDN, so it renders blank offline. The Python
+package ``vl-convert-python`` (the Vega project's own, a pinned dependency) ships those three libraries as one
+self-contained script (``vl_convert.javascript_bundle``); this tool writes ``.venv/vega/dvc-template.html``:
+DVC's page with that script inlined and a UTF-8 charset (without it vega's minus signs, U+2212, show as
+mojibake). ``make setup`` runs it, and ``.dvc/config`` names that template (``plots.html_template``), so a plain
+``.venv/bin/dvc plots show`` works offline as typed.
 
-    python tools/offline_plots.py template    # install the scripts if needed and write the template
+    python tools/offline_plots.py template    # write the template (no network, no npm)
     python tools/offline_plots.py check       # exit 1 (with the fix) when the template is missing
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VEGA_DIR = ROOT / ".venv" / "vega"
 TEMPLATE = VEGA_DIR / "dvc-template.html"
-# The majors DVC's renderer targets (its specs use the vega-lite v5 schema).
-PACKAGES = {"vega": ("5", "build/vega.min.js"), "vega-lite": ("5", "build/vega-lite.min.js"),
-            "vega-embed": ("6", "build/vega-embed.min.js")}
+VEGA_LITE = "5.21"
+"""The vega-lite major DVC's renderer targets (its specs use the v5 schema); the newest 5.x vl-convert bundles."""
 
 PAGE = """<!DOCTYPE html>
 <html>
@@ -44,21 +42,11 @@ PAGE = """<!DOCTYPE html>
 """
 
 
-def script_paths(vega_dir: Path = VEGA_DIR) -> list[Path]:
-    return [vega_dir / "node_modules" / name / rel for name, (_, rel) in PACKAGES.items()]
+def bundled_scripts() -> list[str]:
+    """vega, vega-lite and vega-embed as one script that defines ``vega``, ``vegaLite`` and ``vegaEmbed``."""
+    import vl_convert
 
-
-def install(vega_dir: Path = VEGA_DIR) -> None:
-    """``npm install`` the three packages into ``vega_dir`` unless they are there already."""
-    if all(p.is_file() for p in script_paths(vega_dir)):
-        return
-    npm = shutil.which("npm")
-    if npm is None:
-        raise SystemExit("offline plots: npm not found; install Node.js (Debian: apt-get install npm) and run again")
-    vega_dir.mkdir(parents=True, exist_ok=True)
-    specs = [f"{name}@{major}" for name, (major, _) in PACKAGES.items()]
-    subprocess.run([npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix", str(vega_dir), *specs],
-                   check=True)
+    return [vl_convert.javascript_bundle(vl_version=VEGA_LITE)]
 
 
 def page(scripts: list[str]) -> str:
@@ -73,9 +61,10 @@ def page(scripts: list[str]) -> str:
     return PAGE.replace("{{", "{").replace("}}", "}").replace("{inline_scripts}", inline)
 
 
-def write_template(vega_dir: Path = VEGA_DIR, target: Path = TEMPLATE) -> Path:
-    install(vega_dir)
-    text = page([p.read_text(encoding="utf-8") for p in script_paths(vega_dir)])
+def write_template(target: Path = TEMPLATE) -> Path:
+    """Write the template atomically (a half-written page would break ``dvc plots show``)."""
+    text = page(bundled_scripts())
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(target)
@@ -89,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         if TEMPLATE.is_file():
             return 0
-        print(f"{TEMPLATE.relative_to(ROOT)} is missing: run `make plots` (or python tools/offline_plots.py template)",
+        print(f"{TEMPLATE.relative_to(ROOT)} is missing: run `make setup` (or python tools/offline_plots.py template)",
               file=sys.stderr)
         return 1
     print(write_template().relative_to(ROOT))

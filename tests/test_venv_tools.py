@@ -1,0 +1,46 @@
+"""A command typed as ``.venv/bin/<tool>`` finds the venv's other tools without an activated venv
+(tools/venv_path.py, installed by ``make setup``): MLflow's scoring server runs ``uvicorn``, DVC runs ``python``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("venv_path", ROOT / "tools" / "venv_path.py")
+venv_path = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(venv_path)
+
+
+def _path_seen_by(python: str, path: str) -> list[str]:
+    out = subprocess.run([python, "-c", "import os; print(os.environ['PATH'])"], env={**os.environ, "PATH": path},
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().split(os.pathsep)
+
+
+def test_the_pth_line_puts_the_interpreters_bin_first_once(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    pth = venv_path.install(site)
+    assert pth.name == "rlhf_venv_bin.pth" and pth.read_text().startswith("import ")  # run at interpreter start
+    env = {**os.environ, "PYTHONPATH": ""}
+    code = f"import site; site.addsitedir({str(site)!r}); import os; print(os.environ['PATH'])"
+    bin_dir = os.path.join(sys.prefix, "bin")
+    for start in ("/usr/bin:/bin", f"{bin_dir}:/usr/bin"):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "PATH": start}, capture_output=True,
+                             text=True, check=True).stdout.strip().split(os.pathsep)
+        assert out[0] == bin_dir and out.count(bin_dir) == 1
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the project's venv (make setup)")
+def test_the_project_venv_finds_its_own_tools():
+    bin_dir = Path(sys.prefix) / "bin"
+    assert _path_seen_by(str(bin_dir / "python"), "/usr/bin:/bin")[0] == str(bin_dir)
+    found = subprocess.run([str(bin_dir / "python"), "-c", "import shutil; print(shutil.which('uvicorn'))"],
+                           env={**os.environ, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == str(bin_dir / "uvicorn")  # what `mlflow models serve` runs
