@@ -5,14 +5,15 @@ unpaired ratings (prompt, completion, label true/false). All files are validated
 empty or identical pairs, duplicates within and across batches, size limits); the first problem stops
 the intake with ``file:line: message`` and nothing is ingested. Then each file becomes one batch
 ``incoming/<kind>/<sha256>.jsonl`` tracked by DVC, pushed to the DVC remote, listed in
-``incoming/manifest.jsonl`` (source, time, user, hash, rows) and committed to git; with ``PREFECT_API_URL``
-set, the event ``rlhf.feedback.ingested`` triggers the retraining deployment (prefect.yaml).
+``incoming/manifest.jsonl`` (source, time, user, hash, rows) and committed to git. Then retraining starts: with
+``PREFECT_API_URL`` set (team mode), the event ``rlhf.feedback.ingested`` triggers the retraining deployment
+(prefect.yaml); without it, the retraining flow runs here and now (``python -m flows.retrain``: stale stages,
+evaluate, the registry's gate, the record landed on the branch). ``--no-retrain`` only ingests.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,8 +22,6 @@ from rlhf_core.data import DataFormatError
 from rlhf_core.feedback import IntakeLimits
 from tasks.intake import IntakeError, ingest
 from tasks.params import PARAMS_FILE, load_params
-
-os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # a CLI, not a flow run
 
 EXIT_BAD_INPUT = 65  # EX_DATAERR
 EXIT_NOT_VERSIONED = 74  # EX_IOERR
@@ -35,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-push", action="store_true", help="do not push the batches to the DVC remote")
     parser.add_argument("--no-commit", action="store_true", help="do not commit the manifest and .dvc files")
     parser.add_argument("--no-event", action="store_true", help="do not emit the rlhf.feedback.ingested event")
+    parser.add_argument("--no-retrain", action="store_true",
+                        help="only ingest (without a Prefect server the intake otherwise retrains right away)")
     parser.add_argument("--remote", default=None, help="DVC remote to push to (default: the configured default)")
     parser.add_argument("--max-rows", type=int, default=IntakeLimits.max_rows, help="most records per file")
     parser.add_argument("--max-file-bytes", type=int, default=IntakeLimits.max_file_bytes, help="largest file")
@@ -55,7 +56,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NOT_VERSIONED
     for r in records:
         print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} rows) from {r['source']} -> {store}/{r['file']}")
-    return 0
+    return _retrain_now(root, args)
+
+
+def _retrain_now(root: Path, args: argparse.Namespace) -> int:
+    """Local mode: retrain on what was just committed (team mode: the event starts the deployment instead)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if args.no_retrain or args.no_commit or PREFECT_API_URL.value():
+        return 0
+    from flows.retrain import main as retrain_main
+
+    print("retraining on the new feedback (python -m flows.retrain; --no-retrain to skip)")
+    return retrain_main(["--root", str(root)] + (["--no-push"] if args.no_push else []))
 
 
 if __name__ == "__main__":

@@ -23,9 +23,6 @@ import sys
 import flows  # noqa: F401  (environment defaults)
 from tasks.distributed import LauncherError, destroy_process_group, is_main_process, require_single_process
 
-if not is_main_process():  # no flow run on this rank: its warnings go to stderr only, not to the Prefect API
-    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
-
 from prefect import flow  # noqa: E402
 
 from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402

@@ -73,6 +73,53 @@ def install_load_report_filter() -> None:
         logger.addFilter(ExpectedLoadReportFilter())
 
 
+KNOWN_HARMLESS = {
+    ("transformers.modeling_utils", "`loss_type=None` was set in the config but it is unrecognized"):
+        # transformers says this of every causal LM whose config names no loss type (ours never do): nothing was
+        # set, and the default it falls back to, ForCausalLMLoss, is the loss such a model has
+        "no loss type configured: the causal-LM default applies",
+    ("mlflow.transformers", "params provided to the `predict` method will override the inference configuration"):
+        # the registry logs the served model with default generation params in its signature and checks the input
+        # example with them: a request's params overriding those defaults is how serving is meant to work
+        "predict params override the saved defaults, by design",
+    ("dvc.repo.scm_context", "\nTo track the changes with git, run:"):
+        # printed after `dvc add` in the intake: the intake stages and commits those files itself (tasks/intake.py)
+        "the intake commits the .dvc files itself",
+    ("dvc.repo.scm_context", "\nTo enable auto staging, run:"):
+        # the same hint's second half: auto staging would let DVC stage files the intake must commit atomically
+        "the intake stages files itself",
+}
+"""(logger, message start) -> why it is harmless: known messages of third-party libraries that the entry points
+drop (``quiet_known_messages``), each with the reason it needs no action. Anything else stays visible."""
+
+
+class KnownMessageFilter(logging.Filter):
+    """Drops the records listed in :data:`KNOWN_HARMLESS` for the logger it is attached to."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - never break logging
+            return True
+        return not message.startswith(self.starts)
+
+
+def quiet_known_messages() -> None:
+    """Attach a :class:`KnownMessageFilter` to each logger of :data:`KNOWN_HARMLESS` (once; the entry points call
+    it before the libraries log: a logger created now is the one the library gets later)."""
+    by_logger: dict[str, list[str]] = {}
+    for (name, start), _why in KNOWN_HARMLESS.items():
+        by_logger.setdefault(name, []).append(start)
+    for name, starts in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, KnownMessageFilter) for f in logger.filters):
+            logger.addFilter(KnownMessageFilter(tuple(starts)))
+
+
 DVC_LOGGERS = ("dvc", "dvc_objects", "dvc_data")
 """The loggers ``import dvc`` gives their own stdout/stderr handlers (``dvc.logger.setup``)."""
 
@@ -148,13 +195,36 @@ def progress_bar(total: int, **kwargs) -> Iterator[Any]:
         yield bar
 
 
+HEADLINE_KEYS = ("loss", "reward", "kl", "rewards/margins", "rewards/accuracies", "learning_rate")
+"""The Trainer log keys a progress line shows, the first :data:`HEADLINE_SHOWN` present, in this order; every
+other key goes to MLflow and the stage's CSV only (GRPO/KTO log about 25 keys a step)."""
+HEADLINE_SHOWN = 4
+PROGRESS_LINES = 10
+"""About this many progress lines per training stage (one per window of ``max_steps / PROGRESS_LINES`` steps)."""
+SUMMARY_KEYS = ("train_runtime", "train_loss")
+"""Keys of the Trainer's end-of-training record: its line shows these instead."""
+
+
 def log_line(stage: str, step: int, max_steps: int, logs: Mapping[str, Any]) -> str:
-    """One readable line for a Trainer log record, e.g. ``sft step 20/64: loss 1.234, grad_norm 0.5``
-    (numbers to 4 significant digits; ``total_flos`` and strings dropped)."""
-    shown = [f"{k} {v:.4g}" for k, v in logs.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("total_flos", "epoch", "step")]
+    """One short line for a Trainer log record, e.g. ``sft step 20/64 (epoch 0.31): loss 1.234, learning_rate
+    0.0005`` (the first :data:`HEADLINE_SHOWN` of :data:`HEADLINE_KEYS` present; numbers to 4 significant digits).
+    The end-of-training record shows :data:`SUMMARY_KEYS`."""
+    keys = SUMMARY_KEYS if "train_runtime" in logs else HEADLINE_KEYS
+    numbers = {k: logs[k] for k in keys if isinstance(logs.get(k), (int, float)) and not isinstance(logs[k], bool)}
+    shown = [f"{k} {v:.4g}" for k, v in list(numbers.items())[:HEADLINE_SHOWN]]
     epoch = f" (epoch {logs['epoch']:.2f})" if isinstance(logs.get("epoch"), (int, float)) else ""
     return f"{stage} step {step}/{max_steps}{epoch}: " + (", ".join(shown) or "-")
+
+
+def progress_window(max_steps: int) -> int:
+    """Steps per progress line: about :data:`PROGRESS_LINES` lines per stage, at least one step."""
+    return max(1, -(-max_steps // PROGRESS_LINES))
+
+
+def shows_progress(step: int, max_steps: int, logs: Mapping[str, Any]) -> bool:
+    """Whether the log record of ``step`` gets a progress line: the last step of each window, the final step
+    and the end-of-training summary (the other records go to MLflow and the CSVs only)."""
+    return "train_runtime" in logs or step == max_steps or step % progress_window(max_steps) == 0
 
 
 def quiet_trainer_output(trainer: Any, stage: str) -> None:
@@ -169,7 +239,7 @@ def quiet_trainer_output(trainer: Any, stage: str) -> None:
 
 def stage_progress_callback(stage: str) -> Any:
     """A ``TrainerCallback`` for one training stage: a tqdm bar named after it on a terminal (log records routed
-    above it), and each Trainer log record as one ``log_line`` through the stage's logger (no raw dicts)."""
+    above it), and one short ``log_line`` per progress window through the stage's logger (no raw dicts)."""
     from transformers import TrainerCallback
 
     class StageProgressCallback(TrainerCallback):
@@ -189,7 +259,7 @@ def stage_progress_callback(stage: str) -> Any:
                 self.bar.update(state.global_step - self.bar.n)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs:
+            if state.is_world_process_zero and logs and shows_progress(state.global_step, state.max_steps, logs):
                 get_logger().info(log_line(stage, state.global_step, state.max_steps, logs))
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -201,6 +271,8 @@ def stage_progress_callback(stage: str) -> Any:
     return StageProgressCallback()
 
 
-__all__ = ["DVC_LOGGERS", "EXPECTED_LOAD_REPORTS", "ExpectedLoadReportFilter", "bar_safe_logging", "explain_load_report",
-           "install_load_report_filter", "load_report_rows", "console_loggers", "get_logger", "log_line", "on_terminal", "progress",
-           "quiet_trainer_output", "single_dvc_output", "stage_progress_callback"]
+__all__ = ["DVC_LOGGERS", "EXPECTED_LOAD_REPORTS", "ExpectedLoadReportFilter", "KNOWN_HARMLESS", "KnownMessageFilter",
+           "quiet_known_messages", "bar_safe_logging", "explain_load_report",
+           "install_load_report_filter", "load_report_rows", "console_loggers", "get_logger", "log_line", "on_terminal",
+           "progress_bar", "progress_window", "quiet_trainer_output", "shows_progress", "single_dvc_output",
+           "stage_progress_callback"]

@@ -77,7 +77,7 @@ class Resumable:
         """``trainer.train()`` from the latest complete checkpoint; ``Preempted`` if a signal stopped it early;
         under data parallelism, checks that every rank ended with the same weights."""
         log = get_logger()
-        quiet_trainer_output(trainer, self.stage)  # one bar on a terminal, one log line per logging step
+        quiet_trainer_output(trainer, self.stage)  # one bar on a terminal, one short log line per progress window
         last = latest_checkpoint(self.checkpoints)
         if last is not None:
             log.info("%s: resuming from %s", self.stage, last)

@@ -53,11 +53,29 @@ def test_real_transformers_report_for_a_fresh_score_head(tmp_path):
     assert "the score head is new" in reports[0].getMessage()
 
 
-def test_trainer_log_line_has_no_dict():
+def test_trainer_log_line_is_short_and_has_no_dict():
     line = log_line("sft", 20, 64, {"loss": 1.23456, "grad_norm": 0.5, "learning_rate": 1e-3, "epoch": 0.3125,
                                     "total_flos": 1e9})
-    assert line == "sft step 20/64 (epoch 0.31): loss 1.235, grad_norm 0.5, learning_rate 0.001"
+    assert line == "sft step 20/64 (epoch 0.31): loss 1.235, learning_rate 0.001"
     assert "{" not in line
+    # a KTO/GRPO record (about 25 keys): the headline keys only, at most four, in a line of under 120 characters
+    many = {"loss": 0.5, "grad_norm": 1.0, "learning_rate": 5e-4, "reward": 1.5, "reward_std": 0.3, "kl": 0.02,
+            "entropy": 1.1, **{f"rewards/x{i}/mean": float(i) for i in range(12)}, "rewards/margins": 0.4,
+            "rewards/accuracies": 0.9, "epoch": 0.5}
+    line = log_line("grpo", 7, 40, many)
+    assert line == "grpo step 7/40 (epoch 0.50): loss 0.5, reward 1.5, kl 0.02, rewards/margins 0.4"
+    assert len(line) < 120
+    summary = log_line("kto", 40, 40, {"train_runtime": 12.5, "train_loss": 0.25, "train_samples_per_second": 3})
+    assert summary == "kto step 40/40: train_runtime 12.5, train_loss 0.25"
+
+
+def test_about_ten_progress_lines_per_stage_whatever_its_length():
+    from tasks.logs import shows_progress
+
+    for max_steps in (1, 7, 40, 226, 1000):
+        lines = [step for step in range(1, max_steps + 1) if shows_progress(step, max_steps, {"loss": 1.0})]
+        assert lines[-1] == max_steps and 1 <= len(lines) <= 11, (max_steps, lines)
+    assert shows_progress(3, 40, {"train_runtime": 1.0})  # the end-of-training summary always shows
 
 
 def test_trainer_prints_no_raw_dicts_and_logs_lines(tmp_path, capsys):
@@ -129,3 +147,19 @@ def test_no_weight_loading_bars_under_the_flows(monkeypatch):
     import os
 
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+def test_known_harmless_messages_are_dropped_and_nothing_else(caplog):
+    import logging
+
+    from tasks.logs import KNOWN_HARMLESS, quiet_known_messages
+
+    quiet_known_messages()
+    quiet_known_messages()  # idempotent: one filter per logger
+    for (name, start), why in KNOWN_HARMLESS.items():
+        assert why and len([f for f in logging.getLogger(name).filters if type(f).__name__ == "KnownMessageFilter"]) == 1
+        with caplog.at_level(logging.INFO, logger=name):
+            caplog.clear()
+            logging.getLogger(name).warning(start + " (and the rest of the message)")
+            logging.getLogger(name).warning("something else went wrong")
+        assert [r.getMessage() for r in caplog.records] == ["something else went wrong"]

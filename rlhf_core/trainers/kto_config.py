@@ -28,9 +28,10 @@ class KTOConfig(TrainingArguments):
     transformers' own default, which trains the small CPU models of this project in a few hundred steps."""
     logging_steps: float = field(default=10, metadata={"help": "Log every X update steps (TRL default 10)."})
     """Log every X update steps (or this fraction of the run if < 1); TRL's default 10."""
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Recompute activations in backward."})
     """Recompute activations in the backward pass to save memory. TRL 1.16: True (a GPU-memory default); here
-    False: on a CPU with small models it only costs time."""
+    None, which is off: on a CPU with small models it only costs time. (None, not False: transformers 5 warns
+    that any explicit value of this deprecated alias of ``activation_checkpointing`` is deprecated.)"""
     bf16: bool | None = field(default=False, metadata={"help": "bfloat16 mixed precision."})
     """bfloat16 mixed precision. TRL 1.16: True unless fp16 is set (assumes an Ampere GPU); here False (fp32)."""
     train_sampling_strategy: str = field(

@@ -86,9 +86,12 @@ def packing_works(model: Any, lm: Any) -> bool:
     key = (type(lm), getattr(lm.config, "_attn_implementation", None))
     if key not in _PACKING_WORKS:
         device = next(lm.parameters()).device
-        vocab = min(int(lm.config.vocab_size), 64)
-        first, second = torch.arange(1, 6, device=device) % vocab, torch.arange(7, 10, device=device) % vocab
-        ids = torch.cat([first, second])[None, :]  # (1, 8)
+        # ordinary tokens only: a pad id at an edge of the probe would make transformers warn that padding is
+        # not masked (the probe has no padding)
+        special = {getattr(lm.config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+        ordinary = [i for i in range(min(int(lm.config.vocab_size), 64)) if i not in special][:8]
+        ids = torch.tensor([(ordinary * 8)[:8]], device=device)  # (1, 8)
+        first, second = ids[0, :5], ids[0, 5:]
         positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=device)
         was_training = model.training
         model.eval()
