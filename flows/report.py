@@ -52,6 +52,18 @@ def replace_block(text: str, block: str, where: str = "README.md") -> str:
     return text[:start] + block + text[end + len(END):]
 
 
+def refresh_readme(root: Path) -> tuple[Path, bool]:
+    """Rewrite ``root``'s README.md results table from its metrics/evaluate.json; (path, whether it changed).
+    A README without the block is left alone (a project copy that dropped it)."""
+    readme = root / "README.md"
+    if not readme.is_file() or START not in (text := readme.read_text(encoding="utf-8")):
+        return readme, False
+    new = replace_block(text, results_block(root), str(readme))
+    if new != text:
+        readme.write_text(new, encoding="utf-8")
+    return readme, new != text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.report", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["readme"], help="what to regenerate")
@@ -68,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         return 0
-    if new != text:
-        readme.write_text(new, encoding="utf-8")
+    if refresh_readme(root)[1]:
         print(f"{readme}: results table rewritten from metrics/evaluate.json")
     return 0
 

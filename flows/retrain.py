@@ -6,9 +6,12 @@ branch's last commit in a temporary ``git worktree`` (sharing the checkout's DVC
 unchanged stages are restored, not retrained), re-runs what changed through the pipeline flow (new
 feedback batches in ``incoming/``, a new ``prepare.source_revision``, code or params), evaluates,
 registers (``champion`` moves only on a win), pushes data and models to the DVC remote and commits
-``dvc.lock``, ``metrics/`` and ``plots/`` on a branch ``retrain/<UTC stamp>``, with a tag
-``rlhf-policy-v<N>`` per registered version: ``git checkout <ref> && dvc pull`` restores that version's
-data and weights. The MLflow store is the checkout's (``$MLFLOW_TRACKING_URI`` when set).
+``dvc.lock``, ``metrics/``, ``plots/`` and the README's results table on a branch ``retrain/<UTC stamp>``, with
+a tag ``rlhf-policy-v<N>`` per registered version: ``git checkout <ref> && dvc pull`` restores that version's
+data and weights. Then the record lands on the branch it retrained (a fast-forward; in the checkout, whose
+DVC outputs follow), so the branch is again up to date with its data; if the branch moved meanwhile, the
+record stays on its own branch and ``make land-retrain REF=retrain/<stamp>`` lands it
+(``python -m flows.retrain --land REF``). The MLflow store is the checkout's (``$MLFLOW_TRACKING_URI`` when set).
 ``--serve`` needs a Prefect server (``make serve``, or ``prefect server start --host 127.0.0.1`` with
 ``PREFECT_API_URL=http://127.0.0.1:4200/api``); no Prefect Cloud.
 """
@@ -32,7 +35,9 @@ from tasks.dvc_ops import StageInputsChanged, push_outputs
 from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
 from tasks.mlflow_runs import mlflow_setup, tracking_uri
 from tasks.orphans import detach_temporary_server
-from tasks.worktree import close_worktree, current_branch, open_worktree, record_result
+from flows.report import refresh_readme
+from tasks.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
+                            restore_checkout_outputs)
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
 
@@ -54,8 +59,9 @@ def _tracking_of(root: str) -> Iterator[None]:
 
 @flow(name="rlhf-retrain", log_prints=False)  # see flows/__init__.py
 def retrain(root: str = ".", branch: str | None = None, push: bool = True, remote: str | None = None,
-            record: bool = True) -> dict:
-    """Retrain ``branch`` (default: the one checked out in ``root``) from its last commit; record the result."""
+            record: bool = True, land: bool = True) -> dict:
+    """Retrain ``branch`` (default: the one checked out in ``root``) from its last commit; record the result and
+    (``land``) bring it to the branch."""
     root = str(Path(root).resolve())
     branch = branch or current_branch(root)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -64,16 +70,36 @@ def retrain(root: str = ".", branch: str | None = None, push: bool = True, remot
     with checkout_lock(root, "python -m flows.retrain"):
         worktree = open_worktree(root, branch, stamp)
         try:
+            base = git(worktree, "rev-parse", "HEAD")  # the branch's commit the run starts from
             with _tracking_of(root):
                 summary = pipeline(worktree)
             summary["branch"] = branch
             if push:
                 summary["pushed"] = push_outputs(worktree, remote)
             if record:
+                refresh_readme(Path(worktree))  # the results table the record commits beside metrics/
                 summary["git"] = record_result(worktree, branch, stamp, summary["registry"])
         finally:
             close_worktree(root, worktree)
+        if record and land:
+            summary["git"].update(land_result(root, branch, base, summary["git"]))
     return summary
+
+
+def land(root: str, ref: str) -> str:
+    """Merge a retraining record ``ref`` into the branch checked out in ``root`` and restore its outputs (what
+    ``make land-retrain REF=...`` runs when the branch moved during the retrain). A merge that conflicts is
+    undone: the branch changed what the record changes, so retrain from it instead (``make retrain``)."""
+    with checkout_lock(root, "python -m flows.retrain --land"):
+        try:
+            git(root, "merge", "--no-edit", "-q", ref)
+        except GitError as error:
+            with contextlib.suppress(GitError):
+                git(root, "merge", "--abort")
+            raise GitError(f"{ref} does not merge cleanly into {current_branch(root)} ({error}); nothing changed. "
+                           "The branch changed what the record changes: run `make retrain` to retrain from it") from None
+        restore_checkout_outputs(root)
+        return git(root, "rev-parse", "HEAD")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cron", default=DEFAULT_CRON, help=f"schedule for --serve (default: {DEFAULT_CRON!r})")
     parser.add_argument("--no-push", action="store_true", help="do not push to the DVC remote")
     parser.add_argument("--no-record", action="store_true", help="do not commit the result on a retrain/ branch")
+    parser.add_argument("--no-land", action="store_true", help="leave the record on its retrain/ branch")
+    parser.add_argument("--land", metavar="REF", default=None,
+                        help="only land an earlier record (a retrain/<stamp> branch) on the checked-out branch")
     add_wait_argument(parser)
     args = parser.parse_args(argv)
+    if args.land:
+        try:
+            head = land(str(Path(args.root).resolve()), args.land)
+        except (GitError, CheckoutLocked) as error:
+            print(f"land-retrain: {error}", file=sys.stderr)
+            return getattr(error, "exit_code", 1)
+        print(f"Landed {args.land}: {current_branch(args.root)} is at {head[:12]}; outputs restored (dvc checkout)")
+        return 0
     if args.serve:
         retrain.serve(name="rlhf-retrain-local", cron=args.cron,
                       parameters={"root": str(Path(args.root).resolve()), "branch": args.branch,
@@ -96,15 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     try:
         with checkout_lock(args.root, "python -m flows.retrain"):  # refused here, before Prefect starts
-            summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record)
+            summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record,
+                              land=not args.no_land)
     except (Preempted, StageInputsChanged, CheckoutLocked) as stopped:
         # Preempted: the worktree (and a stage's saved state in it) is gone; the next run re-runs that stage.
         print(f"retrain stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
     if "git" in summary:
-        git = summary["git"]
-        print(f"Recorded on {git['branch']} ({git['commit'][:12]})" + (f", tag {git['tag']}" if git["tag"] else "")
-              + f"; restore with: git checkout {git['tag'] or git['branch']} && dvc pull")
+        record = summary["git"]
+        print(f"Recorded on {record['branch']} ({record['commit'][:12]})"
+              + (f", tag {record['tag']}" if record["tag"] else "")
+              + f"; restore with: git checkout {record['tag'] or record['branch']} && .venv/bin/dvc pull")
+        if "landed" in record:
+            print(("Landed: " if record["landed"] else "Not landed: ") + record["reason"])
     return 0
 
 

@@ -3,10 +3,14 @@
 A retraining run never works in someone's checkout (no uncommitted edits, no ``dvc exp`` applied there):
 :func:`open_worktree` checks out the branch's last commit in a temporary ``git worktree`` that shares the
 checkout's DVC cache and remotes (so unchanged stages are restored, not retrained). :func:`record_result`
-commits ``dvc.lock``, ``metrics/`` and ``plots/`` on a new branch ``retrain/<stamp>`` and tags a registered
-version ``<model>-v<N>``: ``git checkout <ref> && dvc pull`` restores exactly its data and weights. The next
-retraining of the same branch starts from that record (:func:`previous_result`), so only what changed since
-re-runs, while the branch itself (checked out in someone's working copy) is never moved.
+commits ``dvc.lock``, ``metrics/``, ``plots/`` and the README's results table on a new branch
+``retrain/<stamp>`` and tags a registered version ``<model>-v<N>``: ``git checkout <ref> && dvc pull`` restores
+exactly its data and weights. :func:`land_result` then brings that record to the branch it retrained (a
+fast-forward: the record's parent is the commit the run started from), so the branch's committed state is
+again one that ``dvc status`` finds up to date; when the branch moved meanwhile, or the checkout holds edits
+of the recorded files, the record stays on ``retrain/<stamp>`` and the one command that lands it is named.
+The next retraining of a branch that has not landed a record starts from the newest one
+(:func:`previous_result`), so only what changed since re-runs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.logs import get_logger
 
-RECORDED = ("dvc.lock", "metrics", "plots")
+RECORDED = ("dvc.lock", "metrics", "plots", "README.md")
+"""What a retraining run records in git: the lock, what git tracks of the outputs, the README's results table."""
 TRAILER = "Retrained-branch"
 
 
@@ -105,6 +110,55 @@ def _restore_outputs(worktree: Path) -> None:
         log.warning("retrain: could not restore every output (%s); stale stages will re-run", err)
 
 
+def landing_command(record_branch: str) -> str:
+    """The one command that lands a record by hand (``make land-retrain``: merge, then restore the outputs)."""
+    return f"make land-retrain REF={record_branch}"
+
+
+@task(name="git-land", cache_policy=NO_CACHE)
+def land_result(root: str, branch: str, base: str, record: dict) -> dict:
+    """Fast-forward ``branch`` to the record commit when it still points at ``base`` (where the run started), in
+    the checkout ``root`` when that branch is checked out there (its working tree and DVC outputs follow), else
+    as a plain ref update. Returns ``{"landed": bool, "reason": str}``; never overwrites anyone's edits."""
+    log, commit = get_logger(), record["commit"]
+    if git(root, "rev-parse", f"refs/heads/{branch}") != base:
+        reason = f"{branch} moved since the retrain started; land it with: {landing_command(record['branch'])}"
+        log.warning("retrain: not landed: %s", reason)
+        return {"landed": False, "reason": reason}
+    checked_out = _checked_out_branch(root) == branch
+    try:
+        if checked_out:
+            git(root, "merge", "--ff-only", "-q", commit)
+        else:
+            git(root, "update-ref", f"refs/heads/{branch}", commit, base)  # compare-and-swap: atomic
+    except GitError as error:  # e.g. uncommitted edits of dvc.lock or metrics/ in the checkout
+        reason = f"{error}; land it with: {landing_command(record['branch'])}"
+        log.warning("retrain: not landed: %s", reason)
+        return {"landed": False, "reason": reason}
+    if checked_out:
+        restore_checkout_outputs(root)
+    log.info("retrain: landed %s on %s", commit[:12], branch)
+    return {"landed": True, "reason": f"{branch} fast-forwarded to {commit[:12]}"}
+
+
+def _checked_out_branch(root: str | Path) -> str | None:
+    name = git(root, "rev-parse", "--abbrev-ref", "HEAD")
+    return None if name == "HEAD" else name
+
+
+def restore_checkout_outputs(root: str | Path) -> None:
+    """``dvc checkout``: the outputs the landed lock names, from the shared cache (so ``dvc status`` is clean);
+    an output someone changed by hand is left alone, with the command to run named."""
+    from tasks.dvc_ops import _repo
+
+    try:
+        with _repo(root) as repo:
+            repo.checkout()
+    except Exception as error:  # noqa: BLE001 - the record is landed; only the working copy lags
+        get_logger().warning("retrain: landed, but the outputs were not restored in %s (%s): run `.venv/bin/dvc "
+                             "checkout` there", root, error)
+
+
 @task(name="git-record", cache_policy=NO_CACHE)
 def record_result(worktree: str, branch: str, stamp: str, registry: dict, model_name: str = "rlhf-policy") -> dict:
     """Commit dvc.lock, metrics/ and plots/ on ``retrain/<stamp>``; tag a newly registered version."""
@@ -113,7 +167,7 @@ def record_result(worktree: str, branch: str, stamp: str, registry: dict, model_
     git(worktree, "switch", "-q", "-c", result)
     git(worktree, "add", "--", *[p for p in RECORDED if (Path(worktree) / p).exists()])
     record = {"branch": result, "commit": None, "tag": None}
-    message = (f"retrain {stamp} of {branch}: dvc.lock, metrics and plots\n\nregistry: {registry.get('reason')}\n"
+    message = (f"retrain {stamp} of {branch}: dvc.lock, metrics, plots and the results table\n\nregistry: {registry.get('reason')}\n"
                f"version: {registry.get('version')} decision: {registry.get('decision')}\n\n{TRAILER}: {branch}")
     git(worktree, "commit", "-q", "--allow-empty", "-m", message)
     record["commit"] = git(worktree, "rev-parse", "HEAD")

@@ -146,7 +146,7 @@ def test_intake_versions_records_commits_and_refuses_atomically(tmp_path, monkey
     assert _git(root, "rev-parse", "HEAD") == head
     assert sorted(p.name for p in (root / "incoming").iterdir()) == ["README.md"]
 
-    assert main([str(good), str(ratings), "--root", str(root)]) == 0
+    assert main([str(good), str(ratings), "--root", str(root), "--no-retrain"]) == 0
     manifest = [json.loads(line) for line in (root / "incoming" / "manifest.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["rows"], r["user"], r["source"]) for r in manifest] == [
         ("pairs", 2, "alice", str(good)), ("ratings", 1, "alice", str(ratings))]
