@@ -55,7 +55,8 @@ def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True
         else:
             shutil.copy2(src, dst)
     write_params(root, overrides)
-    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.dvc-remote/\n__pycache__/\n")
+    # as the project's own .gitignore: the stage outputs are DVC's (data/, models/), the stores are local
+    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.dvc-remote/\n__pycache__/\n/data/\n/models/\n")
     if git_dvc:
         dvc = str(ROOT / ".venv" / "bin" / "dvc")
         run(["git", "init", "-q", "-b", "main"], root)

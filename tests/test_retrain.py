@@ -83,15 +83,20 @@ def test_retraining_from_committed_state_records_and_restores(harness, tmp_path,
     _git(root, "commit", "-qam", "remote outside the working copy")
     (root / "uncommitted.txt").write_text("someone's edit in progress\n")  # the retrain must not see or touch it
 
+    head = _git(root, "rev-parse", "HEAD")
     first = retrain(str(root))
     assert first["registry"]["decision"] == "promote"
     assert first["pushed"] > 0 and any(p.is_file() for p in remote.rglob("*"))
     v1 = first["registry"]["version"]
     assert first["git"]["tag"] == f"rlhf-policy-v{v1}" and first["git"]["branch"].startswith("retrain/")
-    assert _git(root, "status", "--porcelain") == "?? uncommitted.txt"  # the checkout is untouched
-    assert not (root / "dvc.lock").exists() and _git(root, "worktree", "list").count("\n") == 0
     assert set(_git(root, "show", "--name-only", "--format=", first["git"]["branch"]).split()) >= {
         "dvc.lock", "metrics/evaluate.json", "plots/ppo.csv"}
+    # landed: main fast-forwarded to the record, its outputs restored; someone's uncommitted edit untouched
+    assert first["git"]["landed"] and _git(root, "rev-parse", "HEAD") == first["git"]["commit"]
+    assert _git(root, "rev-parse", "HEAD^") == head
+    assert _git(root, "status", "--porcelain") == "?? uncommitted.txt"
+    assert json.loads(run([DVC, "status", "--json"], root)) == {}  # main's committed state is up to date
+    assert _git(root, "worktree", "list").count("\n") == 0
 
     # new feedback is ingested (committed on main); this time the challenger cannot win
     pairs = [{"prompt": "This movie was", "chosen": f" wonderful, truly {w}.", "rejected": f" awful and {w}."}
@@ -105,6 +110,7 @@ def test_retraining_from_committed_state_records_and_restores(harness, tmp_path,
     assert "prepare" in second["ran"] and "reward_model" in second["ran"] and "dpo" in second["ran"]
     assert "evaluate" in second["ran"]
     assert "sft" not in second["ran"]  # restored from the first run's record: only what the pairs feed re-ran
+    assert second["git"]["landed"] and json.loads(run([DVC, "status", "--json"], root)) == {}
     record = second["registry"]
     assert record["registered"] and record["version"] != v1
     assert record["decision"] == "keep" and "min_improvement" in record["reason"]
@@ -120,3 +126,35 @@ def test_retraining_from_committed_state_records_and_restores(harness, tmp_path,
     run([DVC, "pull", "-q"], clone)
     assert json.loads(run([DVC, "status", "--json"], clone)) == {}
     assert (clone / "models" / "ppo").is_dir() and (clone / "data" / "preferences.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_a_retrain_whose_branch_moved_is_landed_by_one_command(harness, tmp_path, monkeypatch):
+    """main gets a commit while the retrain runs: the record stays on retrain/<stamp>, the reason names
+    `make land-retrain`, and that command (flows.retrain --land) merges it and restores the outputs."""
+    from flows import retrain as retrain_module
+    from flows.retrain import main as retrain_main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    root = make_project(tmp_path / "proj")
+    real_pipeline = retrain_module.pipeline
+
+    def pipeline_while_main_moves(worktree):
+        summary = real_pipeline(worktree)
+        (root / "NOTES.md").write_text("a teammate's commit during the retrain\n")
+        _git(root, "add", "NOTES.md")
+        _git(root, "commit", "-qm", "notes")
+        return summary
+
+    monkeypatch.setattr(retrain_module, "pipeline", pipeline_while_main_moves)
+    summary = retrain_module.retrain(str(root), push=False)
+    record = summary["git"]
+    assert not record["landed"] and f"make land-retrain REF={record['branch']}" in record["reason"]
+    assert not (root / "dvc.lock").exists()  # main untouched
+
+    assert retrain_main(["--root", str(root), "--land", record["branch"]]) == 0
+    assert (root / "dvc.lock").is_file() and (root / "NOTES.md").is_file()
+    assert json.loads(run([DVC, "status", "--json"], root)) == {}
+    assert retrain_main(["--root", str(root), "--land", "retrain/none"]) != 0  # a bad ref: refused, named
