@@ -311,7 +311,7 @@ def test_push_to_hub_offline_is_a_clear_error_before_any_weight_change(tokenizer
 
 
 def test_optimize_device_cache_empties_the_cache_after_each_step(tokenizer, monkeypatch):
-    from rlhf_core.trainers import ppo_setup
+    from rlhf_core.trainers.ppo import setup as ppo_setup
 
     calls = []
     monkeypatch.setattr(ppo_setup, "empty_device_cache", lambda: calls.append(1))

@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 
 from rlhf_core.models.tiny import tiny_causal_lm
 from rlhf_core.trainers.collators import ConstantLengthDataset
-from rlhf_core.trainers.dpo import (
+from rlhf_core.trainers.preference.dpo import (
     DPOConfig,
     DPOTrainer,
     FDivergenceType,
@@ -242,7 +242,7 @@ def test_trl_paths_have_rlhf_core_equivalents():
 def test_the_trl_shim_aliases_rlhf_core_modules():
     """bench/trl_tests/shim: ``trl`` and ``trl.X`` are the rlhf_core module objects themselves."""
     code = (
-        "import trl, rlhf_core, rlhf_core.trainers.dpo as d\n"
+        "import trl, rlhf_core, rlhf_core.trainers.preference.dpo as d\n"
         "from trl.trainer.dpo_trainer import _build_tokenized_answer\n"
         "from trl.core import masked_mean\n"
         "import trl.trainer.dpo_trainer as t\n"

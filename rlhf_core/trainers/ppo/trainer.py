@@ -40,7 +40,7 @@ from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.tracking import Tracker, make_tracker
-from rlhf_core.trainers import ppo_hub, ppo_setup, ppo_state, ppo_stats
+from rlhf_core.trainers.ppo import hub as ppo_hub, setup as ppo_setup, state as ppo_state, stats as ppo_stats
 from rlhf_core.trainers.generation import (
     DEFAULT_GENERATION_BATCH_SIZE,
     generate_batched,
@@ -51,9 +51,9 @@ from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_b
 from rlhf_core.trainers.master_weights import MasterWeights
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.kl_control import RunningMoments
-from rlhf_core.trainers.ppo_config import PPOConfig
+from rlhf_core.trainers.ppo.config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
-from rlhf_core.trainers.ppo_validation import (
+from rlhf_core.trainers.ppo.validation import (
     check_generation_lengths,
     check_sequence_lengths,
     check_step_inputs,
@@ -332,7 +332,7 @@ class PPOTrainer:
             self.lr_scheduler.step()
         self.current_step += 1
 
-    # ------------------------------------------------------------------ input checks (rlhf_core.trainers.ppo_validation)
+    # ------------------------------------------------------------------ input checks (rlhf_core.trainers.ppo.validation)
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, response_masks=None):
         """Check the step inputs and move them to the device; raise ``ValueError`` on bad input."""
@@ -665,7 +665,7 @@ class PPOTrainer:
         self.tracker.log_table("game_log", [*columns_to_log, "reward"],
                                ppo_stats.game_log_rows(batch, columns_to_log, rewards), step=self.current_step)
 
-    # ------------------------------------------------------------------ pushing to the Hub (rlhf_core.trainers.ppo_hub)
+    # ------------------------------------------------------------------ pushing to the Hub (rlhf_core.trainers.ppo.hub)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> Any:
         """Push the policy (value head included) and tokenizer to the Hub repo ``repo_id`` (needs a network)."""
@@ -695,7 +695,7 @@ class PPOTrainer:
         """Alias kept for classic-TRL compatibility."""
         self.save_pretrained(save_directory)
 
-    # ------------------------------------------------------------------ exact resume (rlhf_core.trainers.ppo_state)
+    # ------------------------------------------------------------------ exact resume (rlhf_core.trainers.ppo.state)
 
     def save_state(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write everything a run needs to continue exactly, atomically, into the directory ``path``.

@@ -37,7 +37,7 @@ from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers import base
 from rlhf_core.trainers.base import TrackingOptions, check_tracking
 from rlhf_core.trainers.collators import pad_to_length
-from rlhf_core.trainers.kto_config import KTOConfig
+from rlhf_core.trainers.preference.kto_config import KTOConfig
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from rlhf_core.trainers.base import (
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
-from rlhf_core.trainers.online_config import OnlineRLConfig
+from rlhf_core.trainers.online.config import OnlineRLConfig
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.trainers.ppo_config import PPOConfig
+from rlhf_core.trainers.ppo.config import PPOConfig
 
 
 def init_push_if_best(trainer, config: PPOConfig) -> None:
