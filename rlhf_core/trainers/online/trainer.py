@@ -15,7 +15,6 @@ re-loaded from ``config._name_or_path``; with ``beta == 0`` none is built at all
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
@@ -44,6 +43,7 @@ from rlhf_core.trainers.base import (
     wrap_peft,
 )
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
+from rlhf_core.trainers.forward import dropout_off, reference_model
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.trainers.online.config import OnlineRLConfig
@@ -158,18 +158,6 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
     logprobs = torch.gather(logprobs_from_logits(logits.float(), ids[:, first + 1:last + 2]), 1, slots)  # (B, A)
     entropy = torch.gather(entropy_from_logits(logits.detach()), 1, slots) if with_entropy else None
     return logprobs, entropy
-
-
-@contextlib.contextmanager
-def dropout_off(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """``model.eval()`` for the block (no dropout; gradients still flow), then the previous mode back."""
-    was_training = model.training
-    if enabled:
-        model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class _RefSyncCallback(TrainerCallback):
@@ -429,11 +417,9 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
     def _reference_logprobs(self, batch: ModelBatch) -> torch.Tensor | None:
         if self.beta == 0.0:
             return None
-        if self.ref_model is not None:
-            return self._logprobs(self.ref_model, batch)
-        policy = self.accelerator.unwrap_model(self.model)
-        with policy.disable_adapter():
-            return self._logprobs(self.model, batch)
+        adapter_off = self.ref_model is None  # beta > 0 without a reference model: the PEFT policy's base
+        with reference_model(self.accelerator, self.model, self.ref_model, adapter_off) as reference:
+            return self._logprobs(reference, batch)
 
     def _needs_old_logprobs(self) -> bool:
         """Old log-probs are needed when a sample is trained on after the policy has moved."""
@@ -685,5 +671,4 @@ def _nan_std(values: torch.Tensor) -> torch.Tensor:
     return finite.std() if finite.numel() > 1 else values.new_zeros(())
 
 
-__all__ = ["GroupRepeatSampler", "OnlineRLTrainer", "Rollout", "dropout_off", "is_conversational",
-           "token_logprobs_and_entropy"]
+__all__ = ["GroupRepeatSampler", "OnlineRLTrainer", "Rollout", "is_conversational", "token_logprobs_and_entropy"]

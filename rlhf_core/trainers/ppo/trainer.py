@@ -48,6 +48,7 @@ from rlhf_core.trainers.generation import (
     pad_id_of,
 )
 from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
+from rlhf_core.trainers.forward import reference_model
 from rlhf_core.trainers.master_weights import MasterWeights
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.kl_control import RunningMoments
@@ -228,7 +229,6 @@ class PPOTrainer:
         which leaves most of a CPU or GPU idle per decoding step); each response is cut after its
         first EOS (kept) and never contains padding. A 1-d tensor returns the raw (1, L) output.
         """
-        ref_model = self.accelerator.unwrap_model(self.model) if self.is_peft_model else self.ref_model
         if isinstance(query_tensor, (list, tuple)):
             run = lambda model: generate_batched(  # noqa: E731
                 self.accelerator.unwrap_model(model), self.tokenizer, list(query_tensor), device=self.accelerator.device,
@@ -249,7 +249,7 @@ class PPOTrainer:
         response = run(self.model)
         if not generate_ref_response:
             return response
-        with self._reference_context():
+        with self._reference() as ref_model:
             return response, run(ref_model)
 
     def _check_generation_lengths(self, query_tensor, generation_kwargs) -> None:
@@ -260,11 +260,9 @@ class PPOTrainer:
         check_generation_lengths(queries, generation_kwargs.get("max_new_tokens"), self._position_limit(),
                                  self.is_encoder_decoder)
 
-    def _reference_context(self):
-        """Inside: the reference model's weights are active (adapter disabled for PEFT)."""
-        if self.is_peft_model:
-            return self.accelerator.unwrap_model(self.model).disable_adapter()
-        return contextlib.nullcontext()
+    def _reference(self):
+        """Context yielding the reference: the policy with its adapter disabled (PEFT), else ``ref_model``."""
+        return reference_model(self.accelerator, self.model, self.ref_model, adapter_off=self.is_peft_model)
 
     # ------------------------------------------------------------------ the PPO step
 
@@ -416,8 +414,7 @@ class PPOTrainer:
         except the first mini-batch's policy forward when ``first`` is given: ``_policy_rollout``)."""
         full = self.config.kl_penalty == "full"
         logprobs, values, logits = self._policy_rollout(batch, full, first)
-        with torch.no_grad(), self._reference_context():
-            ref_model = self.model if self.is_peft_model else self.ref_model
+        with torch.no_grad(), self._reference() as ref_model:
             ref_logprobs, _, ref_logits = self._forward_batch(ref_model, batch, return_logits=full)
         out = {"logprobs": logprobs, "values": values, "ref_logprobs": ref_logprobs}
         if full:
