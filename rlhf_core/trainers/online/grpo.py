@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from rlhf_core.losses import group_relative_advantages, grpo_loss
+from rlhf_core.trainers.experience import Rollout
 from rlhf_core.trainers.online.grpo_config import GRPOConfig
-from rlhf_core.trainers.online.trainer import OnlineRLTrainer, Rollout
+from rlhf_core.trainers.online.trainer import OnlineRLTrainer
 
 
 class GRPOTrainer(OnlineRLTrainer):

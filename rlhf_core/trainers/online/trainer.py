@@ -19,7 +19,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
@@ -42,7 +42,7 @@ from rlhf_core.trainers.base import (
     load_model,
     wrap_peft,
 )
-from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
+from rlhf_core.trainers.experience import ModelBatch, Rollout, build_causal_batch
 from rlhf_core.trainers.forward import dropout_off, reference_model
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
@@ -93,38 +93,7 @@ class GroupRepeatSampler(Sampler[int]):
         return (self.size // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeat_count
 
 
-# ---- the rollout ------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """One generation batch (this process's share) after sampling and scoring: B prompt/completion pairs."""
-
-    batch: ModelBatch
-    """Prompt + completion, left-padded, with position ids; ``response_mask`` (B, A) is 0 on padding and on
-    truncated completions when ``mask_truncated_completions``."""
-    advantages: torch.Tensor
-    """(B,) one advantage per completion (group-relative for GRPO, leave-one-out for RLOO)."""
-    old_logprobs: torch.Tensor | None
-    """(B, A) policy log-probs at sampling time; None when every update is on-policy (the ratio is then 1)."""
-    ref_logprobs: torch.Tensor | None
-    """(B, A) reference log-probs; None when ``beta == 0`` (no reference model exists)."""
-    num_items: torch.Tensor
-    """() real completion tokens of the whole generation batch over all processes (``dapo``'s normaliser)."""
-    policy_forward: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The loss forward already run at sampling time: (B, A) log-probs with their graph and (B, A) entropy;
-    None when ``compute_loss`` runs it (see ``OnlineRLTrainer._can_reuse_loss_forward``)."""
-
-    def rows(self, index: torch.Tensor) -> "Rollout":
-        """The sub-rollout of the given rows."""
-        pick = (lambda t: None if t is None else t[index])
-        forward = None if self.policy_forward is None else tuple(t[index] for t in self.policy_forward)
-        return replace(self, batch=self.batch.rows(index), advantages=self.advantages[index],
-                       old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
-                       policy_forward=forward)
-
-    def __len__(self) -> int:
-        return len(self.advantages)
+# ---- the forward ------------------------------------------------------------------------------
 
 
 def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool = False
@@ -671,4 +640,4 @@ def _nan_std(values: torch.Tensor) -> torch.Tensor:
     return finite.std() if finite.numel() > 1 else values.new_zeros(())
 
 
-__all__ = ["GroupRepeatSampler", "OnlineRLTrainer", "Rollout", "is_conversational", "token_logprobs_and_entropy"]
+__all__ = ["GroupRepeatSampler", "OnlineRLTrainer", "is_conversational", "token_logprobs_and_entropy"]

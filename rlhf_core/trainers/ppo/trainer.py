@@ -47,7 +47,14 @@ from rlhf_core.trainers.generation import (
     generate_single,
     pad_id_of,
 )
-from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
+from rlhf_core.trainers.experience import (
+    Experience,
+    FirstMinibatch,
+    ModelBatch,
+    RolloutForward,
+    build_causal_batch,
+    build_seq2seq_batch,
+)
 from rlhf_core.trainers.forward import reference_model
 from rlhf_core.trainers.master_weights import MasterWeights
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
@@ -288,12 +295,12 @@ class PPOTrainer:
                 old = self._rollout_forward(batch, first)
             with phase_timer(timing, "compute_rewards"):
                 rewards, non_score, kls = self.compute_rewards(
-                    scores, old["logprobs"], old["ref_logprobs"], batch.response_mask,
-                    old.get("full_logprobs"), old.get("ref_full_logprobs"))
+                    scores, old.logprobs, old.ref_logprobs, batch.response_mask, old.full_logprobs,
+                    old.ref_full_logprobs)
             with phase_timer(timing, "compute_advantages"):
-                values, advantages, returns = self.compute_advantages(old["values"], rewards, batch.response_mask)
+                values, advantages, returns = self.compute_advantages(old.values, rewards, batch.response_mask)
             experience = Experience(
-                logprobs=old["logprobs"], ref_logprobs=old["ref_logprobs"], values=values, rewards=rewards,
+                logprobs=old.logprobs, ref_logprobs=old.ref_logprobs, values=values, rewards=rewards,
                 non_score_rewards=non_score, kls=kls, advantages=advantages, returns=returns)
             with phase_timer(timing, "optimize_step"):
                 train_stats = self._optimise(batch, experience, first)
@@ -380,28 +387,28 @@ class PPOTrainer:
         """
         return self.accelerator.distributed_type == DistributedType.NO
 
-    def _first_minibatch(self) -> dict[str, Any]:
+    def _first_minibatch(self) -> FirstMinibatch:
         """The first epoch's row order, drawn before the rollout (the same numpy draw ``_optimise`` would make)."""
         order = torch.from_numpy(np.random.permutation(self.config.batch_size))
-        return {"order": order, "rows": order[: self.config.mini_batch_size]}
+        return FirstMinibatch(order=order, rows=order[: self.config.mini_batch_size])
 
-    def _policy_rollout(self, batch: ModelBatch, full: bool, first: dict[str, Any] | None):
+    def _policy_rollout(self, batch: ModelBatch, full: bool, first: FirstMinibatch | None):
         """The policy's (B, A) log-probs and values (and (B, A, V) logits when ``full``), without gradients.
 
-        With ``first``: its rows are forwarded with gradients and their outputs kept in ``first["forward"]``
+        With ``first``: its rows are forwarded with gradients and their outputs kept in ``first.forward``
         for the first mini-batch update; the other rows are forwarded without, as before.
         """
         if first is None:
             with torch.no_grad():
                 return self._forward_batch(self.model, batch, return_logits=full)
-        rows = first["rows"]
+        rows = first.rows
         rest = torch.from_numpy(np.setdiff1d(np.arange(len(batch)), rows.numpy()))
         with self._embedding_grad_context():
-            first["forward"] = self._forward_batch(self.model, batch.rows(rows), return_logits=True)
+            first.forward = self._forward_batch(self.model, batch.rows(rows), return_logits=True)
         with torch.no_grad():
             others = self._forward_batch(self.model, batch.rows(rest), return_logits=full) if len(rest) else None
         outputs = []
-        for i, kept in enumerate(first["forward"][: 3 if full else 2]):  # logprobs, values[, logits]
+        for i, kept in enumerate(first.forward[: 3 if full else 2]):  # logprobs, values[, logits]
             out = kept.new_empty((len(batch), *kept.shape[1:]))
             out[rows] = kept.detach()
             if others is not None:
@@ -409,18 +416,18 @@ class PPOTrainer:
             outputs.append(out)
         return (*outputs, None) if not full else tuple(outputs)
 
-    def _rollout_forward(self, batch: ModelBatch, first: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    def _rollout_forward(self, batch: ModelBatch, first: FirstMinibatch | None = None) -> RolloutForward:
         """Old log-probs and values from the policy, reference log-probs from the reference (no gradients,
         except the first mini-batch's policy forward when ``first`` is given: ``_policy_rollout``)."""
         full = self.config.kl_penalty == "full"
         logprobs, values, logits = self._policy_rollout(batch, full, first)
         with torch.no_grad(), self._reference() as ref_model:
             ref_logprobs, _, ref_logits = self._forward_batch(ref_model, batch, return_logits=full)
-        out = {"logprobs": logprobs, "values": values, "ref_logprobs": ref_logprobs}
-        if full:
-            out["full_logprobs"] = logprobs_from_logits(logits, None, gather=False)
-            out["ref_full_logprobs"] = logprobs_from_logits(ref_logits, None, gather=False)
-        return out
+        if not full:
+            return RolloutForward(logprobs=logprobs, values=values, ref_logprobs=ref_logprobs)
+        return RolloutForward(logprobs=logprobs, values=values, ref_logprobs=ref_logprobs,
+                              full_logprobs=logprobs_from_logits(logits, None, gather=False),  # (B, A, V)
+                              ref_full_logprobs=logprobs_from_logits(ref_logits, None, gather=False))  # (B, A, V)
 
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
@@ -515,7 +522,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ minibatch epochs
 
     def _optimise(self, batch: ModelBatch, experience: Experience,
-                  first: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                  first: FirstMinibatch | None = None) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats.
 
         ``first`` (``_first_minibatch``): the first epoch's row order, and the first mini-batch's forward kept
@@ -525,11 +532,11 @@ class PPOTrainer:
         all_stats: list[dict[str, torch.Tensor]] = []
         cfg = self.config
         for epoch in range(cfg.ppo_epochs):
-            order = first["order"] if first is not None and epoch == 0 else \
+            order = first.order if first is not None and epoch == 0 else \
                 torch.from_numpy(np.random.permutation(cfg.batch_size))
             for start in range(0, cfg.batch_size, cfg.mini_batch_size):
                 rows = order[start:start + cfg.mini_batch_size]
-                kept = first.pop("forward") if first is not None and epoch == 0 and start == 0 else None
+                kept = first.take_forward() if first is not None and epoch == 0 and start == 0 else None
                 all_stats.append(self._minibatch_update(batch.rows(rows), experience.rows(rows), kept))
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
