@@ -76,6 +76,11 @@ _PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedTy
 class PPOTrainer:
     """Optimise a value-head language model with PPO from (query, response, score) triples."""
 
+    # classic TRL's names for the push-if-best state, which ``push_if_best`` (a ``ppo_hub.PushIfBest``) owns
+    push_to_hub_kwargs = ppo_hub.ClassicName()
+    compare_step = ppo_hub.ClassicName()
+    highest_reward = ppo_hub.ClassicName()
+
     def __init__(
         self,
         config: PPOConfig | None = None,
@@ -121,7 +126,7 @@ class PPOTrainer:
         self._prepare(model, optimizer, lr_scheduler)
         self.running = RunningMoments(self.accelerator)
         self.tracker = self._setup_tracker(tracker)
-        ppo_hub.init_push_if_best(self, config)
+        self.push_if_best = ppo_hub.PushIfBest(config)
         self.current_step = 0
         self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
         self._nonfinite_this_step = 0
@@ -287,7 +292,7 @@ class PPOTrainer:
                 self.config.batch_size, queries, responses, scores, response_masks)
             self._check_sequence_lengths(queries, responses)
             scores = self._process_scores(scores)  # (B,)
-            ppo_hub.push_if_best(self, scores)
+            self.push_if_best.update(scores, self.push_to_hub)  # the method: subclasses and tests may replace it
             self._dropout_off()
             batch = self.prepare_model_inputs(queries, responses, response_masks)
             first = self._first_minibatch() if self._reuses_rollout_forward() else None
