@@ -2,11 +2,12 @@
 
 ``step`` reads like the algorithm: validate -> score processing -> forward passes -> rewards
 (per-token KL + score on the last real token) -> GAE -> minibatch epochs -> stats -> KL update.
-The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Neighbours:
-``generation`` (sampling), ``ppo_validation`` (step/generate input checks), ``ppo_state`` (exact resume),
-``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader),
-``ppo_setup`` (accelerator config, tracker, optimizer, collator), ``ppo_stats`` (the step's stats and their
-logging), ``ppo_hub`` (pushing to the Hub) and ``timing`` (the phase timer).
+The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Its package
+(``rlhf_core.trainers.ppo``): ``validation`` (step/generate input checks), ``state`` (exact resume), ``loop``
+(the run loop: generate -> score -> step over the dataloader), ``setup`` (accelerator config, tracker, optimizer,
+collator), ``stats`` (the step's stats and their logging), ``hub`` (pushing to the Hub). Shared with the other
+trainers: ``generation`` (sampling), ``experience`` (the typed batches), ``forward`` (the reference model) and
+``timing`` (the phase timer).
 
 As in classic TRL, every forward pass of ``step`` runs with dropout disabled (``model.eval()``), so
 the first mini-batch's probability ratio is exactly 1 and rollout and learning see the same model.
@@ -657,7 +658,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ stats and logging
 
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays); see ``ppo_stats``."""
+        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays); see ``ppo.stats``."""
         return ppo_stats.record_step_stats(kl_coef, **data)
 
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
