@@ -25,7 +25,8 @@ ORCHESTRATION = ("prefect", "mlflow", "dvc")
 
 
 def module_name(path: Path) -> str:
-    """``rlhf_core/trainers/ppo.py`` -> ``rlhf_core.trainers.ppo``; a package's ``__init__`` -> the package."""
+    """``rlhf_core/trainers/ppo/trainer.py`` -> ``rlhf_core.trainers.ppo.trainer``; a package's ``__init__`` ->
+    the package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
