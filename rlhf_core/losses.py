@@ -255,7 +255,7 @@ def pairwise_reward_loss(
 
 
 # --------------------------------------------------------------------------------------------
-# ---- GRPO / RLOO (critic-free online methods; TRL 1.16 semantics, see rlhf_core.trainers.online)
+# ---- GRPO / RLOO (critic-free online methods; TRL 1.16 semantics, see rlhf_core.trainers.online.trainer)
 # --------------------------------------------------------------------------------------------
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

@@ -5,7 +5,7 @@ with the reward (the learned reward model by default), ``step``, ``log_stats`` (
 spec's names and a query/response/reward table per step in MLflow). Writes ``models/ppo`` (value-head
 checkpoint; loads as a plain causal LM), ``metrics/ppo.json`` and ``plots/ppo.csv``.
 
-The loop itself is the library's (``rlhf_core.trainers.ppo_loop.run_ppo``): this task loads, runs and writes.
+The loop itself is the library's (``rlhf_core.trainers.ppo.loop.run_ppo``): this task loads, runs and writes.
 Under a launcher with N processes the trainer's dataloader is sharded by accelerate, so every rank trains on its
 own ``batch_size`` prompts of each step's ``batch_size x N``; DDP keeps the weights identical (checked at the
 end) and rank 0 alone writes.
@@ -45,7 +45,7 @@ def generation_kwargs(tokenizer, max_new_tokens: int) -> dict:
 def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Train ``models/ppo``; returns the metrics written to metrics/ppo.json.
 
-    The loop is ``rlhf_core.trainers.ppo_loop.run_ppo`` over the trainer's own (resumable, per-rank sharded)
+    The loop is ``rlhf_core.trainers.ppo.loop.run_ppo`` over the trainer's own (resumable, per-rank sharded)
     dataloader of prompts. Its state (weights, optimizer, RNGs, KL controller, dataloader position, curve) is
     saved in ``.checkpoints/ppo-<hash of params and inputs>`` every ``ppo.save_steps`` steps and when
     SIGTERM/SIGINT arrives (then ``Preempted`` is raised: exit status 75). Running the stage again, after a
@@ -62,7 +62,7 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         write_empty_windows(root, "ppo")
         return skipped  # ppo.enabled: false
     from rlhf_core.checkpointing import GracefulStop, Preempted
-    from rlhf_core.trainers.ppo_loop import run_ppo
+    from rlhf_core.trainers.ppo.loop import run_ppo
 
     root, params, p, io = load_stage(root, "ppo")
     paths = params.paths

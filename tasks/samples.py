@@ -99,7 +99,7 @@ def load_window_scorer(root: Path, prompts_path: str, sft_dir: str, num_prompts:
 def log_sample_table(tracker, name: str, step: int, queries: Sequence[str], responses: Sequence[str],
                      rewards: Sequence[float]) -> None:
     """One window's table through ``tracker`` under PPO's scheme (``tables/<name>_step<6 digits>.json``)."""
-    from rlhf_core.trainers.ppo_stats import game_log_rows
+    from rlhf_core.trainers.ppo.stats import game_log_rows
 
     rows = game_log_rows({"query": list(queries), "response": list(responses)}, SAMPLE_COLUMNS[:2],
                          [round(float(r), 4) for r in rewards])

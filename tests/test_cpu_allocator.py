@@ -77,7 +77,7 @@ def test_kept_memory_is_reused_without_page_faults():
 def test_ppo_trainer_on_the_cpu_keeps_freed_memory(monkeypatch):
     from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
     from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
-    from rlhf_core.trainers import ppo_trainer
+    from rlhf_core.trainers.ppo import trainer as ppo_trainer
 
     calls = []
     monkeypatch.setattr(ppo_trainer, "keep_freed_cpu_memory", lambda: calls.append(True))

@@ -187,7 +187,7 @@ def _run_reward(out: Path) -> None:
 
     from rlhf_core.losses import pairwise_reward_loss
     from rlhf_core.models.tiny import build_tokenizer, tiny_reward_model
-    from rlhf_core.trainers.reward import RewardTrainer
+    from rlhf_core.trainers.preference.reward import RewardTrainer
 
     # left padding: the reward must be read at the last real token whatever the padding side, also when the
     # model the Trainer hands compute_loss is the DDP wrapper
@@ -216,7 +216,7 @@ def _run_dpo(out: Path, tokenizer) -> None:
     from datasets import Dataset
 
     from rlhf_core.models.tiny import tiny_causal_lm
-    from rlhf_core.trainers.dpo import DPOTrainer
+    from rlhf_core.trainers.preference.dpo import DPOTrainer
 
     dataset = Dataset.from_dict(DPO_ROWS)
     trainer = _recording(DPOTrainer, "chosen_input_ids", "chosen_attention_mask")(
@@ -309,8 +309,8 @@ def _load_run(out: Path, name: str, suffix: str = "") -> tuple[list[dict], list[
 def _expected_rows(name: str) -> list[list[int]]:
     """The token rows each trainer's compute_loss should see for the 8 dataset examples (order of the dataset)."""
     from rlhf_core.models.tiny import build_tokenizer
-    from rlhf_core.trainers.dpo import tokenize_dpo_row
-    from rlhf_core.trainers.reward import tokenize_pair
+    from rlhf_core.trainers.preference.dpo import tokenize_dpo_row
+    from rlhf_core.trainers.preference.reward import tokenize_pair
     from rlhf_core.trainers.sft import tokenize_texts
 
     tokenizer = build_tokenizer()

@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 from rlhf_core.losses import dpo_loss
 from rlhf_core.models.tiny import tiny_causal_lm
 from rlhf_core.trainers.collators import DPODataCollatorWithPadding
-from rlhf_core.trainers.dpo import (
+from rlhf_core.trainers.preference.dpo import (
     DPOTrainer,
     concatenate_pairs,
     response_logprobs,
@@ -273,7 +273,7 @@ def test_save_model_card_and_tracker(tokenizer, tmp_path):
 
 
 def test_generate_during_eval_without_tracker_needs_wandb_as_in_trl(tokenizer, tmp_path, monkeypatch):
-    import rlhf_core.trainers.dpo as dpo_module
+    import rlhf_core.trainers.preference.dpo as dpo_module
 
     monkeypatch.setattr(dpo_module, "is_wandb_available", lambda: False)
     with pytest.raises(ValueError, match="`generate_during_eval=True` requires Weights and Biases to be installed"):
@@ -283,7 +283,7 @@ def test_generate_during_eval_without_tracker_needs_wandb_as_in_trl(tokenizer, t
 
 
 def test_model_init_kwargs_torch_dtype_checked_with_trl_wording(tokenizer, tmp_path):
-    from rlhf_core.trainers.dpo import DPOConfig
+    from rlhf_core.trainers.preference.dpo import DPOConfig
 
     path = tmp_path / "base"
     tiny_causal_lm(tokenizer).save_pretrained(path)

@@ -14,7 +14,7 @@ from datasets import Dataset
 
 from rlhf_core.losses import capped_exp, dpo_loss, f_divergence_logits
 from rlhf_core.models.tiny import tiny_causal_lm
-from rlhf_core.trainers.dpo import DPOConfig, DPOTrainer, FDivergenceType
+from rlhf_core.trainers.preference.dpo import DPOConfig, DPOTrainer, FDivergenceType
 
 PC = torch.tensor([-3.0, -1.5, -7.25, -0.5], dtype=torch.float64)  # policy chosen log-probs (B=4,)
 PR = torch.tensor([-4.0, -1.0, -6.0, -2.5], dtype=torch.float64)  # policy rejected

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_core import GRPOConfig, GRPOTrainer
 from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm, tiny_reward_model
-from rlhf_core.trainers import online
+from rlhf_core.trainers.online import trainer as online
 from rlhf_core.trainers.experience import build_causal_batch
-from rlhf_core.trainers.online import GroupRepeatSampler, token_logprobs_and_entropy
+from rlhf_core.trainers.online.trainer import GroupRepeatSampler, token_logprobs_and_entropy
 from tests._online_rl import (LOGGED_KEYS, assert_finite_keys, changed, count_e, online_args,  # noqa: F401
                                prompt_dataset, snapshot, tok, toy_reward_curve, train_logs)  # tok: a fixture
 
@@ -80,14 +80,14 @@ def test_every_trl_116_field_exists_and_ours_are_documented(tmp_path):
     import inspect
 
     from rlhf_core import RLOOConfig
-    from rlhf_core.trainers import online_config
+    from rlhf_core.trainers.online import config as online_config
 
     grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
     assert [name for name in TRL_116_GRPO_FIELDS if name not in grpo] == []
     rloo = {f.name for f in dataclasses.fields(RLOOConfig)}
     assert [name for name in TRL_116_RLOO_FIELDS if name not in rloo] == []
     # a docstring line under every field this project declares (house style)
-    from rlhf_core.trainers import grpo_config, rloo_config
+    from rlhf_core.trainers.online import grpo_config, rloo_config
 
     for module in (online_config, grpo_config, rloo_config):
         for node in ast.walk(ast.parse(inspect.getsource(module))):

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from rlhf_core import KTOConfig, KTOTrainer
 from rlhf_core.losses import kto_loss
 from rlhf_core.models.tiny import tiny_causal_lm
-from rlhf_core.trainers.kto import (
+from rlhf_core.trainers.preference.kto import (
     DataCollatorForUnpairedPreference,
     add_kl_completions,
     completion_logps,

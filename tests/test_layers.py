@@ -1,5 +1,8 @@
 """The layer rules of DESIGN.md, enforced: imports point down only (flows -> tasks -> rlhf_core), the library
-loads no orchestration package, and the project's modules import one another without cycles.
+loads no orchestration package, and the project's modules import one another without cycles. Inside the
+library, the trainers' rooms: a family package (rlhf_core/trainers/ppo, online, preference) imports what the
+families share (the modules directly in rlhf_core/trainers/) and never another family; what is shared never
+imports a family; nothing below the trainers imports them (only the TRL mirror rlhf_core.trainer does).
 
 The import graph is read from the source with ``ast``: every ``import``/``from ... import`` statement counts,
 including those inside functions (a lazy import still ties the two modules together: it only delays the
@@ -22,7 +25,8 @@ ORCHESTRATION = ("prefect", "mlflow", "dvc")
 
 
 def module_name(path: Path) -> str:
-    """``rlhf_core/trainers/ppo.py`` -> ``rlhf_core.trainers.ppo``; a package's ``__init__`` -> the package."""
+    """``rlhf_core/trainers/ppo/trainer.py`` -> ``rlhf_core.trainers.ppo.trainer``; a package's ``__init__`` ->
+    the package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -103,6 +107,40 @@ def top(name: str) -> str:
     return name.split(".")[0]
 
 
+TRAINERS = "rlhf_core.trainers"
+FAMILIES = ("ppo", "online", "preference")
+"""The trainer families, one package each under rlhf_core/trainers/; what several share lies beside them."""
+TRL_MIRROR = "rlhf_core.trainer"
+"""TRL 0.11's ``trl.trainer`` path: re-exports the trainers, so it is the one library room above them."""
+
+
+def trainer_room(name: str) -> str | None:
+    """``"shared"`` for rlhf_core.trainers and a module directly in it, the family for one in a family package,
+    None outside the trainers."""
+    if name != TRAINERS and not name.startswith(TRAINERS + "."):
+        return None
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in FAMILIES else "shared"
+
+
+def trainer_room_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Imports that point up or sideways among the trainers: a shared module importing a family, a family
+    importing another family, or a library module below the trainers (anything in rlhf_core but the trainers,
+    the TRL mirror and the package itself, which exports names lazily) importing the trainers."""
+    bad: dict[str, list[str]] = {}
+    for module, targets in graph.items():
+        if top(module) != "rlhf_core" or module == "rlhf_core":
+            continue
+        room = trainer_room(module)
+        if room is None and (module == TRL_MIRROR or module.startswith(TRL_MIRROR + ".")):
+            continue
+        wrong = sorted(t for t in targets if trainer_room(t) is not None and (
+            room is None or (trainer_room(t) in FAMILIES and trainer_room(t) != room)))
+        if wrong:
+            bad[module] = wrong
+    return bad
+
+
 def test_cycle_finder_finds_a_cycle_and_only_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert find_cycles(graph) == [["a", "b", "c"]]
@@ -136,6 +174,31 @@ def test_rlhf_core_source_never_names_orchestration_packages():
             bad[name] = sorted(names & set(ORCHESTRATION))
     # rlhf_core.tracking's MLflow backend is the one exception DESIGN.md names (imported lazily, inside it)
     assert set(bad) <= {"rlhf_core.tracking"} and set(bad.get("rlhf_core.tracking", [])) <= {"mlflow"}, bad
+
+
+def test_trainer_rooms_catch_upward_and_sideways_imports():
+    graph = {
+        "rlhf_core.trainers.ppo.trainer": {"rlhf_core.trainers.forward", "rlhf_core.trainers.ppo.config"},  # fine
+        "rlhf_core.trainers.forward": {"rlhf_core.trainers.ppo.trainer"},  # shared -> family
+        "rlhf_core.trainers.online.rloo": {"rlhf_core.trainers.preference.dpo"},  # family -> family
+        "rlhf_core.models.value_head": {"rlhf_core.trainers.base"},  # below the trainers -> trainers
+        "rlhf_core.trainer.ppo_trainer": {"rlhf_core.trainers.ppo.trainer"},  # the TRL mirror: fine
+        "tasks.ppo": {"rlhf_core.trainers.ppo.loop"},  # the pipeline: fine
+    }
+    assert trainer_room_violations(graph) == {
+        "rlhf_core.trainers.forward": ["rlhf_core.trainers.ppo.trainer"],
+        "rlhf_core.trainers.online.rloo": ["rlhf_core.trainers.preference.dpo"],
+        "rlhf_core.models.value_head": ["rlhf_core.trainers.base"],
+    }
+
+
+def test_trainer_families_are_the_packages_on_disk():
+    packages = {p.parent.name for p in (ROOT / "rlhf_core" / "trainers").glob("*/__init__.py")}
+    assert packages == set(FAMILIES)
+
+
+def test_trainer_imports_point_down_and_never_sideways_between_families():
+    assert trainer_room_violations(import_graph()) == {}
 
 
 def test_tasks_never_import_flows():

@@ -8,7 +8,7 @@ import torch
 
 from rlhf_core import RLOOConfig, RLOOTrainer
 from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
-from rlhf_core.trainers import online
+from rlhf_core.trainers.online import trainer as online
 from rlhf_core.trainers.experience import build_causal_batch
 from tests._online_rl import count_e, online_args, prompt_dataset, train_logs
 

@@ -15,8 +15,8 @@ import torch
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad, tied_input_embedding
 from rlhf_core.models.tiny import build_tokenizer
 from rlhf_core.trainers import packing
-import rlhf_core.trainers.ppo_trainer as ppo_trainer_module
-from rlhf_core.trainers.ppo_trainer import PPOTrainer
+import rlhf_core.trainers.ppo.trainer as ppo_trainer_module
+from rlhf_core.trainers.ppo.trainer import PPOTrainer
 from test_ppo_trainer import LAYOUTS, batch_in_layout, batch_of, make_policy, make_trainer
 
 

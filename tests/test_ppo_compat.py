@@ -300,6 +300,20 @@ def test_push_to_hub_if_best_pushes_on_a_new_best_every_compare_steps(tokenizer,
         make_trainer(tokenizer, push_to_hub_if_best_kwargs={"private": True})
 
 
+def test_push_if_best_state_lives_on_one_object_under_classic_names(tokenizer):
+    trainer = make_trainer(tokenizer, push_to_hub_if_best_kwargs={"repo_id": "me/ppo"}, compare_steps=2)
+    assert not {"push_to_hub_kwargs", "compare_step", "highest_reward"} & set(vars(trainer))
+    state = trainer.push_if_best
+    assert trainer.push_to_hub_kwargs is state.push_to_hub_kwargs == {"repo_id": "me/ppo"}
+    assert trainer.compare_step == 0 and float(trainer.highest_reward) == -float("inf")
+    trainer.compare_step = 3  # classic TRL's attributes could be set by scripts: they still can
+    assert state.compare_step == 3
+    pushed = []
+    state.update(torch.tensor([1.0, 3.0]), lambda **kw: pushed.append(kw))  # step 3: not a compare step
+    state.update(torch.tensor([1.0, 3.0]), lambda **kw: pushed.append(kw))  # step 4: mean 2.0 is the best yet
+    assert pushed == [{"repo_id": "me/ppo"}] and float(trainer.highest_reward) == 2.0 and trainer.compare_step == 5
+
+
 def test_push_to_hub_offline_is_a_clear_error_before_any_weight_change(tokenizer, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     trainer = make_trainer(tokenizer, push_to_hub_if_best_kwargs={"repo_id": "me/ppo"})
@@ -311,7 +325,7 @@ def test_push_to_hub_offline_is_a_clear_error_before_any_weight_change(tokenizer
 
 
 def test_optimize_device_cache_empties_the_cache_after_each_step(tokenizer, monkeypatch):
-    from rlhf_core.trainers import ppo_setup
+    from rlhf_core.trainers.ppo import setup as ppo_setup
 
     calls = []
     monkeypatch.setattr(ppo_setup, "empty_device_cache", lambda: calls.append(1))

@@ -9,7 +9,7 @@ from datasets import Dataset
 from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from rlhf_core.checkpointing import Preempted
 from rlhf_core.models.tiny import tiny_causal_lm
-from rlhf_core.trainers.ppo_loop import run_ppo
+from rlhf_core.trainers.ppo.loop import run_ppo
 
 PROMPTS = ["This movie was", "I", "The plot", "A good film", "The actors", "It", "Honestly the", "My friend",
            "The ending", "What a"]

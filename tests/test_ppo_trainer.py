@@ -266,6 +266,45 @@ def test_first_minibatch_ratio_is_one_and_kl_zero_when_policy_equals_reference(t
 
 
 @pytest.mark.parametrize("kl_penalty", ["kl", "full"])
+def test_the_rollout_forward_is_typed_and_holds_the_vocabulary_only_for_the_full_penalty(tokenizer, kl_penalty):
+    trainer = make_trainer(tokenizer, kl_penalty=kl_penalty)
+    queries, responses = batch_of(tokenizer)
+    batch = trainer.prepare_model_inputs(queries, responses)
+    trainer._dropout_off()
+    old = trainer._rollout_forward(batch)
+    rows, width = batch.response_mask.shape  # (B, A)
+    assert old.logprobs.shape == old.values.shape == old.ref_logprobs.shape == (rows, width)
+    assert torch.equal(old.logprobs, old.ref_logprobs)  # the reference is a copy of the policy, same forward
+    if kl_penalty == "kl":
+        assert old.full_logprobs is None and old.ref_full_logprobs is None
+        return
+    vocab = trainer.model.pretrained_model.config.vocab_size
+    assert old.full_logprobs.shape == old.ref_full_logprobs.shape == (rows, width, vocab)
+    tokens = torch.gather(batch.model_inputs["input_ids"][:, 1:], 1, batch.response_index)  # (B, A)
+    picked = torch.gather(old.full_logprobs, 2, tokens[..., None])[..., 0]  # (B, A)
+    mask = batch.response_mask.bool()  # padding slots hold no scored token
+    # the same log-softmax, gathered before or after: equal up to float rounding of the two reductions
+    torch.testing.assert_close(picked[mask], old.logprobs[mask], rtol=0, atol=1e-5)
+
+
+def test_the_first_minibatch_is_drawn_before_the_rollout_and_its_forward_handed_over_once(tokenizer):
+    trainer = make_trainer(tokenizer)  # batch_size 4, mini_batch_size 2
+    np.random.seed(3)
+    first = trainer._first_minibatch()
+    np.random.seed(3)
+    assert torch.equal(first.order, torch.from_numpy(np.random.permutation(4)))  # the draw _optimise would make
+    assert torch.equal(first.rows, first.order[:2]) and first.forward is None
+    queries, responses = batch_of(tokenizer)
+    batch = trainer.prepare_model_inputs(queries, responses)
+    trainer._dropout_off()
+    old = trainer._rollout_forward(batch, first)
+    logprobs, values, logits = first.take_forward()
+    assert logprobs.requires_grad and logprobs.shape == values.shape == (2, batch.response_mask.shape[1])
+    assert torch.equal(old.logprobs[first.rows], logprobs.detach())
+    assert first.forward is None and first.take_forward() is None  # no graph kept past the first update
+
+
+@pytest.mark.parametrize("kl_penalty", ["kl", "full"])
 def test_reusing_the_rollout_forward_for_the_first_minibatch_changes_nothing_but_the_forward_count(
         tokenizer, kl_penalty, monkeypatch):
     """The first mini-batch's update runs on the rollout's policy forward: one policy forward fewer per step,

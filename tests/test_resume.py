@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     from rlhf_core import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
     from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
     from rlhf_core.tracking import MemoryTracker
-    from rlhf_core.trainers.dpo import DPOTrainer
+    from rlhf_core.trainers.preference.dpo import DPOTrainer
 
     mode, out = sys.argv[1], sys.argv[2]
     n_steps, kill_at = json.loads(sys.argv[3]), json.loads(sys.argv[4])

@@ -12,7 +12,7 @@ from datasets import Dataset
 from rlhf_core.models.reward_model import sequence_rewards
 from rlhf_core.models.tiny import build_tokenizer, tiny_reward_model
 from rlhf_core.trainers.collators import RewardDataCollatorWithPadding
-from rlhf_core.trainers.reward import (
+from rlhf_core.trainers.preference.reward import (
     RewardConfig,
     RewardTrainer,
     compute_accuracy,

@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 
 from rlhf_core.models.tiny import tiny_causal_lm
 from rlhf_core.trainers.collators import ConstantLengthDataset
-from rlhf_core.trainers.dpo import (
+from rlhf_core.trainers.preference.dpo import (
     DPOConfig,
     DPOTrainer,
     FDivergenceType,
@@ -238,11 +238,92 @@ def test_trl_paths_have_rlhf_core_equivalents():
     assert models.create_reference_model is rlhf_core.create_reference_model
     assert rlhf_core.is_liger_kernel_available() is False
 
+# Every public name of the trainers, at every TRL path it could be imported from before the trainers moved into
+# packages (issue 25; listed from the tree before the move): rlhf_core, rlhf_core.trainer and the trl.trainer
+# module mirrors, whose star-imports also carried the names their modules import.
+TRL_PATH_NAMES: dict[str, tuple[str, ...]] = {
+    "rlhf_core": (
+        "ConstantLengthDataset", "DPOConfig", "DPODataCollatorWithPadding", "DPOTrainer",
+        "DataCollatorForCompletionOnlyLM", "FDivergenceType", "GRPOConfig", "GRPOTrainer", "KTOConfig",
+        "KTOTrainer", "PPOConfig", "PPOTrainer", "RLOOConfig", "RLOOTrainer", "RewardConfig",
+        "RewardDataCollatorWithPadding", "RewardTrainer", "SFTConfig", "SFTTrainer", "compute_accuracy",
+    ),
+    "rlhf_core.trainer": (
+        "ConstantLengthDataset", "DPOConfig", "DPODataCollatorWithPadding", "DPOTrainer",
+        "DataCollatorForCompletionOnlyLM", "FDivergenceType", "GRPOConfig", "GRPOTrainer", "KTOConfig",
+        "KTOTrainer", "PPOConfig", "PPOTrainer", "RLOOConfig", "RLOOTrainer", "RewardConfig",
+        "RewardDataCollatorWithPadding", "RewardTrainer", "SFTConfig", "SFTTrainer", "compute_accuracy",
+    ),
+    "rlhf_core.trainer.dpo_config": (
+        "DPOConfig", "FDivergenceType",
+    ),
+    "rlhf_core.trainer.dpo_trainer": (
+        "DPOConfig", "DPODataCollatorWithPadding", "DPOTrainer", "FDivergenceType", "RlhfTrainerMixin",
+        "StoredMetricsMixin", "TrackingOptions", "_build_tokenized_answer", "_truncate_tokens", "check_tracking",
+        "checked_init_kwargs", "concatenate_pairs", "default_training_args", "disable_dropout_in_model",
+        "keyword_defaults", "load_model", "merge_config_fields", "pad_right", "pad_to_length",
+        "resolve_processing_class", "response_logprobs", "tokenize_dpo_row", "truncate_prompt_and_responses",
+        "wrap_peft",
+    ),
+    "rlhf_core.trainer.ppo_config": (
+        "PPOConfig",
+    ),
+    "rlhf_core.trainer.ppo_trainer": (
+        "Experience", "MasterWeights", "ModelBatch", "PPOConfig", "PPOTrainer", "build_causal_batch",
+        "build_seq2seq_batch", "check_generation_lengths", "check_sequence_lengths", "check_step_inputs",
+        "generate_batched", "generate_single", "pack_rows", "pad_id_of", "phase_timer", "position_limit",
+        "should_pack", "unpack_slots",
+    ),
+    "rlhf_core.trainer.reward_config": (
+        "RewardConfig",
+    ),
+    "rlhf_core.trainer.reward_trainer": (
+        "RewardConfig", "RewardDataCollatorWithPadding", "RewardTrainer", "RlhfTrainerMixin", "TrackingOptions",
+        "check_tracking", "compute_accuracy", "default_training_args", "load_model", "prepare_reward_dataset",
+        "resolve_processing_class", "tokenize_pair", "wrap_peft",
+    ),
+    "rlhf_core.trainer.sft_config": (
+        "SFTConfig",
+    ),
+    "rlhf_core.trainer.sft_trainer": (
+        "ConstantLengthDataset", "DataCollatorForCompletionOnlyLM", "RlhfTrainerMixin", "SFTConfig", "SFTTrainer",
+        "TrackingOptions", "chat_formatting_func", "check_tracking", "checked_init_kwargs",
+        "default_training_args", "format_batch", "keyword_defaults", "load_model", "load_tokenizer_for",
+        "merge_config_fields", "resolve_processing_class", "tokenize_texts", "wrap_peft",
+    ),
+    "rlhf_core.trainer.utils": (
+        "ConstantLengthDataset", "DPODataCollatorWithPadding", "DataCollatorForCompletionOnlyLM",
+        "RewardDataCollatorWithPadding", "check_features", "check_finite_number", "check_margin", "check_mask_row",
+        "check_token_row", "pad_to_length",
+    ),
+}
+
+
+def test_every_trainer_name_still_imports_from_every_trl_path_as_one_object():
+    import importlib
+
+    from rlhf_core._lazy import PUBLIC
+
+    found: dict[str, set[int]] = {}
+    for path, names in TRL_PATH_NAMES.items():
+        module = importlib.import_module(path)
+        for name in names:
+            namespace: dict = {}
+            exec(f"from {path} import {name}", namespace)  # as a script writes it (lazy packages included)
+            value = namespace[name]
+            assert value.__module__.startswith("rlhf_core.trainers."), (path, name, value.__module__)
+            found.setdefault(name, set()).add(id(value))
+        if hasattr(module, "__all__"):  # ``from rlhf_core import *`` brings them too
+            assert set(names) <= set(module.__all__), path
+    assert {name for name, ids in found.items() if len(ids) > 1} == set()  # one object whatever the path
+    for module, names in PUBLIC.items():  # the lazy table points at modules that define its names
+        assert all(hasattr(importlib.import_module(module), name) for name in names), module
+
 
 def test_the_trl_shim_aliases_rlhf_core_modules():
     """bench/trl_tests/shim: ``trl`` and ``trl.X`` are the rlhf_core module objects themselves."""
     code = (
-        "import trl, rlhf_core, rlhf_core.trainers.dpo as d\n"
+        "import trl, rlhf_core, rlhf_core.trainers.preference.dpo as d\n"
         "from trl.trainer.dpo_trainer import _build_tokenized_answer\n"
         "from trl.core import masked_mean\n"
         "import trl.trainer.dpo_trainer as t\n"

@@ -1,3 +1,3 @@
-"""`trl.trainer.dpo_config` of TRL 0.11: re-exports `rlhf_core.trainers.dpo`."""
+"""`trl.trainer.dpo_config` of TRL 0.11: re-exports `rlhf_core.trainers.preference.dpo`."""
 
-from rlhf_core.trainers.dpo import DPOConfig, FDivergenceType  # noqa: F401
+from rlhf_core.trainers.preference.dpo import DPOConfig, FDivergenceType  # noqa: F401

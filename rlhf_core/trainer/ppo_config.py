@@ -1,3 +1,3 @@
-"""`trl.trainer.ppo_config` of TRL 0.11: re-exports `rlhf_core.trainers.ppo_config`."""
+"""`trl.trainer.ppo_config` of TRL 0.11: re-exports `rlhf_core.trainers.ppo.config`."""
 
-from rlhf_core.trainers.ppo_config import *  # noqa: F401,F403
+from rlhf_core.trainers.ppo.config import *  # noqa: F401,F403

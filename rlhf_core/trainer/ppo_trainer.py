@@ -1,3 +1,3 @@
-"""`trl.trainer.ppo_trainer` of TRL 0.11: re-exports `rlhf_core.trainers.ppo_trainer`."""
+"""`trl.trainer.ppo_trainer` of TRL 0.11: re-exports `rlhf_core.trainers.ppo.trainer`."""
 
-from rlhf_core.trainers.ppo_trainer import *  # noqa: F401,F403
+from rlhf_core.trainers.ppo.trainer import *  # noqa: F401,F403

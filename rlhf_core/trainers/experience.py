@@ -1,8 +1,10 @@
 """The typed batches where rollout and learning meet.
 
-``ModelBatch`` holds padded model inputs plus where each response sits in them; ``Experience``
-holds everything PPO computes from one batch before the optimisation epochs. Every field has a
-shape: ``B`` batch, ``T`` padded model sequence, ``A`` padded response length, ``V`` vocab.
+``ModelBatch`` holds padded model inputs plus where each response sits in them. PPO: ``RolloutForward`` holds
+what the rollout's forward passes give, ``Experience`` everything a step computes from one batch before the
+optimisation epochs, ``FirstMinibatch`` the first mini-batch whose forward the rollout runs. GRPO and RLOO:
+``Rollout`` holds one scored generation batch. Every field has a shape: ``B`` batch, ``b`` mini-batch, ``T``
+padded model sequence, ``A`` padded response length, ``V`` vocab.
 """
 
 from __future__ import annotations
@@ -87,6 +89,41 @@ _PADDED_GROUPS = {
 }
 
 
+@dataclass(kw_only=True)  # same-shape tensors: by keyword only
+class RolloutForward:
+    """What PPO's forward passes over the rollout give (no gradients): the inputs of rewards and advantages."""
+
+    logprobs: torch.Tensor
+    """(B, A) policy log-prob of each response token at rollout time (the "old" log-probs)."""
+    values: torch.Tensor
+    """(B, A) value-head prediction before each response token, zeroed on padding."""
+    ref_logprobs: torch.Tensor
+    """(B, A) reference-model log-prob of each response token."""
+    full_logprobs: torch.Tensor | None = None
+    """(B, A, V) the policy's log-softmax over the vocabulary; only for ``kl_penalty="full"``, else None."""
+    ref_full_logprobs: torch.Tensor | None = None
+    """(B, A, V) the reference's log-softmax over the vocabulary; only for ``kl_penalty="full"``, else None."""
+
+
+@dataclass(kw_only=True)
+class FirstMinibatch:
+    """PPO's first mini-batch of a step, drawn before the rollout so that the rollout can run its policy
+    forward with gradients and the first update reuse it (one policy forward fewer per step)."""
+
+    order: torch.Tensor
+    """(B,) long: the first epoch's row order, a permutation of the batch's rows."""
+    rows: torch.Tensor
+    """(b,) long: the first mini-batch's rows, the head of ``order``."""
+    forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """Those rows' policy forward with gradients: log-probs (b, A), values (b, A), logits (b, A, V). Set by the
+    rollout; None before, and again once the first update has taken it (``take_forward``)."""
+
+    def take_forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Hand the kept forward over, once: afterwards this object holds no graph."""
+        forward, self.forward = self.forward, None
+        return forward
+
+
 @dataclass(kw_only=True)  # eight (B, A) tensors: by keyword only
 class Experience:
     """What one PPO step computes before optimising: all tensors (B, A) and detached."""
@@ -111,6 +148,37 @@ class Experience:
     def rows(self, index: torch.Tensor) -> "Experience":
         """The sub-batch of the given rows."""
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+@dataclass
+class Rollout:
+    """One generation batch (this process's share) after sampling and scoring: B prompt/completion pairs."""
+
+    batch: ModelBatch
+    """Prompt + completion, left-padded, with position ids; ``response_mask`` (B, A) is 0 on padding and on
+    truncated completions when ``mask_truncated_completions``."""
+    advantages: torch.Tensor
+    """(B,) one advantage per completion (group-relative for GRPO, leave-one-out for RLOO)."""
+    old_logprobs: torch.Tensor | None
+    """(B, A) policy log-probs at sampling time; None when every update is on-policy (the ratio is then 1)."""
+    ref_logprobs: torch.Tensor | None
+    """(B, A) reference log-probs; None when ``beta == 0`` (no reference model exists)."""
+    num_items: torch.Tensor
+    """() real completion tokens of the whole generation batch over all processes (``dapo``'s normaliser)."""
+    policy_forward: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The loss forward already run at sampling time: (B, A) log-probs with their graph and (B, A) entropy;
+    None when ``compute_loss`` runs it (see ``OnlineRLTrainer._can_reuse_loss_forward``)."""
+
+    def rows(self, index: torch.Tensor) -> "Rollout":
+        """The sub-rollout of the given rows."""
+        pick = (lambda t: None if t is None else t[index])
+        forward = None if self.policy_forward is None else tuple(t[index] for t in self.policy_forward)
+        return replace(self, batch=self.batch.rows(index), advantages=self.advantages[index],
+                       old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
+                       policy_forward=forward)
+
+    def __len__(self) -> int:
+        return len(self.advantages)
 
 
 def _pad(sequences: list[torch.Tensor], value: int, left: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.experience import ModelBatch
+from rlhf_core.trainers.forward import dropout_off
 
 def should_pack(model: Any, batch: ModelBatch) -> bool:
     """Pack this forward: a packable batch, a model that takes ``logits_to_keep`` and honours packed position
@@ -93,13 +94,9 @@ def packing_works(model: Any, lm: Any) -> bool:
         ids = torch.tensor([(ordinary * 8)[:8]], device=device)  # (1, 8)
         first, second = ids[0, :5], ids[0, 5:]
         positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=device)
-        was_training = model.training
-        model.eval()
-        try:
+        with dropout_off(model):
             packed = _logits(model(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False))[0]
             alone = _logits(model(input_ids=second[None, :], use_cache=False))[0]  # (3, V)
-        finally:
-            model.train(was_training)
         tolerance = 1e-3 * max(1.0, float(alone.abs().max()))
         _PACKING_WORKS[key] = bool((packed[5:] - alone).abs().max() <= tolerance)
     return _PACKING_WORKS[key]

@@ -2,7 +2,7 @@
 
 A TRL 1.16 GRPO script runs after ``from trl import GRPOConfig, GRPOTrainer`` becomes
 ``from rlhf_core import GRPOConfig, GRPOTrainer``. The shared machinery (sampling, rewards, buffering,
-checkpoints) is ``rlhf_core.trainers.online``; the math is ``rlhf_core.losses`` (``group_relative_advantages``,
+checkpoints) is ``rlhf_core.trainers.online.trainer``; the math is ``rlhf_core.losses`` (``group_relative_advantages``,
 ``grpo_loss``).
 """
 
@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from rlhf_core.losses import group_relative_advantages, grpo_loss
-from rlhf_core.trainers.grpo_config import GRPOConfig
-from rlhf_core.trainers.online import OnlineRLTrainer, Rollout
+from rlhf_core.trainers.experience import Rollout
+from rlhf_core.trainers.online.grpo_config import GRPOConfig
+from rlhf_core.trainers.online.trainer import OnlineRLTrainer
 
 
 class GRPOTrainer(OnlineRLTrainer):

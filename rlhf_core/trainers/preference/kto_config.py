@@ -20,7 +20,7 @@ from rlhf_core.losses import KTO_LOSS_TYPES
 
 @dataclass
 class KTOConfig(TrainingArguments):
-    """Arguments of :class:`~rlhf_core.trainers.kto.KTOTrainer`: TrainingArguments plus KTO's own fields."""
+    """Arguments of :class:`~rlhf_core.trainers.preference.kto.KTOTrainer`: TrainingArguments plus KTO's own fields."""
 
     # ---- TrainingArguments defaults that TRL 1.16 overrides ----------------------------------------
     learning_rate: float = field(default=5e-5, metadata={"help": "Initial AdamW learning rate."})

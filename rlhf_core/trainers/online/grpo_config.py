@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf_core.losses import GRPO_LOSS_TYPES, SCALE_REWARDS
-from rlhf_core.trainers.online_config import OnlineRLConfig
+from rlhf_core.trainers.online.config import OnlineRLConfig
 
 
 @dataclass

@@ -15,12 +15,11 @@ re-loaded from ``config._name_or_path``; with ``beta == 0`` none is built at all
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
@@ -43,10 +42,11 @@ from rlhf_core.trainers.base import (
     load_model,
     wrap_peft,
 )
-from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
+from rlhf_core.trainers.experience import ModelBatch, Rollout, build_causal_batch
+from rlhf_core.trainers.forward import dropout_off, reference_model
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
-from rlhf_core.trainers.online_config import OnlineRLConfig
+from rlhf_core.trainers.online.config import OnlineRLConfig
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 
@@ -93,38 +93,7 @@ class GroupRepeatSampler(Sampler[int]):
         return (self.size // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeat_count
 
 
-# ---- the rollout ------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """One generation batch (this process's share) after sampling and scoring: B prompt/completion pairs."""
-
-    batch: ModelBatch
-    """Prompt + completion, left-padded, with position ids; ``response_mask`` (B, A) is 0 on padding and on
-    truncated completions when ``mask_truncated_completions``."""
-    advantages: torch.Tensor
-    """(B,) one advantage per completion (group-relative for GRPO, leave-one-out for RLOO)."""
-    old_logprobs: torch.Tensor | None
-    """(B, A) policy log-probs at sampling time; None when every update is on-policy (the ratio is then 1)."""
-    ref_logprobs: torch.Tensor | None
-    """(B, A) reference log-probs; None when ``beta == 0`` (no reference model exists)."""
-    num_items: torch.Tensor
-    """() real completion tokens of the whole generation batch over all processes (``dapo``'s normaliser)."""
-    policy_forward: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The loss forward already run at sampling time: (B, A) log-probs with their graph and (B, A) entropy;
-    None when ``compute_loss`` runs it (see ``OnlineRLTrainer._can_reuse_loss_forward``)."""
-
-    def rows(self, index: torch.Tensor) -> "Rollout":
-        """The sub-rollout of the given rows."""
-        pick = (lambda t: None if t is None else t[index])
-        forward = None if self.policy_forward is None else tuple(t[index] for t in self.policy_forward)
-        return replace(self, batch=self.batch.rows(index), advantages=self.advantages[index],
-                       old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
-                       policy_forward=forward)
-
-    def __len__(self) -> int:
-        return len(self.advantages)
+# ---- the forward ------------------------------------------------------------------------------
 
 
 def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool = False
@@ -158,18 +127,6 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
     logprobs = torch.gather(logprobs_from_logits(logits.float(), ids[:, first + 1:last + 2]), 1, slots)  # (B, A)
     entropy = torch.gather(entropy_from_logits(logits.detach()), 1, slots) if with_entropy else None
     return logprobs, entropy
-
-
-@contextlib.contextmanager
-def dropout_off(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """``model.eval()`` for the block (no dropout; gradients still flow), then the previous mode back."""
-    was_training = model.training
-    if enabled:
-        model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class _RefSyncCallback(TrainerCallback):
@@ -429,11 +386,9 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
     def _reference_logprobs(self, batch: ModelBatch) -> torch.Tensor | None:
         if self.beta == 0.0:
             return None
-        if self.ref_model is not None:
-            return self._logprobs(self.ref_model, batch)
-        policy = self.accelerator.unwrap_model(self.model)
-        with policy.disable_adapter():
-            return self._logprobs(self.model, batch)
+        adapter_off = self.ref_model is None  # beta > 0 without a reference model: the PEFT policy's base
+        with reference_model(self.accelerator, self.model, self.ref_model, adapter_off) as reference:
+            return self._logprobs(reference, batch)
 
     def _needs_old_logprobs(self) -> bool:
         """Old log-probs are needed when a sample is trained on after the policy has moved."""
@@ -685,5 +640,4 @@ def _nan_std(values: torch.Tensor) -> torch.Tensor:
     return finite.std() if finite.numel() > 1 else values.new_zeros(())
 
 
-__all__ = ["GroupRepeatSampler", "OnlineRLTrainer", "Rollout", "dropout_off", "is_conversational",
-           "token_logprobs_and_entropy"]
+__all__ = ["GroupRepeatSampler", "OnlineRLTrainer", "is_conversational", "token_logprobs_and_entropy"]

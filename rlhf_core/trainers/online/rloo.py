@@ -13,9 +13,9 @@ import torch
 
 from rlhf_core.core import sequence_logprobs
 from rlhf_core.losses import rloo_advantages, rloo_loss, sequence_kl_penalized_rewards
-from rlhf_core.trainers.experience import ModelBatch
-from rlhf_core.trainers.online import OnlineRLTrainer, Rollout
-from rlhf_core.trainers.rloo_config import RLOOConfig
+from rlhf_core.trainers.experience import ModelBatch, Rollout
+from rlhf_core.trainers.online.trainer import OnlineRLTrainer
+from rlhf_core.trainers.online.rloo_config import RLOOConfig
 
 
 class RLOOTrainer(OnlineRLTrainer):

@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController
 from rlhf_core.tracking import Tracker, make_tracker
 from rlhf_core.models.unwrap import language_model
-from rlhf_core.trainers.ppo_config import PPOConfig
+from rlhf_core.trainers.ppo.config import PPOConfig
 
 
 def list_collator(rows: list[Any]) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf_core.trainers.online_config import OnlineRLConfig
+from rlhf_core.trainers.online.config import OnlineRLConfig
 
 
 @dataclass

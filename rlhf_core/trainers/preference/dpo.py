@@ -44,6 +44,7 @@ from rlhf_core.trainers.base import (
     wrap_peft,
 )
 from rlhf_core.trainers.collators import IGNORE_INDEX, DPODataCollatorWithPadding, pad_to_length
+from rlhf_core.trainers.forward import reference_model
 
 logger = logging.getLogger(__name__)
 
@@ -490,18 +491,15 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         chosen_logits, rejected_logits = logits.chunk(2)
         return chosen_logps, rejected_logps, chosen_logits, rejected_logits
 
-    def _reference_context(self) -> contextlib.AbstractContextManager:
-        """Disables the adapter when the reference is the PEFT policy itself."""
-        if self.use_peft_reference:
-            return self.accelerator.unwrap_model(self.model).disable_adapter()
-        return contextlib.nullcontext()
+    def _reference(self) -> contextlib.AbstractContextManager:
+        """Context yielding the reference: the PEFT policy with its adapter disabled, else ``ref_model``."""
+        return reference_model(self.accelerator, self.model, self.ref_model, adapter_off=self.use_peft_reference)
 
     def compute_reference_log_probs(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference log-probs (B,), (B,) of chosen and rejected, without gradients."""
         if self.ref_model is None and not self.use_peft_reference:
             raise ValueError("no reference model: reference_free=True was set without ref_model")
-        with torch.no_grad(), self._reference_context():
-            reference = self.model if self.use_peft_reference else self.ref_model
+        with torch.no_grad(), self._reference() as reference:
             chosen, rejected, _, _ = self.concatenated_forward(reference, batch)
         return chosen, rejected
 
@@ -614,13 +612,10 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         policy = self.accelerator.unwrap_model(model)
         with torch.no_grad():
             policy_out = policy.generate(**gen_kwargs)  # (B, T')
-            if self.use_peft_reference:
-                with self._reference_context():
-                    reference_out = policy.generate(**gen_kwargs)
-            elif self.ref_model is not None:
-                reference_out = self.ref_model.generate(**gen_kwargs)
-            else:
+            if self.ref_model is None and not self.use_peft_reference:
                 raise ValueError("no reference model to sample from (reference_free=True without ref_model)")
+            with self._reference() as reference:
+                reference_out = self.accelerator.unwrap_model(reference).generate(**gen_kwargs)
         decode = lambda out: tokenizer.batch_decode(out, skip_special_tokens=True)  # noqa: E731
         return decode(policy_out), decode(reference_out)
 

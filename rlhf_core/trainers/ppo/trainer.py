@@ -2,11 +2,12 @@
 
 ``step`` reads like the algorithm: validate -> score processing -> forward passes -> rewards
 (per-token KL + score on the last real token) -> GAE -> minibatch epochs -> stats -> KL update.
-The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Neighbours:
-``generation`` (sampling), ``ppo_validation`` (step/generate input checks), ``ppo_state`` (exact resume),
-``experience`` (the typed batches), ``ppo_loop`` (the run loop: generate -> score -> step over the dataloader),
-``ppo_setup`` (accelerator config, tracker, optimizer, collator), ``ppo_stats`` (the step's stats and their
-logging), ``ppo_hub`` (pushing to the Hub) and ``timing`` (the phase timer).
+The math lives in ``rlhf_core.losses`` and ``rlhf_core.core``; this module orchestrates it. Its package
+(``rlhf_core.trainers.ppo``): ``validation`` (step/generate input checks), ``state`` (exact resume), ``loop``
+(the run loop: generate -> score -> step over the dataloader), ``setup`` (accelerator config, tracker, optimizer,
+collator), ``stats`` (the step's stats and their logging), ``hub`` (pushing to the Hub). Shared with the other
+trainers: ``generation`` (sampling), ``experience`` (the typed batches), ``forward`` (the reference model) and
+``timing`` (the phase timer).
 
 As in classic TRL, every forward pass of ``step`` runs with dropout disabled (``model.eval()``), so
 the first mini-batch's probability ratio is exactly 1 and rollout and learning see the same model.
@@ -40,20 +41,28 @@ from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.tracking import Tracker, make_tracker
-from rlhf_core.trainers import ppo_hub, ppo_setup, ppo_state, ppo_stats
+from rlhf_core.trainers.ppo import hub as ppo_hub, setup as ppo_setup, state as ppo_state, stats as ppo_stats
 from rlhf_core.trainers.generation import (
     DEFAULT_GENERATION_BATCH_SIZE,
     generate_batched,
     generate_single,
     pad_id_of,
 )
-from rlhf_core.trainers.experience import Experience, ModelBatch, build_causal_batch, build_seq2seq_batch
+from rlhf_core.trainers.experience import (
+    Experience,
+    FirstMinibatch,
+    ModelBatch,
+    RolloutForward,
+    build_causal_batch,
+    build_seq2seq_batch,
+)
+from rlhf_core.trainers.forward import reference_model
 from rlhf_core.trainers.master_weights import MasterWeights
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.kl_control import RunningMoments
-from rlhf_core.trainers.ppo_config import PPOConfig
+from rlhf_core.trainers.ppo.config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
-from rlhf_core.trainers.ppo_validation import (
+from rlhf_core.trainers.ppo.validation import (
     check_generation_lengths,
     check_sequence_lengths,
     check_step_inputs,
@@ -67,6 +76,11 @@ _PLAIN_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedTy
 
 class PPOTrainer:
     """Optimise a value-head language model with PPO from (query, response, score) triples."""
+
+    # classic TRL's names for the push-if-best state, which ``push_if_best`` (a ``ppo_hub.PushIfBest``) owns
+    push_to_hub_kwargs = ppo_hub.ClassicName()
+    compare_step = ppo_hub.ClassicName()
+    highest_reward = ppo_hub.ClassicName()
 
     def __init__(
         self,
@@ -113,7 +127,7 @@ class PPOTrainer:
         self._prepare(model, optimizer, lr_scheduler)
         self.running = RunningMoments(self.accelerator)
         self.tracker = self._setup_tracker(tracker)
-        ppo_hub.init_push_if_best(self, config)
+        self.push_if_best = ppo_hub.PushIfBest(config)
         self.current_step = 0
         self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
         self._nonfinite_this_step = 0
@@ -228,7 +242,6 @@ class PPOTrainer:
         which leaves most of a CPU or GPU idle per decoding step); each response is cut after its
         first EOS (kept) and never contains padding. A 1-d tensor returns the raw (1, L) output.
         """
-        ref_model = self.accelerator.unwrap_model(self.model) if self.is_peft_model else self.ref_model
         if isinstance(query_tensor, (list, tuple)):
             run = lambda model: generate_batched(  # noqa: E731
                 self.accelerator.unwrap_model(model), self.tokenizer, list(query_tensor), device=self.accelerator.device,
@@ -249,7 +262,7 @@ class PPOTrainer:
         response = run(self.model)
         if not generate_ref_response:
             return response
-        with self._reference_context():
+        with self._reference() as ref_model:
             return response, run(ref_model)
 
     def _check_generation_lengths(self, query_tensor, generation_kwargs) -> None:
@@ -260,11 +273,9 @@ class PPOTrainer:
         check_generation_lengths(queries, generation_kwargs.get("max_new_tokens"), self._position_limit(),
                                  self.is_encoder_decoder)
 
-    def _reference_context(self):
-        """Inside: the reference model's weights are active (adapter disabled for PEFT)."""
-        if self.is_peft_model:
-            return self.accelerator.unwrap_model(self.model).disable_adapter()
-        return contextlib.nullcontext()
+    def _reference(self):
+        """Context yielding the reference: the policy with its adapter disabled (PEFT), else ``ref_model``."""
+        return reference_model(self.accelerator, self.model, self.ref_model, adapter_off=self.is_peft_model)
 
     # ------------------------------------------------------------------ the PPO step
 
@@ -282,7 +293,7 @@ class PPOTrainer:
                 self.config.batch_size, queries, responses, scores, response_masks)
             self._check_sequence_lengths(queries, responses)
             scores = self._process_scores(scores)  # (B,)
-            ppo_hub.push_if_best(self, scores)
+            self.push_if_best.update(scores, self.push_to_hub)  # the method: subclasses and tests may replace it
             self._dropout_off()
             batch = self.prepare_model_inputs(queries, responses, response_masks)
             first = self._first_minibatch() if self._reuses_rollout_forward() else None
@@ -290,12 +301,12 @@ class PPOTrainer:
                 old = self._rollout_forward(batch, first)
             with phase_timer(timing, "compute_rewards"):
                 rewards, non_score, kls = self.compute_rewards(
-                    scores, old["logprobs"], old["ref_logprobs"], batch.response_mask,
-                    old.get("full_logprobs"), old.get("ref_full_logprobs"))
+                    scores, old.logprobs, old.ref_logprobs, batch.response_mask, old.full_logprobs,
+                    old.ref_full_logprobs)
             with phase_timer(timing, "compute_advantages"):
-                values, advantages, returns = self.compute_advantages(old["values"], rewards, batch.response_mask)
+                values, advantages, returns = self.compute_advantages(old.values, rewards, batch.response_mask)
             experience = Experience(
-                logprobs=old["logprobs"], ref_logprobs=old["ref_logprobs"], values=values, rewards=rewards,
+                logprobs=old.logprobs, ref_logprobs=old.ref_logprobs, values=values, rewards=rewards,
                 non_score_rewards=non_score, kls=kls, advantages=advantages, returns=returns)
             with phase_timer(timing, "optimize_step"):
                 train_stats = self._optimise(batch, experience, first)
@@ -332,7 +343,7 @@ class PPOTrainer:
             self.lr_scheduler.step()
         self.current_step += 1
 
-    # ------------------------------------------------------------------ input checks (rlhf_core.trainers.ppo_validation)
+    # ------------------------------------------------------------------ input checks (rlhf_core.trainers.ppo.validation)
 
     def _step_safety_checker(self, batch_size, queries, responses, scores, response_masks=None):
         """Check the step inputs and move them to the device; raise ``ValueError`` on bad input."""
@@ -382,28 +393,28 @@ class PPOTrainer:
         """
         return self.accelerator.distributed_type == DistributedType.NO
 
-    def _first_minibatch(self) -> dict[str, Any]:
+    def _first_minibatch(self) -> FirstMinibatch:
         """The first epoch's row order, drawn before the rollout (the same numpy draw ``_optimise`` would make)."""
         order = torch.from_numpy(np.random.permutation(self.config.batch_size))
-        return {"order": order, "rows": order[: self.config.mini_batch_size]}
+        return FirstMinibatch(order=order, rows=order[: self.config.mini_batch_size])
 
-    def _policy_rollout(self, batch: ModelBatch, full: bool, first: dict[str, Any] | None):
+    def _policy_rollout(self, batch: ModelBatch, full: bool, first: FirstMinibatch | None):
         """The policy's (B, A) log-probs and values (and (B, A, V) logits when ``full``), without gradients.
 
-        With ``first``: its rows are forwarded with gradients and their outputs kept in ``first["forward"]``
+        With ``first``: its rows are forwarded with gradients and their outputs kept in ``first.forward``
         for the first mini-batch update; the other rows are forwarded without, as before.
         """
         if first is None:
             with torch.no_grad():
                 return self._forward_batch(self.model, batch, return_logits=full)
-        rows = first["rows"]
+        rows = first.rows
         rest = torch.from_numpy(np.setdiff1d(np.arange(len(batch)), rows.numpy()))
         with self._embedding_grad_context():
-            first["forward"] = self._forward_batch(self.model, batch.rows(rows), return_logits=True)
+            first.forward = self._forward_batch(self.model, batch.rows(rows), return_logits=True)
         with torch.no_grad():
             others = self._forward_batch(self.model, batch.rows(rest), return_logits=full) if len(rest) else None
         outputs = []
-        for i, kept in enumerate(first["forward"][: 3 if full else 2]):  # logprobs, values[, logits]
+        for i, kept in enumerate(first.forward[: 3 if full else 2]):  # logprobs, values[, logits]
             out = kept.new_empty((len(batch), *kept.shape[1:]))
             out[rows] = kept.detach()
             if others is not None:
@@ -411,19 +422,18 @@ class PPOTrainer:
             outputs.append(out)
         return (*outputs, None) if not full else tuple(outputs)
 
-    def _rollout_forward(self, batch: ModelBatch, first: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    def _rollout_forward(self, batch: ModelBatch, first: FirstMinibatch | None = None) -> RolloutForward:
         """Old log-probs and values from the policy, reference log-probs from the reference (no gradients,
         except the first mini-batch's policy forward when ``first`` is given: ``_policy_rollout``)."""
         full = self.config.kl_penalty == "full"
         logprobs, values, logits = self._policy_rollout(batch, full, first)
-        with torch.no_grad(), self._reference_context():
-            ref_model = self.model if self.is_peft_model else self.ref_model
+        with torch.no_grad(), self._reference() as ref_model:
             ref_logprobs, _, ref_logits = self._forward_batch(ref_model, batch, return_logits=full)
-        out = {"logprobs": logprobs, "values": values, "ref_logprobs": ref_logprobs}
-        if full:
-            out["full_logprobs"] = logprobs_from_logits(logits, None, gather=False)
-            out["ref_full_logprobs"] = logprobs_from_logits(ref_logits, None, gather=False)
-        return out
+        if not full:
+            return RolloutForward(logprobs=logprobs, values=values, ref_logprobs=ref_logprobs)
+        return RolloutForward(logprobs=logprobs, values=values, ref_logprobs=ref_logprobs,
+                              full_logprobs=logprobs_from_logits(logits, None, gather=False),  # (B, A, V)
+                              ref_full_logprobs=logprobs_from_logits(ref_logits, None, gather=False))  # (B, A, V)
 
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
@@ -518,7 +528,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ minibatch epochs
 
     def _optimise(self, batch: ModelBatch, experience: Experience,
-                  first: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                  first: FirstMinibatch | None = None) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats.
 
         ``first`` (``_first_minibatch``): the first epoch's row order, and the first mini-batch's forward kept
@@ -528,11 +538,11 @@ class PPOTrainer:
         all_stats: list[dict[str, torch.Tensor]] = []
         cfg = self.config
         for epoch in range(cfg.ppo_epochs):
-            order = first["order"] if first is not None and epoch == 0 else \
+            order = first.order if first is not None and epoch == 0 else \
                 torch.from_numpy(np.random.permutation(cfg.batch_size))
             for start in range(0, cfg.batch_size, cfg.mini_batch_size):
                 rows = order[start:start + cfg.mini_batch_size]
-                kept = first.pop("forward") if first is not None and epoch == 0 and start == 0 else None
+                kept = first.take_forward() if first is not None and epoch == 0 and start == 0 else None
                 all_stats.append(self._minibatch_update(batch.rows(rows), experience.rows(rows), kept))
             if cfg.early_stopping and self._early_stop(all_stats[-1]["policy/policykl"]):
                 break
@@ -648,7 +658,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ stats and logging
 
     def record_step_stats(self, kl_coef: float, **data) -> dict[str, Any]:
-        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays); see ``ppo_stats``."""
+        """The classic stats dict: objective/*, ppo/*, tokens/* (tensors and arrays); see ``ppo.stats``."""
         return ppo_stats.record_step_stats(kl_coef, **data)
 
     def gather_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
@@ -665,7 +675,7 @@ class PPOTrainer:
         self.tracker.log_table("game_log", [*columns_to_log, "reward"],
                                ppo_stats.game_log_rows(batch, columns_to_log, rewards), step=self.current_step)
 
-    # ------------------------------------------------------------------ pushing to the Hub (rlhf_core.trainers.ppo_hub)
+    # ------------------------------------------------------------------ pushing to the Hub (rlhf_core.trainers.ppo.hub)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> Any:
         """Push the policy (value head included) and tokenizer to the Hub repo ``repo_id`` (needs a network)."""
@@ -695,7 +705,7 @@ class PPOTrainer:
         """Alias kept for classic-TRL compatibility."""
         self.save_pretrained(save_directory)
 
-    # ------------------------------------------------------------------ exact resume (rlhf_core.trainers.ppo_state)
+    # ------------------------------------------------------------------ exact resume (rlhf_core.trainers.ppo.state)
 
     def save_state(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Write everything a run needs to continue exactly, atomically, into the directory ``path``.

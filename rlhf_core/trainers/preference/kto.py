@@ -16,7 +16,6 @@ z0 = mean over processes of the batch KL estimate, clamped at 0 (``losses.kto_re
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +36,8 @@ from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers import base
 from rlhf_core.trainers.base import TrackingOptions, check_tracking
 from rlhf_core.trainers.collators import pad_to_length
-from rlhf_core.trainers.kto_config import KTOConfig
+from rlhf_core.trainers.forward import dropout_off, reference_model
+from rlhf_core.trainers.preference.kto_config import KTOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -242,17 +242,6 @@ def completion_logps(
     return sequence_logprobs(token_logps, scored), logits
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    """``model`` in eval mode (dropout off whatever ``disable_dropout`` says) for the block, then as it was."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-
-
 # --------------------------------------------------------------------------------------------
 # trainer
 # --------------------------------------------------------------------------------------------
@@ -375,12 +364,6 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
 
     # ---- reference -----------------------------------------------------------------------
 
-    def _reference_context(self) -> contextlib.AbstractContextManager:
-        """Disables the adapter when the reference is the PEFT policy itself."""
-        if self.use_peft_reference:
-            return self.accelerator.unwrap_model(self.model).disable_adapter()
-        return contextlib.nullcontext()
-
     def compute_ref_log_probs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reference log-probs of the completions (B,) and of the KL completions (B,) (None without a KL term)."""
         reference = self.ref_model
@@ -390,8 +373,11 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
                     "no reference model: precompute_ref_log_probs=True without ref_model keeps none after training "
                     "starts; pass eval datasets at construction, give ref_model=, or set precompute_ref_log_probs=False"
                 )
-            reference = self.model
-        with torch.no_grad(), self._reference_context(), eval_mode(reference):
+            reference = self.model  # the PEFT policy with its adapter off, or the policy before its first step
+        # in eval mode whatever ``disable_dropout`` says: reference log-probs are deterministic
+        with (torch.no_grad(),
+              reference_model(self.accelerator, self.model, reference, adapter_off=self.use_peft_reference) as reference,
+              dropout_off(reference)):
             logps, _ = completion_logps(
                 reference, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
             )
