@@ -477,6 +477,15 @@ def validate(p: Params, source: str = PARAMS_FILE) -> None:
          "prepare.prompt_max_words must be >= prepare.prompt_min_words")
     need(0.0 < p.prepare.eval_fraction < 1.0, "prepare.eval_fraction must be in (0, 1)")
     need(p.ppo.batch_size % p.ppo.mini_batch_size == 0, "ppo.batch_size must be a multiple of ppo.mini_batch_size")
+    backward = p.ppo.mini_batch_size * p.ppo.gradient_accumulation_steps  # what PPOConfig checks when the stage starts
+    need(p.ppo.batch_size % backward == 0,
+         f"ppo.gradient_accumulation_steps: ppo.batch_size ({p.ppo.batch_size}) must be a multiple of "
+         f"ppo.mini_batch_size x ppo.gradient_accumulation_steps ({p.ppo.mini_batch_size} x "
+         f"{p.ppo.gradient_accumulation_steps} = {backward})")
+    # KTOConfig's own rules for the default loss (its KL estimate pairs each row with a neighbour in the batch)
+    need(p.kto.per_device_train_batch_size >= 2, "kto.per_device_train_batch_size: must be >= 2 (KTO's KL estimate "
+         "pairs each row with another of its batch)")
+    need(p.kto.max_length >= 2, "kto.max_length: must be >= 2 (a prompt token and a completion token)")
     need(p.ppo.total_steps >= 1, "ppo.total_steps must be >= 1")
     need(p.ppo.reward in ("reward_model", "gold") or p.ppo.reward.startswith("pipeline:"),
          "ppo.reward must be reward_model, gold or pipeline:<model>")

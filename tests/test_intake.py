@@ -221,3 +221,15 @@ def test_failed_commit_ingests_nothing(tmp_path, monkeypatch):
     assert main([str(good), "--root", str(root), "--no-push"]) == EXIT_NOT_VERSIONED
     assert [p.name for p in (root / "incoming").rglob("*")] == ["README.md"]
     assert _git(root, "status", "--porcelain") == ""
+
+
+def test_a_byte_order_mark_is_stripped_from_jsonl_and_excel_csv(tmp_path):
+    """Excel's "CSV UTF-8" export starts with a BOM (and ends lines with CRLF); some editors save JSONL with one."""
+    csv_path = tmp_path / "excel.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbfprompt,chosen,rejected\r\nThis movie was, wonderful., awful.\r\n")
+    jsonl_path = tmp_path / "bom.jsonl"
+    jsonl_path.write_bytes(b"\xef\xbb\xbf" + json.dumps(PAIR).encode() + b"\n")
+    for path in (csv_path, jsonl_path):
+        batch = validate_batch(path)
+        assert batch.rows == [PAIR] and batch.lines == [2 if path is csv_path else 1]
+        assert canonical_bytes(batch.rows).startswith(b'{"prompt"')  # the stored batch has no BOM
