@@ -53,6 +53,8 @@ class StageRun:
     experiment_id: str
     summary: dict[str, Any] = field(default_factory=dict)
     input_hashes: dict[str, str] = field(default_factory=dict)
+    reads: dict[str, Any] = field(default_factory=dict)
+    """The params the stage reads outside its own section (``tasks.params.CROSS_SECTION_PARAMS``), dotted."""
     tracker: Any = None
     main: bool = True
 
@@ -157,8 +159,11 @@ class StageRun:
 
 @contextlib.contextmanager
 def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[str],
-              parent_run_id: str | None = None) -> Iterator[StageRun]:
+              parent_run_id: str | None = None, reads: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
     """A child MLflow run for one stage, tagged with provenance; leaves a Prefect artifact when done.
+
+    ``reads``: the params the stage reads outside its own section (``tasks.params.cross_section_values``), logged
+    with its section's and kept on the handle for the resume key (``tasks/resume.py:resume_key``).
 
     If the tracking server is unreachable the stage still runs: one warning, and everything the run would have
     logged goes to a spool file under ``<root>/tracking-spool/`` (``make tracking-upload`` sends it later).
@@ -174,7 +179,8 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     root = Path(root).resolve()
     if not is_main_process():
         try:
-            yield StageRun(stage, root, "", "", input_hashes=input_hashes(root, deps), tracker=NullTracker(), main=False)
+            yield StageRun(stage, root, "", "", input_hashes=input_hashes(root, deps), reads=dict(reads or {}),
+                           tracker=NullTracker(), main=False)
         except Preempted:
             barrier()
             raise
@@ -197,7 +203,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
             mlflow.end_run("KILLED")
         run_id = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags).info.run_id
     tracker = stage_tracker(root, stage)
-    handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, tracker=tracker)
+    handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, reads=dict(reads or {}), tracker=tracker)
     if handle.offline:  # provenance tags would be lost with the run: keep them as params
         tracker.log_params({f"tag.{k}": v for k, v in tags.items() if k != "mlflow.parentRunId"})
     started = time.time()
@@ -209,7 +215,8 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
                 mlflow.end_run(status)
 
     try:
-        handle.log_params(public_params({f"{stage}.{k}": v for k, v in as_dict(params_section).items()}))
+        handle.log_params(public_params({**{f"{stage}.{k}": v for k, v in as_dict(params_section).items()},
+                                         **handle.reads}))
         yield handle
     except Preempted:
         end("KILLED")

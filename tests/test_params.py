@@ -85,7 +85,7 @@ def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
     assert entry["cmd"] == f"python -m flows.stage {stage}"
     # exactly the keys of its own section, nothing else
     assert entry["params"] == stage_param_keys(stage)
-    assert all(key.split(".", 1)[1] in raw[stage] for key in entry["params"])
+    assert all(key.split(".", 1)[1] in raw[key.split(".", 1)[0]] for key in entry["params"])
     deps = _names(entry["deps"])
     data_deps = [d for d in deps if not d.endswith(".py")]
     assert data_deps == io["deps"]
@@ -123,6 +123,59 @@ def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
     assert len(imported) > 10 and REPORTING_ONLY & imported  # the walk reached the stage's library code
     missing = sorted(imported - REPORTING_ONLY - set(_names(dvc_stages[stage]["deps"])))
     assert not missing, f"dvc.yaml stage {stage} lacks deps it imports: {missing}"
+
+
+PARAMS_LOADERS = {"load_params", "read_raw", "parse_params", "load_yaml", "PARAMS_FILE"}
+"""What reads params.yaml whole; a stage may only reach its params through ``load_stage`` (a ``StageParams`` view)."""
+
+
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_a_stage_reads_params_only_through_its_declared_view(stage, dvc_stages):
+    """Issue 24: every param a stage reads is a declared dependency. The walk: in the code the stage's task imports
+    (tests/import_closure.py), nothing but the loader reads params.yaml whole, so a stage reaches params only through
+    ``load_stage``, whose ``StageParams`` view hands out exactly what dvc.yaml lists (tested below); and ppo, dpo and
+    kto, which score their sample windows with evaluate's settings, list those keys."""
+    import ast
+
+    from import_closure import ImportGraph
+
+    from rlhf_core._lazy import PUBLIC
+
+    graph = ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
+    imported = graph.files(graph.closure(graph.module_of(ROOT / task_module_file(stage))))
+    assert "tasks/params.py" in imported
+    readers = {}
+    for rel in sorted(imported - REPORTING_ONLY - {"tasks/params.py", "tasks/param_rules.py"}):
+        tree = ast.parse((ROOT / rel).read_text())
+        names = {getattr(n, "id", None) or getattr(n, "attr", None) for n in ast.walk(tree)
+                 if isinstance(n, (ast.Name, ast.Attribute))}
+        names |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for alias in n.names}
+        if names & PARAMS_LOADERS:
+            readers[rel] = sorted(names & PARAMS_LOADERS)
+    assert not readers, f"stage {stage}: these modules read params.yaml around load_stage's view: {readers}"
+    assert dvc_stages[stage]["params"] == stage_param_keys(stage)
+    if stage in WINDOW_STAGES:
+        assert {"evaluate.max_new_tokens", "evaluate.seed"} <= set(dvc_stages[stage]["params"])
+
+
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_the_stage_view_hands_out_exactly_the_declared_params(stage):
+    from tasks.params import CROSS_SECTION_PARAMS, StageParams, UndeclaredParam
+
+    params = load_params(ROOT / "params.yaml")
+    view = StageParams(params, stage)
+    assert view.section(stage) is params.section(stage) and view.paths is params.paths
+    declared = {tuple(d.split(".", 1)) for d in CROSS_SECTION_PARAMS.get(stage, ())}
+    for section in SECTIONS:
+        if section in ("paths", stage):
+            continue
+        for key in section_keys(section):
+            if (section, key) in declared:
+                assert getattr(view.section(section), key) == getattr(params.section(section), key)
+            else:
+                with pytest.raises(UndeclaredParam, match=rf"stage {stage} reads {section}\.{key}, which it does not "
+                                                          rf"declare: add it to CROSS_SECTION_PARAMS\[{stage!r}\]"):
+                    getattr(view.section(section), key)
 
 
 def test_import_closure_follows_lazy_exports_and_lazy_imports(tmp_path):
