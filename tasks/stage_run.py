@@ -28,6 +28,7 @@ from tasks.mlflow_runs import (
     PARENT_ENV,
     mlflow_setup,
     mlflow_ui_link,
+    replay_spool,
     stage_tracker,
     tracking_reachable,
 )
@@ -165,8 +166,9 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     ``reads``: the params the stage reads outside its own section (``tasks.params.cross_section_values``), logged
     with its section's and kept on the handle for the resume key (``tasks/resume.py:resume_key``).
 
-    If the tracking server is unreachable the stage still runs: one warning, and everything the run would have
-    logged goes to a spool file under ``<root>/tracking-spool/`` (``make tracking-upload`` sends it later).
+    If the tracking store is out (a server that refuses connections, a SQLite store locked or deleted) the stage still
+    runs: one warning, and everything the run would have logged goes to a spool file under ``<root>/tracking-spool/``,
+    replayed into the run when the stage ends if the store answers again by then (else ``make tracking-upload``).
     A stage stopped by SIGTERM (``Preempted``) ends its run ``KILLED``; any other error ``FAILED``.
 
     Under a launcher, only the main process opens the run; the other ranks get a handle that records nothing
@@ -208,11 +210,14 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
         tracker.log_params({f"tag.{k}": v for k, v in tags.items() if k != "mlflow.parentRunId"})
     started = time.time()
 
-    def end(status: str) -> None:
+    def end(status: str) -> str | None:
+        """End the run; returns the id of the run holding everything the stage logged (None: it is in the spool)."""
         tracker.finish()
-        if run_id and not handle.offline:  # (went offline mid-run: the next stage_run ends the stale run)
+        if run_id and not handle.offline:
             with contextlib.suppress(Exception):
                 mlflow.end_run(status)
+            return run_id
+        return replay_spool(root, tracker, status) if handle.offline else None  # the store may answer again
 
     try:
         handle.log_params(public_params({**{f"{stage}.{k}": v for k, v in as_dict(params_section).items()},
@@ -230,8 +235,11 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     if run_id and not handle.offline:  # the run page's Description: what the stage did
         with contextlib.suppress(Exception):
             mlflow.MlflowClient().set_tag(run_id, "mlflow.note.content", stage_note(stage, handle.summary))
-    end("FINISHED")
-    if handle.offline:
+    recorded = end("FINISHED")
+    if handle.offline and recorded:
+        get_logger().info("stage %s: the tracking store answered again; what it spooled was replayed into run %s",
+                          stage, recorded)
+    elif handle.offline:
         handle.summary["tracking_spool"] = str(handle.spool_path)
         get_logger().warning("stage %s finished with tracking offline: upload %s with `make tracking-upload`",
                              stage, handle.spool_path)
