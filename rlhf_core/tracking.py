@@ -282,13 +282,19 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
-def sqlite_lock_wait() -> float:
-    """``$RLHF_TRACKING_LOCK_WAIT_S`` seconds (default 30); a bad value is an error naming the variable."""
-    text = os.environ.get(SQLITE_LOCK_WAIT_ENV, "").strip()
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable ``name`` (``default`` when unset; negative values count as 0); a bad
+    value is an error naming the variable."""
+    text = os.environ.get(name, "").strip()
     try:
-        return max(0.0, float(text)) if text else 30.0
+        return max(0.0, float(text)) if text else default
     except ValueError:
-        raise ValueError(f"${SQLITE_LOCK_WAIT_ENV}: expected seconds, got {text!r}") from None
+        raise ValueError(f"${name}: expected seconds, got {text!r}") from None
+
+
+def sqlite_lock_wait() -> float:
+    """``$RLHF_TRACKING_LOCK_WAIT_S`` seconds (default 30)."""
+    return env_seconds(SQLITE_LOCK_WAIT_ENV, 30.0)
 
 
 def sqlite_lock_free(database: Path) -> bool:

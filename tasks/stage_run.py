@@ -200,9 +200,11 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     exp_id, run_id = "", ""
     if online:
         exp_id = mlflow_setup(root)
-        # A stale active run (e.g. from an earlier failure in this process) must not capture our logs.
+        # A stale active run (e.g. from an earlier failure in this process) must not capture our logs. end_run
+        # drops it first, then ends it in its store, which may be gone (a stage that lost its store mid-run).
         while mlflow.active_run() is not None:
-            mlflow.end_run("KILLED")
+            with contextlib.suppress(Exception):
+                mlflow.end_run("KILLED")
         run_id = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags).info.run_id
     tracker = stage_tracker(root, stage)
     handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, reads=dict(reads or {}), tracker=tracker)
