@@ -13,10 +13,10 @@ what was written is removed. Then the manifest and ``.dvc`` files are committed 
 and, with a Prefect server configured, the event ``rlhf.feedback.ingested`` is emitted (the retraining
 deployment's trigger in prefect.yaml).
 
-A killed intake is finished or undone by the next one (``tasks/intake_journal.py``): rolled back when it died
-before writing the manifest, rolled forward (``.dvc`` files, push, commit) after. Duplicates are counted only
-against the batches the manifest lists, and a file that is exactly an ingested batch is reported as such (exit 0):
-ingesting is idempotent, so retrying a killed intake never loses or refuses what the user sent.
+A killed intake is finished or undone by the next one (``tasks/intake_journal.py``): rolled forward when every
+batch file it was writing is whole (``dvc add``, push, manifest and commit redone: each is idempotent), rolled back
+when one is not. Duplicates are counted only against the batches the manifest lists, and a file that is exactly an
+ingested batch is reported as such (exit 0): retrying a killed intake never loses or refuses what the user sent.
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming
 
 def recover_interrupted(root: Path, store: Path) -> list[dict]:
     """Finish or undo an intake that was killed (its journal is left; the caller holds the intake lock): rolled
-    forward when it had written the manifest, or when every batch file is whole, else rolled back. Returns the
-    records it completed ([] when there was nothing to do, or it rolled back)."""
+    forward when it had written the manifest or every batch file is whole, else rolled back. Returns the records it
+    completed ([] when there was nothing to do, or it rolled back)."""
     journal = read_journal(root)
     if journal is None:
         return []

@@ -112,9 +112,11 @@ def store_problem(root: str | Path) -> str | None:
 
 
 def tracking_reachable(root: str | Path) -> bool:
-    """False when the tracking store is out (:func:`store_problem`), which is then reported once per process."""
+    """False when the tracking store is out (:func:`store_problem`), which is then reported once per outage."""
     problem = store_problem(root)
-    if problem and problem not in _warned:
+    if problem is None:
+        _warned.clear()  # back: the next outage is reported again
+    elif problem not in _warned:
         _warned.add(problem)
         get_logger().warning("%s; MLflow runs spool to %s/ meanwhile", redact(problem), SPOOL_DIR)
     return problem is None
