@@ -31,6 +31,7 @@ from tasks.mlflow_runs import (
     replay_spool,
     stage_tracker,
     tracking_reachable,
+    vanished_store,
 )
 from tasks.params import as_dict
 from tasks.prefect_context import in_prefect_run, prefect_flow_run_id
@@ -219,7 +220,11 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
             with contextlib.suppress(Exception):
                 mlflow.end_run(status)
             return run_id
-        return replay_spool(root, tracker, status) if handle.offline else None  # the store may answer again
+        recorded = replay_spool(root, tracker, status) if handle.offline else None  # the store may answer again
+        if run_id and not recorded and vanished_store(root):
+            with contextlib.suppress(Exception):  # drop our run, whose store is gone (it fails at once), not at exit
+                mlflow.end_run(status)
+        return recorded
 
     try:
         handle.log_params(public_params({**{f"{stage}.{k}": v for k, v in as_dict(params_section).items()},
