@@ -3,7 +3,8 @@
 Each FILE (``.jsonl``, ``.csv`` or ``.parquet``) holds preference pairs (prompt, chosen, rejected) or
 unpaired ratings (prompt, completion, label true/false). All files are validated first (schema, UTF-8,
 empty or identical pairs, duplicates within and across batches, size limits); the first problem stops
-the intake with ``file:line: message`` and nothing is ingested. Then each file becomes one batch
+the intake with ``file:line: message`` and nothing is ingested. A file that is exactly a batch ingested before
+is reported as such and adds nothing (exit 0), so retrying an intake that was killed is always safe. Then each file becomes one batch
 ``incoming/<kind>/<sha256>.jsonl`` tracked by DVC, pushed to the DVC remote, listed in
 ``incoming/manifest.jsonl`` (source, time, user, hash, rows) and committed to git. Then retraining starts: with
 ``PREFECT_API_URL`` set (team mode), the event ``rlhf.feedback.ingested`` triggers the retraining deployment
@@ -42,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-field-chars", type=int, default=IntakeLimits.max_field_chars, help="longest text")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
-    store = load_params(root / PARAMS_FILE).paths.incoming
+    paths = load_params(root / PARAMS_FILE).paths
+    store = paths.incoming
     limits = IntakeLimits(max_file_bytes=args.max_file_bytes, max_rows=args.max_rows,
                           max_field_chars=args.max_field_chars)
     try:
         records = ingest(root, args.files, store_dir=store, push=not args.no_push, commit=not args.no_commit,
-                         emit=not args.no_event, remote=args.remote, limits=limits)
+                         emit=not args.no_event, remote=args.remote, limits=limits, metrics_dir=paths.metrics)
     except DataFormatError as err:
         print(f"intake refused (nothing ingested): {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

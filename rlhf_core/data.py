@@ -117,6 +117,10 @@ def generate_reviews(n: int, seed: int = 0, mix: tuple[float, float, float] = (0
 # local files
 # --------------------------------------------------------------------------------------------
 
+TEXT_ENCODING = "utf-8-sig"
+"""UTF-8, with a leading byte-order mark dropped: Excel's "CSV UTF-8" export and some editors start the file with
+one, which would otherwise become part of the first field's name (``'\\ufeffprompt'``)."""
+
 
 def _not_utf8(path: Path, err: UnicodeDecodeError) -> DataFormatError:
     """A ``DataFormatError`` naming the file and the line of the first byte that is not UTF-8.
@@ -139,7 +143,7 @@ def _not_utf8(path: Path, err: UnicodeDecodeError) -> DataFormatError:
 
 def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding=TEXT_ENCODING) as fh:
             for lineno, line in enumerate(fh, start=1):
                 if not line.strip():
                     continue
@@ -162,7 +166,7 @@ def _csv_records(path: Path) -> Iterable[tuple[int, dict]]:
 
 
 def _csv_rows(path: Path) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8", newline="") as fh:
+    with open(path, encoding=TEXT_ENCODING, newline="") as fh:
         reader = csv.reader(fh)
         try:
             header = next(reader)
@@ -195,7 +199,7 @@ def _parquet_records(path: Path) -> Iterable[tuple[int, dict]]:
 
 def _text_records(path: Path, text_field: str) -> Iterable[tuple[int, dict]]:
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding=TEXT_ENCODING) as fh:
             for lineno, line in enumerate(fh, start=1):
                 if line.strip():
                     yield lineno, {text_field: line.strip()}

@@ -56,6 +56,8 @@ class Batch:
     """Canonical rows: exactly the fields of ``KIND_FIELDS[kind]``, in that order."""
     lines: list[int] = field(default_factory=list)
     """1-based line (CSV/JSONL) or row (parquet) of each row in ``source``."""
+    ingested: dict | None = None
+    """The manifest record of this exact batch when it was ingested before (the intake then has nothing to do)."""
 
     @property
     def sha256(self) -> str:
@@ -146,36 +148,50 @@ def validate_batch(path: str | Path, seen: Mapping[str, str] | None = None,
         key = row_key(kind, row)
         if key in first_line:
             raise DataFormatError(path, line, f"duplicate of line {first_line[key]}")
-        if key in seen:
-            raise DataFormatError(path, line, f"duplicate of a row already ingested ({seen[key]})")
         first_line[key] = line
         batch.rows.append(row)
         batch.lines.append(line)
     if batch is None:
         raise DataFormatError(path, None, "no records")
+    check_not_ingested(batch, seen)
     return batch
 
 
+def check_not_ingested(batch: Batch, seen: Mapping[str, str]) -> None:
+    """Refuse ``batch`` at its first row already in ``seen`` (``row_key -> where``), naming both places."""
+    for row, line in zip(batch.rows, batch.lines):
+        where = seen.get(row_key(batch.kind, row))
+        if where is not None:
+            raise DataFormatError(batch.source, line, f"duplicate of a row already ingested ({where})")
+
+
 def validate_files(paths: Iterable[str | Path], seen: Mapping[str, str] | None = None,
-                   limits: IntakeLimits = IntakeLimits()) -> list[Batch]:
-    """Validate several files as one intake: a row repeated in a later file is a duplicate too."""
+                   limits: IntakeLimits = IntakeLimits(), ingested: Mapping[str, dict] | None = None) -> list[Batch]:
+    """Validate several files as one intake: a row repeated in a later file is a duplicate too. A file that is
+    exactly a batch of ``ingested`` (manifest records by sha256) is not a duplicate but that batch again: it is
+    returned with ``.ingested`` set (ingesting is idempotent, as ``git add`` of an unchanged file is)."""
     known = dict(seen or {})
     batches = []
     for path in paths:
-        batch = validate_batch(path, known, limits)
+        batch = validate_batch(path, None, limits)
+        batch.ingested = (ingested or {}).get(batch.sha256)
+        if batch.ingested is None:
+            check_not_ingested(batch, known)
         known.update({row_key(batch.kind, row): f"{path}:{line}" for row, line in zip(batch.rows, batch.lines)})
         batches.append(batch)
     return batches
 
 
 def stored_keys(store: str | Path) -> dict[str, str]:
-    """``row_key -> "<batch file>:<line>"`` for every row under ``store/<kind>/<sha256>.jsonl``."""
+    """``row_key -> "<batch file>:<line>"`` for every row of the batches the manifest lists. A batch file the manifest
+    does not list (an intake killed before recording it) is not ingested: it neither trains nor makes a duplicate."""
     store = Path(store)
     keys: dict[str, str] = {}
-    for kind in KIND_FIELDS:
-        for file in sorted((store / kind).glob("*.jsonl")):
-            for _, line, record in iter_records(file):
-                keys[row_key(kind, record)] = f"{file}:{line}"
+    for record in read_manifest(store):
+        file = store / record["file"]
+        if file.is_file():  # a listed batch not pulled yet cannot be compared (prepare asks for `dvc pull`)
+            for _, line, row in iter_records(file):
+                keys[row_key(record["kind"], row)] = f"{file}:{line}"
     return keys
 
 

@@ -251,12 +251,16 @@ def install_log_redaction(names: Sequence[str] = REDACTED_LOGGERS) -> None:
 
 
 def server_reachable(uri: str | None, timeout: float = 2.0) -> bool:
-    """False when ``uri`` is an http(s) tracking server that refuses or times out a TCP connection."""
+    """False when ``uri`` is an http(s) tracking server that refuses or times out a TCP connection, or a SQLite
+    store that another process keeps locked for longer than :func:`sqlite_lock_wait` seconds."""
     if not uri:
         return True
+    database = sqlite_path(uri)
+    if database is not None:
+        return sqlite_lock_free(database)
     parsed = urlparse(uri)
     if parsed.scheme not in ("http", "https"):
-        return True  # local stores (sqlite, file) have no server to lose
+        return True  # other local stores (file) have no server to lose
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
         with socket.create_connection((parsed.hostname or "127.0.0.1", port), timeout=timeout):
@@ -264,6 +268,74 @@ def server_reachable(uri: str | None, timeout: float = 2.0) -> bool:
     except OSError:
         return False
 
+
+SQLITE_LOCK_WAIT_ENV = "RLHF_TRACKING_LOCK_WAIT_S"
+"""Seconds to wait for a SQLite tracking store that another process holds locked (default 30) before spooling."""
+_locked: dict[Path, float] = {}  # database -> when a full wait for it last ended locked
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI (None for other stores and in-memory databases)."""
+    if not uri.startswith("sqlite:///") or uri.rstrip("/") == "sqlite:":
+        return None
+    path = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable ``name`` (``default`` when unset; negative values count as 0); a bad
+    value is an error naming the variable."""
+    text = os.environ.get(name, "").strip()
+    try:
+        return max(0.0, float(text)) if text else default
+    except ValueError:
+        raise ValueError(f"${name}: expected seconds, got {text!r}") from None
+
+
+def sqlite_lock_wait() -> float:
+    """``$RLHF_TRACKING_LOCK_WAIT_S`` seconds (default 30)."""
+    return env_seconds(SQLITE_LOCK_WAIT_ENV, 30.0)
+
+
+def sqlite_lock_free(database: Path) -> bool:
+    """Whether a write transaction on ``database`` can start within :func:`sqlite_lock_wait` seconds (SQLite's own
+    busy wait; True for a file that does not exist yet). After a wait that ended locked, the next checks for
+    the same file wait at most half a second until that many seconds have passed: one outage, one long wait."""
+    import sqlite3
+
+    if not database.is_file():
+        return True
+    wait = sqlite_lock_wait()
+    if time.monotonic() - _locked.get(database, -math.inf) < wait:
+        wait = min(wait, 0.5)
+    try:
+        connection = sqlite3.connect(database, timeout=wait)
+        try:
+            connection.execute("BEGIN IMMEDIATE")  # the lock a write needs; nothing is written
+            connection.rollback()
+        finally:
+            connection.close()
+    except sqlite3.OperationalError:  # locked past the wait, or the file cannot be opened
+        _locked[database] = time.monotonic()
+        return False
+    _locked.pop(database, None)
+    return True
+
+
+def outage_reason(uri: str | None, error: BaseException | None = None) -> str:
+    """One line saying which tracking store is out and why (``error``: what the failing call raised)."""
+    database = sqlite_path(uri or "")
+    if database is None:
+        return f"tracking server {redact(uri)} unreachable" + (f" ({type(error).__name__})" if error else "")
+    words = next((w for w in STORE_UNAVAILABLE_WORDS if error is not None and w in str(error)), "database is locked")
+    return f"tracking store {database} unavailable ({words})"
+
+
+STORE_UNAVAILABLE_WORDS = ("database is locked", "attempt to write a readonly database",
+                           "unable to open database file", "disk I/O error")
+"""What SQLite says (through SQLAlchemy and MLflow) when a local store is locked by another process past the busy
+wait, was deleted or moved while open (SQLite then refuses writes as read-only), or its disk failed: an outage of
+the store, spooled like an unreachable server."""
 
 CONNECTION_ERRORS = frozenset({"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "RetryError",
                                "MaxRetryError", "NewConnectionError", "ProtocolError", "RemoteDisconnected"})
@@ -275,7 +347,8 @@ UNREACHABLE_WORDS = ("Max retries exceeded", "Connection refused", "Failed to es
 
 def is_connection_failure(error: BaseException) -> bool:
     """True when ``error``, or an error it was raised from, means the tracking server cannot be reached
-    (refused, reset, timed out, retries exhausted). A server that answers with an error is not an outage."""
+    (refused, reset, timed out, retries exhausted), or a local SQLite store cannot be written (locked by another
+    process, deleted while open: ``STORE_UNAVAILABLE_WORDS``). A server that answers with an error is not an outage."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -284,6 +357,8 @@ def is_connection_failure(error: BaseException) -> bool:
         if isinstance(current, (ConnectionError, TimeoutError)) or names & CONNECTION_ERRORS:
             return True
         if "MlflowException" in names and any(words in str(current) for words in UNREACHABLE_WORDS):
+            return True
+        if names & {"MlflowException", "OperationalError"} and any(w in str(current) for w in STORE_UNAVAILABLE_WORDS):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -428,7 +503,9 @@ def _mlflow_spooling(project_name: str = "trl", run_name: str | None = None, spo
 
 
 def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str | None = None) -> str:
-    """Replay a spool file into MLflow (a new run in its experiment, or ``run_id``); returns the run id.
+    """Replay a spool file into MLflow (``run_id``, else the run it was logging to, else a new run in its experiment:
+    also when that run is not in this store, e.g. a store started anew after the old one was lost); returns the
+    run id.
 
     The spool is renamed ``*.uploaded`` afterwards so it is never replayed twice.
     """
@@ -442,7 +519,7 @@ def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     client = mlflow.MlflowClient()
-    run_id = run_id or header.get("run_id")
+    run_id = run_id or (header.get("run_id") if _run_exists(client, header.get("run_id")) else None)
     if run_id is None:
         experiment = client.get_experiment_by_name(header["project_name"])
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(header["project_name"])
@@ -467,6 +544,20 @@ def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str
         client.set_terminated(run_id)
     spool.rename(spool.with_name(spool.name + ".uploaded"))
     return run_id
+
+
+def _run_exists(client: Any, run_id: str | None) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return False
+    try:
+        client.get_run(run_id)
+    except MlflowException as error:
+        if getattr(error, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

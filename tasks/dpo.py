@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.data import read_jsonl
 from tasks.logs import get_logger
 from tasks.outputs import atomic_dir, write_csv, write_json
-from tasks.params import as_dict, load_stage
+from tasks.params import as_dict, cross_section_values, load_stage
 from tasks.stage_run import stage_run
 
 
@@ -40,7 +40,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     if not pairs:
         raise ValueError(f"{pairs_path}: no preference pairs")
 
-    with stage_run("dpo", root, p, io["deps"], parent_run_id) as run:
+    with stage_run("dpo", root, p, io["deps"], parent_run_id, reads=cross_section_values(params, "dpo")) as run:
         set_seed(p.seed)
         tokenizer, model = load_sft_policy(root, sft_dir)
         dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})

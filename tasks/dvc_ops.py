@@ -35,9 +35,11 @@ def _repo(root: str | Path) -> Iterator:
     against the current directory; from outside the repo its outputs look foreign)."""
     from dvc.repo import Repo
 
+    from tasks.dvc_lockfile import atomic_dvc_writes
     from tasks.logs import single_dvc_output
 
     single_dvc_output()  # each DVC message printed once
+    atomic_dvc_writes()  # dvc.lock and .dvc files by temporary file and rename: a kill never tears them
 
     previous = os.getcwd()
     os.chdir(root)
@@ -58,8 +60,11 @@ def stage_status(root: str, stage: str) -> dict:
 @task(name="dvc-commit", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def record_stage(root: str, stage: str) -> None:
     """Write ``stage``'s dvc.lock entry and cache its outputs (only after the stage succeeded)."""
+    from tasks.dvc_lockfile import repair_lockfile
+
     with _repo(root) as repo:
         repo.commit(stage, force=True)
+    repair_lockfile(root)  # the complete lock, kept: a torn one later goes back to this
     get_logger().info("dvc: recorded stage %s in dvc.lock", stage)
 
 

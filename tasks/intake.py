@@ -12,20 +12,36 @@ An intake is all or nothing: every file is validated first; if writing, ``dvc ad
 what was written is removed. Then the manifest and ``.dvc`` files are committed to git (only those paths)
 and, with a Prefect server configured, the event ``rlhf.feedback.ingested`` is emitted (the retraining
 deployment's trigger in prefect.yaml).
+
+A killed intake is finished or undone by the next one (``tasks/intake_journal.py``): rolled forward when every
+batch file it was writing is whole (``dvc add``, push, manifest and commit redone: each is idempotent), rolled back
+when one is not. Duplicates are counted only against the batches the manifest lists, and a file that is exactly an
+ingested batch is reported as such (exit 0): retrying a killed intake never loses or refuses what the user sent.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import getpass
+import hashlib
 import json
 import os
 import subprocess
 from pathlib import Path
 
-from rlhf_core.feedback import MANIFEST, Batch, IntakeLimits, canonical_bytes, stored_keys, validate_files
+from rlhf_core.feedback import (
+    MANIFEST,
+    Batch,
+    IntakeLimits,
+    canonical_bytes,
+    read_manifest,
+    stored_keys,
+    validate_files,
+)
 from tasks.dvc_ops import _repo
+from tasks.intake_journal import clear_journal, intake_lock, read_journal, write_journal
 from tasks.logs import get_logger
+from tasks.outputs import write_atomic
 
 EVENT = "rlhf.feedback.ingested"
 
@@ -88,9 +104,12 @@ def _version(root: Path, written: list[Path], push: bool, remote: str | None) ->
 
 
 def _commit(root: Path, store: Path, written: list[Path], records: list[dict]) -> None:
-    """Commit the manifest, the .dvc files and DVC's .gitignore entries (only those paths)."""
+    """Commit the manifest, the .dvc files and DVC's .gitignore entries (only those paths); nothing when they are
+    committed already (an intake killed after its commit, rolled forward)."""
     paths = sorted({str(store / MANIFEST)} | {f"{p}.dvc" for p in written} | {str(p.parent / ".gitignore") for p in written})
     _git(root, "add", "--", *paths)
+    if not _git(root, "diff", "--cached", "--name-only", "--", *paths):
+        return
     try:
         _git(root, "commit", "-q", "-m", _commit_message(records), "--", *paths)
     except IntakeError:
@@ -98,34 +117,109 @@ def _commit(root: Path, store: Path, written: list[Path], records: list[dict]) -
         raise
 
 
+def _append_manifest(store: Path, records: list[dict]) -> None:
+    """Add ``records`` to the manifest in one rename (the intake's commit point: a kill leaves it whole, with or
+    without them); records already there (by sha256) are not added twice."""
+    path = store / MANIFEST
+    listed = {r["sha256"] for r in read_manifest(store)}
+    old = path.read_text(encoding="utf-8") if path.is_file() else ""
+    new = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["sha256"] not in listed)
+    write_atomic(path, old + ("" if not old or old.endswith("\n") else "\n") + new)
+
+
+def _store_batches(root: Path, store: Path, written: list[Path], records: list[dict], options: dict) -> None:
+    """Version, record and commit batch files already written (the steps after ``_write_batch``)."""
+    _version(root, written, options["push"], options["remote"])
+    _append_manifest(store, records)
+    if options["commit"]:
+        _commit(root, store, written, records)
+
+
 def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming", push: bool = True,
            commit: bool = True, emit: bool = True, remote: str | None = None,
-           limits: IntakeLimits = IntakeLimits()) -> list[dict]:
-    """Validate ``files`` and add each as one batch to the store; returns the manifest records added.
+           limits: IntakeLimits = IntakeLimits(), metrics_dir: str = "metrics") -> list[dict]:
+    """Validate ``files`` and add each as one batch to the store; returns the manifest records added (a file that
+    is exactly a batch already ingested adds nothing: it is logged as such).
 
     Raises :class:`~rlhf_core.data.DataFormatError` (bad input: nothing written) or :class:`IntakeError`
-    (DVC or git failed: what was written is undone)."""
+    (DVC or git failed: what was written is undone). An intake killed earlier is finished or undone first."""
     root = Path(root).resolve()
     store = root / store_dir
-    batches = validate_files(files, stored_keys(store), limits)  # everything checked before anything is written
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    records = [_record(b, now, os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()) for b in batches]
-    before = _snapshot(store, batches)
-    written = [_write_batch(store, b) for b in batches]
-    try:
-        _version(root, written, push, remote)
-        with open(store / MANIFEST, "a", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        if commit:
-            _commit(root, store, written, records)
-    except BaseException:
-        _rollback(written, before)
-        raise
+    options = {"push": push, "remote": remote, "commit": commit, "emit": emit}
+    with intake_lock(root):
+        recover_interrupted(root, store)
+        ingested = {r["sha256"]: r for r in read_manifest(store)}
+        batches = validate_files(files, stored_keys(store), limits, ingested)  # all checked before anything is written
+        for batch in (b for b in batches if b.ingested):
+            get_logger().info("intake: %s is batch %s, already ingested (%s by %s): nothing to do", batch.source,
+                              batch.sha256, batch.ingested.get("ingested_at"), batch.ingested.get("user"))
+        batches = [b for b in batches if not b.ingested]
+        if not batches:
+            return []
+        for warning in growth_warnings(root / metrics_dir / "prepare.json", batches):
+            get_logger().warning("intake: %s", warning)
+        now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        records = [_record(b, now, os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()) for b in batches]
+        before = _snapshot(store, batches)
+        write_journal(root, records, before, options)  # from here on, a kill is finished or undone by the next intake
+        written = [_write_batch(store, b) for b in batches]
+        try:
+            _store_batches(root, store, written, records, options)
+        except BaseException:
+            _rollback(written, before)
+            clear_journal(root)
+            raise
+        clear_journal(root)
     for r in records:
         get_logger().info("intake: %s batch %s (%d rows) from %s", r["kind"], r["sha256"], r["rows"], r["source"])
     if emit:
         emit_ingested(records)
     return records
+
+
+def recover_interrupted(root: Path, store: Path) -> list[dict]:
+    """Finish or undo an intake that was killed (its journal is left; the caller holds the intake lock): rolled
+    forward when it had written the manifest or every batch file is whole, else rolled back. Returns the records it
+    completed ([] when there was nothing to do, or it rolled back)."""
+    journal = read_journal(root)
+    if journal is None:
+        return []
+    log, records = get_logger(), journal["records"]
+    written = [store / r["file"] for r in records]
+    listed = {r["sha256"] for r in read_manifest(store)}
+    whole = all(p.is_file() and hashlib.sha256(p.read_bytes()).hexdigest() == p.stem for p in written)
+    if all(r["sha256"] in listed for r in records) or whole:
+        _store_batches(root, store, written, records, journal["options"])
+        clear_journal(root)
+        log.warning("intake: finished the intake of pid %s that was stopped before it completed: %s", journal["pid"],
+                    ", ".join(f"{r['kind']} batch {r['sha256'][:12]} ({r['rows']} rows from {r['source']})"
+                              for r in records))
+        if journal["options"]["emit"]:
+            emit_ingested(records)
+        return records
+    _rollback(written, journal["before"])
+    clear_journal(root)
+    log.warning("intake: undid the intake of pid %s that was stopped while writing its batches (nothing of it was "
+                "recorded): ingest %s again", journal["pid"], ", ".join(r["source"] for r in records))
+    return []
+
+
+def growth_warnings(prepare_metrics: Path, batches: list[Batch]) -> list[str]:
+    """What this intake does to the training data of the next retraining, per kind, when it at least doubles it:
+    the pair count of reward_model and dpo, the rating count of kto (from the last ``metrics/prepare.json``)."""
+    try:
+        counts = json.loads(prepare_metrics.read_text())
+    except (OSError, ValueError):
+        return []
+    warnings = []
+    for kind, key, stages in (("pairs", "num_pairs", "reward_model and dpo"), ("ratings", "num_ratings", "kto")):
+        added = sum(len(b.rows) for b in batches if b.kind == kind)
+        now = counts.get(key)
+        if added and isinstance(now, int) and added >= now:
+            warnings.append(f"{added:,} {kind} more: the next retraining trains {stages} on up to {now + added:,} "
+                            f"{kind} instead of {now:,} (about {(now + added) / max(now, 1):.0f}x the training time "
+                            f"of those stages; {prepare_metrics.name} of the last run)")
+    return warnings
 
 
 def _commit_message(records: list[dict]) -> str:

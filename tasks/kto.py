@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.logs import get_logger
 from tasks.outputs import write_csv, write_json
-from tasks.params import load_stage
+from tasks.params import cross_section_values, load_stage
 from tasks.policy import disabled_placeholder, last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 
 COLUMNS = ("step", "loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
@@ -40,7 +40,7 @@ def kto_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     if not any(labels) or all(labels):
         raise ValueError(f"{ratings_path}: KTO needs both desirable and undesirable rows "
                          f"({sum(labels)} of {len(labels)} are label: true)")
-    with stage_run("kto", root, p, io["deps"], parent_run_id) as run:
+    with stage_run("kto", root, p, io["deps"], parent_run_id, reads=cross_section_values(params, "kto")) as run:
         set_seed(p.seed)
         tokenizer, model = load_sft_policy(root, sft_dir)
         dataset = Dataset.from_dict({c: [r[c] for r in ratings] for c in ("prompt", "completion", "label")})

@@ -72,11 +72,9 @@ def describe(holder: dict) -> str:
 
 def default_wait() -> float:
     """``$RLHF_LOCK_WAIT_S`` as seconds (0 when unset); a bad value is an error naming the variable."""
-    text = os.environ.get(WAIT_ENV, "").strip()
-    try:
-        return max(0.0, float(text)) if text else 0.0
-    except ValueError:
-        raise ValueError(f"${WAIT_ENV}: expected seconds, got {text!r}") from None
+    from rlhf_core.tracking import env_seconds
+
+    return env_seconds(WAIT_ENV, 0.0)
 
 
 def _try_flock(fd: int) -> bool:

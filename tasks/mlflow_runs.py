@@ -4,10 +4,17 @@ MLflow default: a SQLite file ``mlflow.db`` in the project root with artifacts i
 it (both git-ignored). ``MLFLOW_TRACKING_URI`` overrides the store; ``RLHF_MLFLOW_EXPERIMENT`` the
 experiment name; ``RLHF_MLFLOW_UI_URL`` the UI address used in Prefect artifact links.
 
-Tracking outages never stop a stage: when the tracking server refuses connections (at start, or later), the
-stage warns once and keeps its params, metrics and tables in ``tracking-spool/<stage>-<time>-<pid>.jsonl`` in
-the project (``StageSpoolingTracker``); ``make tracking-upload`` (``python -m rlhf_core.tracking upload
-tracking-spool``) replays them.
+Tracking outages never stop a stage: when the tracking server refuses connections, or the SQLite store is locked by
+another process past ``$RLHF_TRACKING_LOCK_WAIT_S`` (30 s) or was deleted while open (at start, or later), the
+stage warns once, naming the store, and keeps its params, metrics and tables in
+``tracking-spool/<stage>-<time>-<pid>.jsonl`` in the project (``StageSpoolingTracker``). When the store answers again
+by the stage's end, the spool is replayed into the stage's run at once (``replay_spool``); otherwise ``make
+tracking-upload`` (``python -m rlhf_core.tracking upload tracking-spool``) replays it later.
+
+A SQLite store that vanished is never silently replaced by a new, empty one (which would also be a new, empty model
+registry): ``mlflow_setup`` records the store in ``mlartifacts/.rlhf-store.json``, and while that record names a
+database file that is gone, the store counts as unavailable and the warning says how to restore it or, on purpose,
+start anew (issue 24).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.tracking import SpoolingTracker, redact, server_reachable
+from rlhf_core.tracking import SpoolingTracker, outage_reason, redact, server_reachable, sqlite_path
 from tasks.distributed import require_single_process
 from tasks.logs import get_logger
 from tasks.prefect_context import prefect_flow_run_id
@@ -52,15 +59,82 @@ def tracking_uri(root: str | Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
 
 
+STORE_RECORD = ".rlhf-store.json"
+"""In the artifact folder (``mlartifacts/``): the SQLite stores whose runs keep artifacts there."""
+
+_warned: set[str] = set()  # store problems already reported by this process
+
+
+def artifact_folder(root: str | Path) -> Path:
+    """Where the project's SQLite store keeps run artifacts (the experiment's artifact location)."""
+    return Path(root).resolve() / "mlartifacts"
+
+
+def _recorded_stores(root: str | Path) -> list[str]:
+    try:
+        return list(json.loads((artifact_folder(root) / STORE_RECORD).read_text()).get("stores", []))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def _record_store(root: str | Path, database: Path) -> None:
+    """Note that ``database`` exists and keeps its artifacts here (once per store)."""
+    stores = _recorded_stores(root)
+    if str(database) not in stores and database.is_file():
+        from tasks.outputs import write_atomic
+
+        write_atomic(artifact_folder(root) / STORE_RECORD, json.dumps({"stores": stores + [str(database)]}))
+
+
+def vanished_store(root: str | Path) -> str | None:
+    """What to do when the project's SQLite store, recorded as existing, is gone (deleted or moved; an empty file in
+    its place counts as gone); None while it is there (or was never made, or is not SQLite)."""
+    database = sqlite_path(tracking_uri(root))
+    if database is None or str(database) not in _recorded_stores(root):
+        return None
+    if database.is_file() and database.stat().st_size > 0:
+        return None
+    artifacts = artifact_folder(root)
+    return (f"the MLflow store {database} (this project's runs and model registry) is gone: deleted or moved. "
+            f"Nothing is logged into a new, empty store in its place. Restore the file (from a backup), then send "
+            f"what runs kept meanwhile with `make tracking-upload`; or start a new, empty store on purpose: "
+            f"mv {artifacts} {artifacts}.old")
+
+
+def store_problem(root: str | Path) -> str | None:
+    """Why the tracking store cannot take this project's runs now (None: it can): a server that refuses
+    connections, a SQLite store locked by another process past the wait, or one that vanished."""
+    uri = tracking_uri(root)
+    gone = vanished_store(root)
+    if gone:
+        return gone
+    return None if server_reachable(uri) else outage_reason(uri)
+
+
 def tracking_reachable(root: str | Path) -> bool:
-    """False when the tracking URI is a server that refuses connections (local stores are always reachable)."""
-    return server_reachable(tracking_uri(root))
+    """False when the tracking store is out (:func:`store_problem`), which is then reported once per outage."""
+    problem = store_problem(root)
+    if problem is None:
+        _warned.clear()  # back: the next outage is reported again
+    elif problem not in _warned:
+        _warned.add(problem)
+        get_logger().warning("%s; MLflow runs spool to %s/ meanwhile", redact(problem), SPOOL_DIR)
+    return problem is None
+
+
+class StoreUnavailable(ConnectionError):
+    """The project's tracking store cannot be used (the message says why and what to do); an outage for the trackers."""
 
 
 def mlflow_setup(root: str | Path) -> str:
-    """Point MLflow at the project store and return the experiment id (creating it if needed)."""
+    """Point MLflow at the project store and return the experiment id (creating it if needed). A SQLite store that
+    vanished, or stays locked past the wait, raises :class:`StoreUnavailable` (a vanished one is not replaced by a
+    new, empty one; a locked one is not met with a raw ``database is locked`` after MLflow's 20 s busy wait)."""
     import mlflow
 
+    problem = store_problem(root) if sqlite_path(tracking_uri(root)) is not None else None
+    if problem:
+        raise StoreUnavailable(problem)
     root = Path(root).resolve()
     uri = tracking_uri(root)
     exported = os.environ.get("MLFLOW_TRACKING_URI")
@@ -74,8 +148,11 @@ def mlflow_setup(root: str | Path) -> str:
         os.environ["MLFLOW_TRACKING_URI"] = exported
     client = mlflow.MlflowClient()
     exp = client.get_experiment_by_name(experiment_name())
+    database = sqlite_path(uri)
+    if database is not None:  # from now on, a vanished file is noticed, not silently replaced
+        _record_store(root, database)
     if exp is None:
-        artifacts = (root / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+        artifacts = artifact_folder(root).as_uri() if uri.startswith("sqlite:") else None
         return client.create_experiment(experiment_name(), artifact_location=artifacts, tags=EXPERIMENT_TAGS)
     if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):  # an experiment made by an older version
         for key, value in EXPERIMENT_TAGS.items():
@@ -191,9 +268,8 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
     require_single_process("the pipeline flow", "`python -m flows.pipeline`; launch only the training stages, "
                            "one at a time (`accelerate launch ... -m flows.stage sft`)")
 
-    if not tracking_reachable(root):
-        get_logger().warning("tracking server %s unreachable: no MLflow parent run; stages spool to %s/",
-                             redact(tracking_uri(root)), SPOOL_DIR)
+    if not tracking_reachable(root):  # (reported there, naming the store)
+        get_logger().warning("no MLflow parent run for this pipeline run; stages spool to %s/", SPOOL_DIR)
         return ""
     exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
@@ -294,9 +370,9 @@ class StageSpoolingTracker(SpoolingTracker):
         return f"{self.run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}.jsonl"
 
     def offline_message(self, error: BaseException) -> str:
-        return (f"stage {self.run_name}: tracking server {self.tracking_uri} unreachable "
-                f"({type(error).__name__}); the stage continues and its params, metrics and tables are kept in "
-                f"{self.spool_path}. Upload them later with: make tracking-upload "
+        return (f"stage {self.run_name}: {outage_reason(self.tracking_uri, error)}; the stage continues and its params, "
+                f"metrics and tables are kept in {self.spool_path} (replayed at the stage's end if the store answers "
+                f"again by then). Upload them later with: make tracking-upload "
                 f"(python -m rlhf_core.tracking upload {self.spool_dir})")
 
     def on_offline(self, error: BaseException) -> None:
@@ -311,16 +387,46 @@ def stage_tracker(root: Path, stage: str) -> StageSpoolingTracker:
     from rlhf_core.tracking import MLflowTracker
 
     def attach(project_name: str, run_name: str | None) -> MLflowTracker:
+        gone = vanished_store(root)
+        if gone:  # MLflow would create a new, empty store in its place
+            raise StoreUnavailable(gone)
         return MLflowTracker(project_name, run_name)
 
     return StageSpoolingTracker(attach, spool_dir=root / SPOOL_DIR, project_name=experiment_name(), run_name=stage,
                                 tracking_uri=tracking_uri(root))
 
 
+def replay_spool(root: Path, tracker: StageSpoolingTracker, status: str) -> str | None:
+    """A stage that went offline, at its end: if the store answers again, replay its spool into its run (a new run
+    when it never had one) and end that run with ``status``; returns the run id (None: still out, or nothing
+    spooled; the spool stays for ``make tracking-upload``)."""
+    import mlflow
+
+    from rlhf_core.tracking import is_connection_failure, upload_spool
+
+    spool = tracker.spool_path
+    if spool is None or not spool.is_file() or not tracking_reachable(root):
+        return None
+    try:
+        mlflow_setup(root)
+        run_id = upload_spool(spool, run_id=tracker.run_id)
+        mlflow.MlflowClient().set_terminated(run_id, status=status)
+    except Exception as error:  # noqa: BLE001 - a store that failed again keeps the spool
+        if not is_connection_failure(error):
+            raise
+        get_logger().warning("stage %s: %s; its spool %s stays for `make tracking-upload`", tracker.run_name,
+                             outage_reason(tracking_uri(root), error), spool)
+        return None
+    active = mlflow.active_run()
+    if active is not None and active.info.run_id == run_id:  # the stage's own run, left active when it went offline
+        mlflow.end_run(status)
+    return run_id
+
+
 __all__ = [
     "DEFAULT_EXPERIMENT", "NOOP_NAME", "PARENT_ENV", "RUNNING_NAME", "SPOOL_DIR", "StageSpoolingTracker",
+    "StoreUnavailable",
     "changed_params", "end_pipeline_run", "experiment_name", "flat_params", "headline_metrics", "mlflow_compare_link",
-    "mlflow_setup",
-    "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "stage_tracker",
-    "start_pipeline_run", "tracking_reachable", "tracking_uri",
+    "mlflow_setup", "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "replay_spool",
+    "stage_tracker", "start_pipeline_run", "store_problem", "tracking_reachable", "tracking_uri", "vanished_store",
 ]

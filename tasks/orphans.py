@@ -1,4 +1,4 @@
-"""What a killed run leaves behind, cleaned on the next start (issue 12.5).
+"""What a killed run leaves behind, cleaned on the next start (issue 12.5; a torn ``dvc.lock``: issue 24).
 
 - **Prefect's temporary server** (started by a flow when no ``PREFECT_API_URL`` is set) runs in its own session:
   a Ctrl-C or SIGTERM sent to the terminal's process group (``timeout``, Slurm, systemd do the same) reaches the
@@ -141,10 +141,16 @@ def end_orphaned_runs(root: str | Path) -> list[str]:
 
 
 def clean_after_dead_runs(root: str | Path) -> None:
-    """The start-of-run sweep (inside the checkout lock): orphaned servers stopped, orphaned runs ended."""
+    """The start-of-run sweep (inside the checkout lock): a torn dvc.lock repaired (``tasks/dvc_lockfile.py``: or
+    :class:`~tasks.dvc_lockfile.LockfileTorn` naming the command that repairs it), orphaned servers stopped, orphaned
+    runs ended."""
+    from tasks.dvc_lockfile import repair_lockfile
     from tasks.logs import get_logger
 
     log = get_logger()
+    repaired = repair_lockfile(root)
+    if repaired:
+        log.warning(repaired)
     servers = stop_orphaned_servers()
     if servers:
         log.warning("stopped %d temporary Prefect server(s) left by killed runs: pid %s", len(servers),

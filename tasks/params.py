@@ -484,6 +484,15 @@ def validate(p: Params, source: str = PARAMS_FILE) -> None:
          "prepare.prompt_max_words must be >= prepare.prompt_min_words")
     need(0.0 < p.prepare.eval_fraction < 1.0, "prepare.eval_fraction must be in (0, 1)")
     need(p.ppo.batch_size % p.ppo.mini_batch_size == 0, "ppo.batch_size must be a multiple of ppo.mini_batch_size")
+    backward = p.ppo.mini_batch_size * p.ppo.gradient_accumulation_steps  # what PPOConfig checks when the stage starts
+    need(p.ppo.batch_size % backward == 0,
+         f"ppo.gradient_accumulation_steps: ppo.batch_size ({p.ppo.batch_size}) must be a multiple of "
+         f"ppo.mini_batch_size x ppo.gradient_accumulation_steps ({p.ppo.mini_batch_size} x "
+         f"{p.ppo.gradient_accumulation_steps} = {backward})")
+    # KTOConfig's own rules for the default loss (its KL estimate pairs each row with a neighbour in the batch)
+    need(p.kto.per_device_train_batch_size >= 2, "kto.per_device_train_batch_size: must be >= 2 (KTO's KL estimate "
+         "pairs each row with another of its batch)")
+    need(p.kto.max_length >= 2, "kto.max_length: must be >= 2 (a prompt token and a completion token)")
     need(p.ppo.total_steps >= 1, "ppo.total_steps must be >= 1")
     need(p.ppo.reward in ("reward_model", "gold") or p.ppo.reward.startswith("pipeline:"),
          "ppo.reward must be reward_model, gold or pipeline:<model>")
@@ -564,9 +573,67 @@ def as_dict(section) -> dict[str, Any]:
     return section.as_dict() if isinstance(section, ConfigSection) else dataclasses.asdict(section)
 
 
+CROSS_SECTION_PARAMS: dict[str, tuple[str, ...]] = {
+    stage: ("evaluate.max_new_tokens", "evaluate.seed") for stage in WINDOW_STAGES}
+"""The keys of other sections a stage reads, by stage. The sample windows of ppo, dpo and kto score held-out prompts
+exactly as ``evaluate`` does, with its ``max_new_tokens`` and ``seed`` (tasks/samples.py). Declared here, they are
+params of the stage in dvc.yaml (a change re-runs it), the mid-run guard watches them (``tasks/dvc_ops.py``), the
+resume key holds them (``tasks/resume.py:resume_key``), and ``load_stage`` lets the stage read them and nothing else
+(:class:`StageParams`)."""
+
+
 def stage_param_keys(stage: str) -> list[str]:
-    """The dotted params a DVC stage depends on: every key of its own section."""
-    return [f"{stage}.{key}" for key in section_keys(stage)]
+    """The dotted params a DVC stage depends on: every key of its own section, then those it reads elsewhere."""
+    return [f"{stage}.{key}" for key in section_keys(stage)] + list(CROSS_SECTION_PARAMS.get(stage, ()))
+
+
+def cross_section_values(params: Params | StageParams, stage: str) -> dict[str, Any]:
+    """``{"evaluate.seed": 0, ...}``: the values of the keys ``stage`` reads outside its own section."""
+    values = {}
+    for dotted in CROSS_SECTION_PARAMS.get(stage, ()):
+        section, key = dotted.split(".", 1)
+        values[dotted] = getattr(params.section(section), key)
+    return values
+
+
+class UndeclaredParam(AttributeError):
+    """A stage read a param it does not declare (it would not re-run, nor be guarded, when the param changes)."""
+
+
+class StageParams:
+    """What one stage may read of params.yaml (what :func:`load_stage` gives it): ``paths``, its own section and the
+    keys of other sections it declares in ``CROSS_SECTION_PARAMS``. Reading anything else raises
+    :class:`UndeclaredParam` naming the key, so a stage cannot depend on a param that dvc.yaml does not list."""
+
+    def __init__(self, params: Params, stage: str) -> None:
+        self._params, self._stage = params, stage
+
+    def section(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name not in SECTIONS:
+            raise AttributeError(name)
+        if name in ("paths", self._stage):
+            return getattr(self._params, name)
+        keys = [d.split(".", 1)[1] for d in CROSS_SECTION_PARAMS.get(self._stage, ()) if d.split(".", 1)[0] == name]
+        return _DeclaredKeys(getattr(self._params, name), name, keys, self._stage)
+
+
+class _DeclaredKeys:
+    """Another stage's section as one stage sees it: only the keys that stage declares."""
+
+    def __init__(self, section: Any, name: str, keys: list[str], stage: str) -> None:
+        self._section, self._name, self._keys, self._stage = section, name, keys, stage
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("__"):
+            raise AttributeError(key)
+        if key not in self._keys:
+            raise UndeclaredParam(f"stage {self._stage} reads {self._name}.{key}, which it does not declare: add it to "
+                                  f"CROSS_SECTION_PARAMS[{self._stage!r}] in tasks/params.py and to the stage's params "
+                                  "in dvc.yaml (else a change to it would neither re-run nor stop the stage)")
+        return getattr(self._section, key)
 
 
 # What each stage reads and writes, relative to the paths section. dvc.yaml must say the same
@@ -578,11 +645,12 @@ def stage_enabled(params: Params, stage: str) -> bool:
     return bool(getattr(section, "enabled", True))
 
 
-def load_stage(root: str | Path, stage: str) -> tuple[Path, Params, Any, dict[str, list[str]]]:
-    """A stage's start: the resolved project root, all params, the stage's own section and its DVC deps/outs."""
+def load_stage(root: str | Path, stage: str) -> tuple[Path, StageParams, Any, dict[str, list[str]]]:
+    """A stage's start: the resolved project root, the params it may read (:class:`StageParams`: its own section,
+    ``paths`` and what it declares in ``CROSS_SECTION_PARAMS``), its own section and its DVC deps/outs."""
     root = Path(root).resolve()
     params = load_params(root / PARAMS_FILE)
-    return root, params, getattr(params, stage), stage_io(params.paths)[stage]
+    return root, StageParams(params, stage), getattr(params, stage), stage_io(params.paths)[stage]
 
 
 def stage_io(paths: PathsParams) -> dict[str, dict[str, list[str]]]:
@@ -620,5 +688,6 @@ __all__ = [
     "read_raw", "validate", "PATH_KEYS", "check_paths", "ConfigSection", "PPOStageParams", "PPO_CONFIG_KEYS",
     "section_keys", "ALL_STAGES", "OPTIONAL_STAGES", "DDPOParams", "DDPOStageParams", "DDPO_CONFIG_KEYS",
     "DDPO_REWARDS", "stage_enabled", "POLICY_STAGES", "GRPOParams", "RLOOParams", "KTOParams", "OnlineStageParams",
-    "PolicySwitch", "SampledPolicy", "KTOStageParams", "WINDOW_STAGES", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
+    "PolicySwitch", "SampledPolicy", "CROSS_SECTION_PARAMS", "StageParams", "UndeclaredParam",
+    "cross_section_values", "KTOStageParams", "WINDOW_STAGES", "GRPO_CONFIG_KEYS", "RLOO_CONFIG_KEYS", "KTO_CONFIG_KEYS", "ONLINE_REWARDS",
 ]

@@ -23,7 +23,7 @@ from rlhf_core.data import read_jsonl
 from tasks.distributed import check_replicas_identical, is_main_process
 from tasks.logs import get_logger, progress_bar
 from tasks.outputs import atomic_dir, write_csv, write_json
-from tasks.params import PPOParams, as_dict, load_stage
+from tasks.params import PPOParams, as_dict, cross_section_values, load_stage
 from tasks.paths import stage_checkpoint_dir
 from tasks.stage_run import stage_run
 
@@ -63,6 +63,7 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         return skipped  # ppo.enabled: false
     from rlhf_core.checkpointing import GracefulStop, Preempted
     from rlhf_core.trainers.ppo.loop import run_ppo
+    from tasks.resume import resume_key
 
     root, params, p, io = load_stage(root, "ppo")
     paths = params.paths
@@ -72,8 +73,8 @@ def ppo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     if len(prompts) < p.batch_size:
         raise ValueError(f"{prompts_path}: {len(prompts)} prompts, fewer than ppo.batch_size={p.batch_size}")
 
-    with stage_run("ppo", root, p, io["deps"], parent_run_id) as run:
-        state = stage_checkpoint_dir(root, "ppo", {"params": as_dict(p), "inputs": run.input_hashes})
+    with stage_run("ppo", root, p, io["deps"], parent_run_id, reads=cross_section_values(params, "ppo")) as run:
+        state = stage_checkpoint_dir(root, "ppo", resume_key(run, p))
         trainer, tokenizer = _build_trainer(root, p, sft_dir, prompts_path, prompts, run.tracker)
         world = trainer.accelerator.num_processes
         reward = _reward_fn(p.reward, str(root / rm_dir))

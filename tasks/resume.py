@@ -113,7 +113,7 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
     of ranks > 0 is not kept and a resumed multi-process run is not bit-exact on those ranks (their RNG streams
     restart from the seed; rank 0's, the weights, the optimizer, the scheduler and the data position are exact).
     """
-    checkpoints = stage_checkpoint_dir(run.root, stage, {"params": as_dict(params_section), "inputs": run.input_hashes})
+    checkpoints = stage_checkpoint_dir(run.root, stage, resume_key(run, params_section))
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(GracefulStop())
         if is_main_process():
@@ -123,6 +123,15 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
         yield Resumable(stage, run, stop, checkpoints, output_dir)
 
 
+def resume_key(run: StageRun, params_section: Any) -> dict[str, Any]:
+    """What a stage's resumable state is keyed by: its section, the params it reads elsewhere (``run.reads``: a
+    changed ``evaluate.seed`` must not resume ppo's sample windows scored with the old one) and its inputs' hashes."""
+    key = {"params": as_dict(params_section), "inputs": run.input_hashes}
+    if run.reads:  # only then: the keys (and so the state directories) of the other stages stay as they were
+        key["reads"] = dict(run.reads)
+    return key
+
+
 def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list[dict]:
     """Rows ``{step, <key>...}`` from a Trainer's ``state.log_history`` (for plots/<stage>.csv)."""
     keys = tuple(keys)
@@ -130,4 +139,4 @@ def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list
 
 
 __all__ = ["AllRanksStopCallback", "Resumable", "SAVE_STEPS", "checkpointing_arguments", "loss_curve",
-           "resumable_training", "training_arguments"]
+           "resumable_training", "resume_key", "training_arguments"]

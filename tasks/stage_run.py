@@ -28,8 +28,10 @@ from tasks.mlflow_runs import (
     PARENT_ENV,
     mlflow_setup,
     mlflow_ui_link,
+    replay_spool,
     stage_tracker,
     tracking_reachable,
+    vanished_store,
 )
 from tasks.params import as_dict
 from tasks.prefect_context import in_prefect_run, prefect_flow_run_id
@@ -53,6 +55,8 @@ class StageRun:
     experiment_id: str
     summary: dict[str, Any] = field(default_factory=dict)
     input_hashes: dict[str, str] = field(default_factory=dict)
+    reads: dict[str, Any] = field(default_factory=dict)
+    """The params the stage reads outside its own section (``tasks.params.CROSS_SECTION_PARAMS``), dotted."""
     tracker: Any = None
     main: bool = True
 
@@ -182,11 +186,15 @@ class StageRun:
 
 @contextlib.contextmanager
 def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[str],
-              parent_run_id: str | None = None) -> Iterator[StageRun]:
+              parent_run_id: str | None = None, reads: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
     """A child MLflow run for one stage, tagged with provenance; leaves a Prefect artifact when done.
 
-    If the tracking server is unreachable the stage still runs: one warning, and everything the run would have
-    logged goes to a spool file under ``<root>/tracking-spool/`` (``make tracking-upload`` sends it later).
+    ``reads``: the params the stage reads outside its own section (``tasks.params.cross_section_values``), logged
+    with its section's and kept on the handle for the resume key (``tasks/resume.py:resume_key``).
+
+    If the tracking store is out (a server that refuses connections, a SQLite store locked or deleted) the stage still
+    runs: one warning, and everything the run would have logged goes to a spool file under ``<root>/tracking-spool/``,
+    replayed into the run when the stage ends if the store answers again by then (else ``make tracking-upload``).
     A stage stopped by SIGTERM (``Preempted``) ends its run ``KILLED``; any other error ``FAILED``.
 
     Under a launcher, only the main process opens the run; the other ranks get a handle that records nothing
@@ -199,7 +207,8 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     root = Path(root).resolve()
     if not is_main_process():
         try:
-            yield StageRun(stage, root, "", "", input_hashes=input_hashes(root, deps), tracker=NullTracker(), main=False)
+            yield StageRun(stage, root, "", "", input_hashes=input_hashes(root, deps), reads=dict(reads or {}),
+                           tracker=NullTracker(), main=False)
         except Preempted:
             barrier()
             raise
@@ -217,24 +226,34 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     exp_id, run_id = "", ""
     if online:
         exp_id = mlflow_setup(root)
-        # A stale active run (e.g. from an earlier failure in this process) must not capture our logs.
+        # A stale active run (e.g. from an earlier failure in this process) must not capture our logs. end_run
+        # drops it first, then ends it in its store, which may be gone (a stage that lost its store mid-run).
         while mlflow.active_run() is not None:
-            mlflow.end_run("KILLED")
+            with contextlib.suppress(Exception):
+                mlflow.end_run("KILLED")
         run_id = mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags).info.run_id
     tracker = stage_tracker(root, stage)
-    handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, tracker=tracker)
+    handle = StageRun(stage, root, run_id, exp_id, input_hashes=hashes, reads=dict(reads or {}), tracker=tracker)
     if handle.offline:  # provenance tags would be lost with the run: keep them as params
         tracker.log_params({f"tag.{k}": v for k, v in tags.items() if k != "mlflow.parentRunId"})
     started = time.time()
 
-    def end(status: str) -> None:
+    def end(status: str) -> str | None:
+        """End the run; returns the id of the run holding everything the stage logged (None: it is in the spool)."""
         tracker.finish()
-        if run_id and not handle.offline:  # (went offline mid-run: the next stage_run ends the stale run)
+        if run_id and not handle.offline:
             with contextlib.suppress(Exception):
                 mlflow.end_run(status)
+            return run_id
+        recorded = replay_spool(root, tracker, status) if handle.offline else None  # the store may answer again
+        if run_id and not recorded and vanished_store(root):
+            with contextlib.suppress(Exception):  # drop our run, whose store is gone (it fails at once), not at exit
+                mlflow.end_run(status)
+        return recorded
 
     try:
-        handle.log_params(public_params({f"{stage}.{k}": v for k, v in as_dict(params_section).items()}))
+        handle.log_params(public_params({**{f"{stage}.{k}": v for k, v in as_dict(params_section).items()},
+                                         **handle.reads}))
         yield handle
     except Preempted:
         end("KILLED")
@@ -248,8 +267,11 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     if run_id and not handle.offline:  # the run page's Description: what the stage did
         with contextlib.suppress(Exception):
             mlflow.MlflowClient().set_tag(run_id, "mlflow.note.content", stage_note(stage, handle.summary))
-    end("FINISHED")
-    if handle.offline:
+    recorded = end("FINISHED")
+    if handle.offline and recorded:
+        get_logger().info("stage %s: the tracking store answered again; what it spooled was replayed into run %s",
+                          stage, recorded)
+    elif handle.offline:
         handle.summary["tracking_spool"] = str(handle.spool_path)
         get_logger().warning("stage %s finished with tracking offline: upload %s with `make tracking-upload`",
                              stage, handle.spool_path)

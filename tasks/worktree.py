@@ -11,11 +11,18 @@ again one that ``dvc status`` finds up to date; when the branch moved meanwhile,
 of the recorded files, the record stays on ``retrain/<stamp>`` and the one command that lands it is named.
 The next retraining of a branch that has not landed a record starts from the newest one
 (:func:`previous_result`), so only what changed since re-runs.
+
+A retraining worktree is locked (``git worktree lock``) with its owner, ``rlhf-retrain pid=<pid> host=<host>``;
+the next run removes those whose owner died (``kill -9``, power loss) before it opens its own
+(:func:`prune_dead_worktrees`), so a killed run leaves no registered worktree behind for long (issue 24).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,11 +30,16 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf_core.checkpointing import pid_alive
 from tasks.logs import get_logger
 
 RECORDED = ("dvc.lock", "metrics", "plots", "README.md")
 """What a retraining run records in git: the lock, what git tracks of the outputs, the README's results table."""
 TRAILER = "Retrained-branch"
+PREFIX = "rlhf-retrain-"
+"""Name prefix of a retraining worktree's directory (in the temporary folder)."""
+OWNER = re.compile(r"^rlhf-retrain pid=(?P<pid>\d+) host=(?P<host>\S+)$")
+"""The lock reason of a retraining worktree: the process that owns it."""
 
 
 class GitError(RuntimeError):
@@ -69,9 +81,11 @@ def open_worktree(root: str, branch: str, stamp: str) -> str:
     """Check out ``branch``'s last commit (detached) in a fresh temporary worktree; restore the outputs its
     dvc.lock names from the shared cache (or the remote) where they are available."""
     root_path = Path(root)
-    path = Path(tempfile.mkdtemp(prefix=f"rlhf-retrain-{stamp}-"))
+    prune_dead_worktrees(root_path)
+    path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{stamp}-"))
     path.rmdir()  # git creates it
-    git(root_path, "worktree", "add", "--detach", str(path), branch)
+    owner = f"rlhf-retrain pid={os.getpid()} host={socket.gethostname()}"
+    git(root_path, "worktree", "add", "--detach", "--lock", "--reason", owner, str(path), branch)
     previous = previous_result(root_path, branch)
     if previous:  # start from the last retraining's record: what it trained is restored, not retrained
         git(path, "checkout", previous, "--", *[p for p in RECORDED if _in_commit(path, previous, p)])
@@ -183,8 +197,49 @@ def record_result(worktree: str, branch: str, stamp: str, registry: dict, model_
 @task(name="git-worktree-remove", cache_policy=NO_CACHE)
 def close_worktree(root: str, worktree: str) -> None:
     """Remove the temporary worktree (its branch and tag stay in the repository)."""
+    _remove_worktree(Path(root), worktree)
+
+
+def _remove_worktree(root: Path, worktree: str) -> None:
+    """Unregister and delete a (locked) worktree; its directory may be gone already."""
     try:
-        git(root, "worktree", "remove", "--force", worktree)
+        git(root, "worktree", "remove", "--force", "--force", worktree)  # twice: also when locked
     except GitError:
         shutil.rmtree(worktree, ignore_errors=True)
+        subprocess.run(["git", "worktree", "unlock", worktree], cwd=root, capture_output=True)
         git(root, "worktree", "prune")
+
+
+def prune_dead_worktrees(root: Path) -> list[str]:
+    """Remove the retraining worktrees whose owning process on this host is gone; returns their paths.
+
+    Unlocked ones named ``rlhf-retrain-*`` in the temporary folder (left by runs from before the lock) are removed
+    too: the caller holds the checkout lock, so no retraining of this checkout is running."""
+    removed = []
+    for path, reason in _worktrees(root):
+        owner = OWNER.match(reason or "")
+        if owner:
+            if owner["host"] != socket.gethostname() or pid_alive(int(owner["pid"])):
+                continue
+        elif reason is not None or not _is_retrain_dir(path):
+            continue  # someone's own worktree, or locked by someone else
+        _remove_worktree(root, path)
+        removed.append(path)
+    if removed:
+        get_logger().warning("retrain: removed %d worktree(s) left by killed runs: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _worktrees(root: Path) -> list[tuple[str, str | None]]:
+    """``(path, lock reason or None)`` of every linked worktree of the repository (``git worktree list``)."""
+    entries: list[tuple[str, str | None]] = []
+    for block in git(root, "worktree", "list", "--porcelain").split("\n\n")[1:]:  # the first is the main checkout
+        lines = block.splitlines()
+        path = lines[0].removeprefix("worktree ")
+        locked = next((line for line in lines if line == "locked" or line.startswith("locked ")), None)
+        entries.append((path, None if locked is None else locked.removeprefix("locked").strip()))
+    return entries
+
+
+def _is_retrain_dir(path: str) -> bool:
+    return Path(path).resolve().parent == Path(tempfile.gettempdir()).resolve() and Path(path).name.startswith(PREFIX)

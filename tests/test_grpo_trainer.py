@@ -519,3 +519,32 @@ def test_gradient_accumulation_equals_the_full_batch(tok, tmp_path, loss_type):
     assert any(not torch.equal(initial[k], full[k]) for k in full)
     for key in full:
         torch.testing.assert_close(accumulated[key], full[key], atol=1e-6, rtol=1e-5)
+
+
+def test_an_infinite_reward_is_masked_as_unscorable_with_a_warning_naming_the_sample(tok, tmp_path):
+    """Issue 24: a reward function returning inf was accepted and ``reward: inf`` logged every step. It is now
+    masked like TRL masks a None reward (NaN: out of its group's mean and std, advantage 0), with a warning."""
+    def count_e_but_inf_for_sample_5(completions, **kwargs):
+        scores = count_e(None, completions)
+        scores[5] = float("inf")
+        return scores
+
+    trainer = GRPOTrainer(tiny_causal_lm(tok), count_e_but_inf_for_sample_5,
+                          args=_args(tmp_path, beta=0.0, scale_rewards="none"), train_dataset=prompt_dataset(),
+                          processing_class=tok)
+    rows = [{"prompt": p, "row_id": i} for i, p in enumerate(["The film was"] * 4 + ["A good"] * 4)]
+    with pytest.warns(RuntimeWarning, match=r"reward function 'count_e_but_inf_for_sample_5' returned inf for "
+                                            r"sample 5 \(prompt 'A good'\): masked as unscorable") as caught:
+        rollout = trainer._generate_and_score(rows, "train")
+    assert sum("masked as unscorable" in str(w.message) for w in caught) == 1
+    assert torch.isfinite(rollout.advantages).all() and rollout.advantages[5] == 0
+    B = len(rows)
+    texts = tok.batch_decode([rollout.batch.model_inputs["input_ids"][i][rollout.batch.response_index[i] + 1]
+                              [rollout.batch.response_mask[i].bool()] for i in range(B)], skip_special_tokens=True)
+    scores = torch.tensor(count_e(None, texts))
+    second = scores[[4, 6, 7]]  # the second group's mean over its scorable samples only
+    torch.testing.assert_close(rollout.advantages[[4, 6, 7]], second - second.mean())
+    with pytest.warns(RuntimeWarning, match="masked as unscorable"):
+        trainer.train()
+    logged = [log["reward"] for log in train_logs(trainer) if "reward" in log]
+    assert logged and all(torch.isfinite(torch.tensor(logged)))  # the logged mean reward stays finite

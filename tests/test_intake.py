@@ -164,8 +164,14 @@ def test_intake_versions_records_commits_and_refuses_atomically(tmp_path, monkey
         md5 = hashlib.md5((root / "incoming" / r["file"]).read_bytes()).hexdigest()
         assert f"md5: {md5}" in (root / "incoming" / (r["file"] + ".dvc")).read_text()
         assert (root / ".dvc-remote" / "files" / "md5" / md5[:2] / md5[2:]).is_file()
-    # the same data again is a duplicate of the stored batch
-    assert main([str(good), "--root", str(root)]) == EXIT_BAD_INPUT
+    # the same file again is that batch again: nothing to do, nothing committed (issue 24: ingesting is idempotent,
+    # so a retry after a killed intake is never refused); a file repeating one of its rows is a duplicate
+    head = _git(root, "rev-parse", "HEAD")
+    assert main([str(good), "--root", str(root)]) == 0
+    assert _git(root, "rev-parse", "HEAD") == head and len(manifest) == len(
+        (root / "incoming" / "manifest.jsonl").read_text().splitlines())
+    overlap = _jsonl(tmp_path / "overlap.jsonl", [{**PAIR, "chosen": " superb."}, PAIR])
+    assert main([str(overlap), "--root", str(root)]) == EXIT_BAD_INPUT
 
 
 def test_failed_push_ingests_nothing(tmp_path, monkeypatch):
@@ -221,3 +227,15 @@ def test_failed_commit_ingests_nothing(tmp_path, monkeypatch):
     assert main([str(good), "--root", str(root), "--no-push"]) == EXIT_NOT_VERSIONED
     assert [p.name for p in (root / "incoming").rglob("*")] == ["README.md"]
     assert _git(root, "status", "--porcelain") == ""
+
+
+def test_a_byte_order_mark_is_stripped_from_jsonl_and_excel_csv(tmp_path):
+    """Excel's "CSV UTF-8" export starts with a BOM (and ends lines with CRLF); some editors save JSONL with one."""
+    csv_path = tmp_path / "excel.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbfprompt,chosen,rejected\r\nThis movie was, wonderful., awful.\r\n")
+    jsonl_path = tmp_path / "bom.jsonl"
+    jsonl_path.write_bytes(b"\xef\xbb\xbf" + json.dumps(PAIR).encode() + b"\n")
+    for path in (csv_path, jsonl_path):
+        batch = validate_batch(path)
+        assert batch.rows == [PAIR] and batch.lines == [2 if path is csv_path else 1]
+        assert canonical_bytes(batch.rows).startswith(b'{"prompt"')  # the stored batch has no BOM

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
     assert entry["cmd"] == f"python -m flows.stage {stage}"
     # exactly the keys of its own section, nothing else
     assert entry["params"] == stage_param_keys(stage)
-    assert all(key.split(".", 1)[1] in raw[stage] for key in entry["params"])
+    assert all(key.split(".", 1)[1] in raw[key.split(".", 1)[0]] for key in entry["params"])
     deps = _names(entry["deps"])
     data_deps = [d for d in deps if not d.endswith(".py")]
     assert data_deps == io["deps"]
@@ -122,6 +123,59 @@ def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
     assert len(imported) > 10 and REPORTING_ONLY & imported  # the walk reached the stage's library code
     missing = sorted(imported - REPORTING_ONLY - set(_names(dvc_stages[stage]["deps"])))
     assert not missing, f"dvc.yaml stage {stage} lacks deps it imports: {missing}"
+
+
+PARAMS_LOADERS = {"load_params", "read_raw", "parse_params", "load_yaml", "PARAMS_FILE"}
+"""What reads params.yaml whole; a stage may only reach its params through ``load_stage`` (a ``StageParams`` view)."""
+
+
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_a_stage_reads_params_only_through_its_declared_view(stage, dvc_stages):
+    """Issue 24: every param a stage reads is a declared dependency. The walk: in the code the stage's task imports
+    (tests/import_closure.py), nothing but the loader reads params.yaml whole, so a stage reaches params only through
+    ``load_stage``, whose ``StageParams`` view hands out exactly what dvc.yaml lists (tested below); and ppo, dpo and
+    kto, which score their sample windows with evaluate's settings, list those keys."""
+    import ast
+
+    from import_closure import ImportGraph
+
+    from rlhf_core._lazy import PUBLIC
+
+    graph = ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
+    imported = graph.files(graph.closure(graph.module_of(ROOT / task_module_file(stage))))
+    assert "tasks/params.py" in imported
+    readers = {}
+    for rel in sorted(imported - REPORTING_ONLY - {"tasks/params.py", "tasks/param_rules.py"}):
+        tree = ast.parse((ROOT / rel).read_text())
+        names = {getattr(n, "id", None) or getattr(n, "attr", None) for n in ast.walk(tree)
+                 if isinstance(n, (ast.Name, ast.Attribute))}
+        names |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for alias in n.names}
+        if names & PARAMS_LOADERS:
+            readers[rel] = sorted(names & PARAMS_LOADERS)
+    assert not readers, f"stage {stage}: these modules read params.yaml around load_stage's view: {readers}"
+    assert dvc_stages[stage]["params"] == stage_param_keys(stage)
+    if stage in WINDOW_STAGES:
+        assert {"evaluate.max_new_tokens", "evaluate.seed"} <= set(dvc_stages[stage]["params"])
+
+
+@pytest.mark.parametrize("stage", ALL_STAGES)
+def test_the_stage_view_hands_out_exactly_the_declared_params(stage):
+    from tasks.params import CROSS_SECTION_PARAMS, StageParams, UndeclaredParam
+
+    params = load_params(ROOT / "params.yaml")
+    view = StageParams(params, stage)
+    assert view.section(stage) is params.section(stage) and view.paths is params.paths
+    declared = {tuple(d.split(".", 1)) for d in CROSS_SECTION_PARAMS.get(stage, ())}
+    for section in SECTIONS:
+        if section in ("paths", stage):
+            continue
+        for key in section_keys(section):
+            if (section, key) in declared:
+                assert getattr(view.section(section), key) == getattr(params.section(section), key)
+            else:
+                with pytest.raises(UndeclaredParam, match=rf"stage {stage} reads {section}\.{key}, which it does not "
+                                                          rf"declare: add it to CROSS_SECTION_PARAMS\[{stage!r}\]"):
+                    getattr(view.section(section), key)
 
 
 def test_import_closure_follows_lazy_exports_and_lazy_imports(tmp_path):
@@ -301,6 +355,10 @@ BAD_VALUES = [
     ("ppo.max_new_tokens", 49), ("evaluate.max_new_tokens", 49),  # 48-token prompt budget + 49 > 96 positions
     ("ppo.gamma", 1.5), ("ppo.lam", -0.1), ("ppo.total_steps", 0), ("evaluate.batch_size", 0),
     ("paths.metrics", ".git"), ("paths.models", ".dvc/cache"), ("paths.data", "sub/.git/x"), ("paths.plots", ""),
+    # issue 24: values that passed the loader and failed minutes later, when the stage built its config
+    ("ppo.gradient_accumulation_steps", 3), ("kto.desirable_weight", -1), ("kto.undesirable_weight", float("nan")),
+    ("kto.beta", 0.0), ("kto.per_device_train_batch_size", 1), ("kto.max_length", 97), ("grpo.epsilon", 0.0), ("rloo.temperature", -1.0), ("rloo.beta", -0.1),
+    ("grpo.max_completion_length", 49), ("ddpo.sample_guidance_scale", 0.5), ("ddpo.train_learning_rate", 0.0),
 ]
 
 
@@ -327,3 +385,65 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
     path.write_text("ppo:\n\tlearning_rate: 1\n")  # a tab: line 2, column 1
     with pytest.raises(ParamsError, match=rf"{path}:2:1: YAML syntax error"):
         load_params(path)
+
+
+# issue 24: crafted params files are refused in milliseconds, naming the file (and line), before anything is built
+def _alias_bomb(levels: int = 12) -> str:
+    lines = ["bomb0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"bomb{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"  # 9**12 (about 2.8e11) values once expanded; 6 KB on disk
+
+
+def test_an_alias_bomb_is_refused_in_well_under_a_second(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text().replace("registry:\n", "registry:\n" + "".join(
+        f"  {line}\n" for line in _alias_bomb().splitlines()), 1))
+    assert path.stat().st_size < 8000
+    started = time.perf_counter()
+    with pytest.raises(ParamsError, match=rf"{path}:\d+: YAML aliases expand to more than 100000 values"):
+        load_params(path)
+    assert time.perf_counter() - started < 0.5  # measured: about 0.01 s; the limit leaves room for a loaded CI box
+
+
+def test_an_alias_to_its_own_container_is_refused(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("registry:\n  loop: &l [1, *l]\n")
+    with pytest.raises(ParamsError, match=rf"{path}:2: a YAML alias refers to the value that contains it"):
+        load_params(path)
+
+
+def test_scalar_aliases_are_still_fine(raw, tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    text = text.replace("  max_new_tokens: 20\n  reward:", "  max_new_tokens: &tokens 20\n  reward:", 1)
+    text = text.replace("  max_new_tokens: 20\n  batch_size:", "  max_new_tokens: *tokens\n  batch_size:", 1)
+    assert "*tokens" in text and "&tokens" in text
+    (tmp_path / "params.yaml").write_text(text)
+    assert load_params(tmp_path / "params.yaml").evaluate.max_new_tokens == 20
+
+
+def test_a_params_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from tasks import param_rules
+
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text() + "# " + "x" * param_rules.MAX_PARAMS_BYTES + "\n")
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read a file over the limit"))
+    with pytest.raises(ParamsError, match=rf"{path}: \d+ bytes, over the 1048576-byte limit of a params file"):
+        load_params(path)
+
+
+def test_a_duplicate_key_is_refused_naming_both_lines(tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    lines = text.splitlines()
+    first = lines.index("  seed: 0") + 1  # prepare.seed, 1-based
+    lines.insert(first, "  seed: 1")
+    (tmp_path / "params.yaml").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ParamsError, match=rf"params\.yaml:{first + 1}: duplicate key 'seed' \(first at line {first}\)"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_a_latin1_byte_is_refused_naming_the_line(tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    line = text.splitlines().index("prepare:") + 1
+    (tmp_path / "params.yaml").write_bytes(text.replace("prepare:", "# caf\xe9\nprepare:", 1).encode("latin-1"))
+    with pytest.raises(ParamsError, match=rf"params\.yaml:{line}: not UTF-8 \(byte 0xe9 at column 6\)"):
+        load_params(tmp_path / "params.yaml")

@@ -203,6 +203,45 @@ def test_inputs_unchanged_names_changed_params_and_deps(tmp_path):
     assert changed_inputs(before, stage_snapshot(tmp_path, "s")) == ["data"]
 
 
+@pytest.mark.parametrize("stage", ["ppo", "dpo", "kto"])
+def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_state(tmp_path, stage):
+    """Issue 24: ppo, dpo and kto score their sample windows with evaluate.max_new_tokens and evaluate.seed. Changing
+    one while the stage runs stops it being recorded; changed between runs, its resume state is not reused."""
+    from _pipeline_project import make_project, write_params
+
+    from tasks.dvc_ops import StageInputsChanged, inputs_unchanged
+    from tasks.params import cross_section_values, load_stage
+    from tasks.paths import stage_checkpoint_dir
+    from tasks.resume import resume_key
+
+    root = make_project(tmp_path / "proj", git_dvc=False)
+    with pytest.raises(StageInputsChanged, match=rf"stage {stage}: params\.yaml:evaluate\.seed \(0 -> 1\) changed"):
+        with inputs_unchanged(root, stage):
+            write_params(root, {"evaluate.seed": 1})
+
+    def state_dir() -> Path:
+        _, params, section, _ = load_stage(root, stage)
+        run = StageRun(stage, root, "", "", input_hashes={"data": "abc"}, reads=cross_section_values(params, stage),
+                       tracker=NullTracker())
+        assert run.reads == {"evaluate.max_new_tokens": params.evaluate.max_new_tokens, "evaluate.seed": 1}
+        return stage_checkpoint_dir(root, stage, resume_key(run, section))
+
+    first = state_dir()
+    write_params(root, {"evaluate.seed": 1, "evaluate.max_new_tokens": 6})
+    assert state_dir() != first  # another window scorer: the old windows are not resumed
+    write_params(root, {"evaluate.seed": 1, "evaluate.num_prompts": 4})  # a key the stage does not read
+    assert state_dir() == first
+
+
+def test_a_stage_without_cross_section_reads_keeps_its_resume_key(tmp_path):
+    from tasks.params import as_dict, load_params
+    from tasks.resume import resume_key
+
+    section = load_params(ROOT / "params.yaml").sft
+    run = StageRun("sft", tmp_path, "", "", input_hashes={"data": "abc"}, tracker=NullTracker())
+    assert resume_key(run, section) == {"params": as_dict(section), "inputs": {"data": "abc"}}  # as before issue 24
+
+
 # ---------------------------------------------------------------------------------------------- credentials (12.6)
 
 

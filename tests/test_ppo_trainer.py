@@ -153,6 +153,12 @@ def test_trainer_rejects_bad_construction(tokenizer):
         (lambda q, r, s: (q, [torch.tensor([10**6])] + r[1:], s), "outside"),
         (lambda q, r, s: ([q[0][None, :]] + q[1:], r, s), "1-d"),
         (lambda q, r, s: (torch.stack([x[:2] for x in q]), r, s), "list"),
+        # issue 24: a finite score PPO's squares overflow: refused up front (it was three skipped updates, then an error)
+        (lambda q, r, s: (q, r, s[:3] + [torch.tensor(3e38)]), r"scores\[3\] is 3e\+38, beyond the bound"),
+        (lambda q, r, s: (q, r, [-1.5e6] + s[1:]), r"scores\[0\] is -1.5e\+06, beyond the bound \|score\| <= 1e\+06"),
+        # issue 24: queries on the meta device (no values to move) are named with both devices, not a raw .item() error
+        (lambda q, r, s: (q[:1] + [q[1].to("meta")] + q[2:], r, s), r"queries\[1\] is on device meta, the model on cpu"),
+        (lambda q, r, s: (q, r, s[:2] + [s[2].to("meta")] + s[3:]), r"scores\[2\] is on device meta, the model on cpu"),
     ],
 )
 def test_step_rejects_bad_input_before_any_weight_change(tokenizer, mutate, message):
@@ -164,6 +170,25 @@ def test_step_rejects_bad_input_before_any_weight_change(tokenizer, mutate, mess
         trainer.step(*mutate(queries, responses, scores))
     after = weights(trainer.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_score_bound_is_inclusive_and_the_step_stays_finite_there(tokenizer):
+    from rlhf_core.trainers.ppo.validation import MAX_ABS_SCORE
+
+    trainer = make_trainer(tokenizer)
+    queries, responses = batch_of(tokenizer)
+    stats = trainer.step(queries, responses, [torch.tensor(MAX_ABS_SCORE), torch.tensor(-MAX_ABS_SCORE), 0.0, 1.0])
+    assert trainer.current_step == 1 and stats["ppo/skipped_updates"] == 0  # the bound itself trains, nothing skipped
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for k, v in stats.items() if not k.startswith("time/"))
+
+
+def test_generate_names_a_meta_query_and_both_devices(tokenizer):
+    trainer = make_trainer(tokenizer)
+    query = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match=r"query_tensor\[1\] is on device meta, the model on cpu"):
+        trainer.generate([query, query.to("meta")], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"query_tensor\[0\] is on device meta"):
+        trainer.generate(query.to("meta"), max_new_tokens=2)
 
 
 # ---------------------------------------------------------------------------- forward passes

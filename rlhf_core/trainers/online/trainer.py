@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -459,6 +460,13 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
                 raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(prompts)} "
                                  "completions; it must return one per completion")
             out[:, i] = torch.tensor([math.nan if v is None else float(v) for v in values], device=out.device)
+        infinite = torch.isinf(out)  # (B, F); one check per generation batch, the rewards are on the host anyway
+        if bool(infinite.any()):  # masked like a None reward (unscorable: out of its group's statistics), named
+            for row, col in infinite.nonzero().tolist():
+                warnings.warn(f"reward function {self.reward_func_names[col]!r} returned {float(out[row, col])} for "
+                              f"sample {row} (prompt {str(prompts[row])[:80]!r}): masked as unscorable (NaN), as a "
+                              "None reward is", RuntimeWarning, stacklevel=2)
+            out = out.masked_fill(infinite, math.nan)
         return out
 
     @torch.no_grad()

@@ -64,6 +64,7 @@ from rlhf_core.trainers.ppo.config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
 from rlhf_core.trainers.ppo.validation import (
     check_generation_lengths,
+    check_movable,
     check_sequence_lengths,
     check_step_inputs,
     position_limit,
@@ -270,6 +271,7 @@ class PPOTrainer:
 
         Without ``max_new_tokens`` (a per-chunk ``length_sampler``, or ``max_length``) the queries alone must fit."""
         queries = list(query_tensor) if isinstance(query_tensor, (list, tuple)) else [query_tensor]
+        check_movable(queries, "query_tensor", self.accelerator.device)
         check_generation_lengths(queries, generation_kwargs.get("max_new_tokens"), self._position_limit(),
                                  self.is_encoder_decoder)
 

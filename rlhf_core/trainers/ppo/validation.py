@@ -12,6 +12,12 @@ import torch
 
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
+MAX_ABS_SCORE = 1e6
+"""Largest accepted ``|score|``. PPO squares its rewards (score scaling's running variance, whitening, the value
+loss against returns that hold the score, the gradient norm): a finite score of 3e38 overflowed float32 and every
+update was skipped as non-finite. A million keeps each of those squares far below float32's 3.4e38 while leaving
+room for any reward scale in use (reward models give single digits); rescale a larger reward before stepping."""
+
 
 def check_step_inputs(batch_size: int, queries, responses, scores, response_masks=None, *, vocab: int | None,
                       device, is_encoder_decoder: bool = False):
@@ -27,12 +33,23 @@ def check_step_inputs(batch_size: int, queries, responses, scores, response_mask
             raise ValueError(f"Batch size ({batch_size}) does not match number of examples - but got {len(value)} for: {name}")
     if response_masks is not None and len(response_masks) != batch_size:
         raise ValueError(f"response_masks has {len(response_masks)} entries, expected batch_size={batch_size}")
+    for name, value in (("queries", queries), ("responses", responses), ("scores", scores)):
+        check_movable(value, name, device)
     queries = [check_token_tensor(q, "queries", i, vocab, is_encoder_decoder).to(device) for i, q in enumerate(queries)]
     responses = [check_token_tensor(r, "responses", i, vocab, is_encoder_decoder).to(device) for i, r in enumerate(responses)]
     scores = torch.stack([check_score(s, i) for i, s in enumerate(scores)]).to(device)  # (B,)
     if response_masks is not None:
         response_masks = [check_response_mask(m, r, i).to(device) for i, (m, r) in enumerate(zip(response_masks, responses))]
     return queries, responses, scores, response_masks
+
+
+def check_movable(tensors, name: str, device) -> None:
+    """Tensors on another device than the model's are moved there (as classic TRL does); a tensor on the ``meta``
+    device holds no values to move, so it is refused naming the argument, the index and both devices."""
+    for i, tensor in enumerate(tensors):
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            raise ValueError(f"{name}[{i}] is on device meta, the model on {torch.device(device)}: a meta tensor holds "
+                             "no values to move; pass tensors with data (any other device is moved to the model's)")
 
 
 def check_token_tensor(tensor, name: str, i: int, vocab: int | None, is_encoder_decoder: bool = False) -> torch.Tensor:
@@ -63,6 +80,9 @@ def check_score(score, i: int) -> torch.Tensor:
     score = score.reshape(()).float()
     if not torch.isfinite(score):
         raise ValueError(f"scores[{i}] is not finite ({float(score)}): fix the reward function before stepping")
+    if abs(float(score)) > MAX_ABS_SCORE:
+        raise ValueError(f"scores[{i}] is {float(score):.6g}, beyond the bound |score| <= {MAX_ABS_SCORE:.0e} "
+                         "(PPO squares rewards and would overflow float32): rescale the reward before stepping")
     return score
 
 
