@@ -58,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NOT_VERSIONED
     for r in records:
         print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} rows) from {r['source']} -> {store}/{r['file']}")
-    return _retrain_now(root, args)
+    return _retrain_now(root, args) if records else 0  # a batch ingested before: nothing new to train on
 
 
 def _retrain_now(root: Path, args: argparse.Namespace) -> int:
-    """Local mode: retrain on what was just committed (team mode: the event starts the deployment instead)."""
+    """Local mode: retrain on what was just committed (team mode: the event starts the deployment instead; a
+    retrain killed after an intake is run again with ``make retrain``)."""
     from prefect.settings import PREFECT_API_URL
 
     if args.no_retrain or args.no_commit or PREFECT_API_URL.value():
