@@ -81,11 +81,13 @@ repro: setup ## run the stages through dvc repro, then the registry step
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
 
 # Prints where to open it (the training runs' view, the policies side by side), then runs `mlflow ui` (same PID).
+MLFLOW_PORT ?= 5000
+PREFECT_PORT ?= 4200
 mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000, opened on the training runs (runs, charts, comparison, registry)
-	$(PY) -m flows.ui --port 5000
+	$(PY) -m flows.ui --port $(MLFLOW_PORT)
 
 prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 retrain: setup ## retrain from the committed state (stale stages only, evaluate, register), then land the record on the branch
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.retrain
