@@ -363,6 +363,14 @@ def dpo_loss(
     return losses, chosen_rewards, rejected_rewards
 
 
+def rpo_nll_loss(token_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """RPO's term (Pang et al. 2024, arXiv 2404.19733 v3): the negative log-likelihood of the chosen responses,
+    averaged over all their tokens in the batch (TRL 0.11.4: ``CrossEntropyLoss(ignore_index=label_pad)`` on the
+    chosen half). token_logprobs (B, A), response_mask (B, A) -> (); 0 when no token is masked in."""
+    mask = response_mask.to(token_logprobs.dtype)
+    return -(token_logprobs * mask).sum() / mask.sum().clamp(min=1)
+
+
 def pairwise_reward_loss(
     rewards_chosen: torch.Tensor,
     rewards_rejected: torch.Tensor,

@@ -12,11 +12,7 @@ import math
 import pytest
 import torch
 
-from rlhf_core.losses import (
-    DPO_LOSS_TYPES,
-    bco_batch_reward,
-    dpo_loss,
-)
+from rlhf_core.losses import DPO_LOSS_TYPES, bco_batch_reward, dpo_loss, rpo_nll_loss
 
 ATOL = 1e-12
 
@@ -179,3 +175,16 @@ def test_each_loss_is_finite_at_extreme_log_probs(loss_type):
     delta = {"bco_delta": 0.0} if loss_type == "bco_pair" else {}
     losses, _, _ = dpo_loss(big, small, small, big, beta=1.0, loss_type=loss_type, label_smoothing=0.1, **delta)
     assert torch.isfinite(losses).all()
+
+
+def test_rpo_nll_is_the_token_mean_negative_log_likelihood_over_the_batch():
+    token_logps = t(-1.0, -2.0, -0.5, -3.0, -4.0, -0.25).reshape(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    total, count = 0.0, 0
+    for row in range(2):
+        for col in range(3):
+            if mask[row, col]:
+                total += -token_logps[row, col].item()
+                count += 1
+    assert abs(rpo_nll_loss(token_logps, mask).item() - total / count) < ATOL  # (1 + 2 + 3 + 4 + 0.25) / 5
+    assert rpo_nll_loss(token_logps, torch.zeros_like(mask)).item() == 0.0

@@ -126,7 +126,7 @@ def test_dpo_without_model_or_model_init_names_both(tokenizer, tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("rpo_alpha", 0.5), ("sync_ref_model", True), ("max_completion_length", 4)],
+    [("model_adapter_name", "train"), ("ref_adapter_name", "reference")],  # RPO, TR-DPO, enc-dec: test_dpo_extensions
 )
 def test_dpo_config_refuses_what_rlhf_core_does_not_implement(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"DPOConfig.{field}="):

@@ -421,6 +421,13 @@ class RlhfTrainerMixin:
             self.state.save_to_json(str(tmp / TRAINER_STATE_NAME))
             guard = getattr(self, "nonfinite_guard", None)
             ckpt.write_json(tmp / "rlhf_state.json", {"nonfinite_guard": guard.state_dict() if guard else None})
+            self._save_extra_state(tmp)
+
+    def _save_extra_state(self, directory: Path) -> None:
+        """A subclass's training state beyond what transformers saves (written inside the atomic checkpoint)."""
+
+    def _load_extra_state(self, directory: Path) -> None:
+        """Read back what ``_save_extra_state`` wrote, when resuming from ``directory``."""
 
     def load_state(self, path: str | Path) -> None:
         """Resume from a ``save_state`` checkpoint on the next ``train()`` (built with the same arguments)."""
@@ -439,6 +446,7 @@ class RlhfTrainerMixin:
             guard = getattr(self, "nonfinite_guard", None)
             if extra.is_file() and guard is not None and ckpt.read_json(extra).get("nonfinite_guard"):
                 guard.load_state_dict(ckpt.read_json(extra)["nonfinite_guard"])
+            self._load_extra_state(Path(resume_from_checkpoint))
         if self.args.device.type == "cpu":
             keep_freed_cpu_memory()  # speed: fewer page faults for the step's large temporaries (exact)
         return super().train(resume_from_checkpoint, *args, **kwargs)
