@@ -46,6 +46,7 @@ from rlhf_core.trainers.base import (
 from rlhf_core.trainers.experience import ModelBatch, build_causal_batch
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
+from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
 from rlhf_core.trainers.online_config import OnlineRLConfig
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
@@ -172,17 +173,6 @@ def dropout_off(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
         model.train(was_training)
 
 
-class _RefSyncCallback(TrainerCallback):
-    """TR-DPO: every ``ref_model_sync_steps`` steps, ref <- alpha * policy + (1 - alpha) * ref."""
-
-    def __init__(self, trainer: "OnlineRLTrainer") -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.trainer.sync_reference(args.ref_model_mixup_alpha)
-
-
 # ---- the trainer -----------------------------------------------------------------------------
 
 
@@ -260,7 +250,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model: set beta > 0 (and no peft_config)")
-            self.add_callback(_RefSyncCallback(self))
+            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha,
+                                                   args.ref_model_sync_steps, self.accelerator))
         self._setup_tracking(**tracking)
 
     # ---- setup helpers
@@ -617,10 +608,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
 
     @torch.no_grad()
     def sync_reference(self, alpha: float) -> None:
-        """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter."""
-        policy = self.accelerator.unwrap_model(self.model)
-        for ref_param, param in zip(self.ref_model.parameters(), policy.parameters()):
-            ref_param.mul_(1 - alpha).add_(param.detach(), alpha=alpha)
+        """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (TR-DPO's update)."""
+        mix_into_reference(self.ref_model, self.accelerator.unwrap_model(self.model), alpha)
 
     def _log_rollout_stats(self, mode: str, per_func: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor,
                            truncated: torch.Tensor, prompt_tokens: torch.Tensor) -> None:
