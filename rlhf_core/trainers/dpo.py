@@ -48,6 +48,7 @@ from rlhf_core.trainers.base import (
     merge_config_fields,
     resolve_processing_class,
     wrap_peft,
+    without_eval_strategy,
 )
 from rlhf_core.trainers.collators import IGNORE_INDEX, NO_PAD_TOKEN_MESSAGE, DPODataCollatorWithPadding, pad_to_length
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback
@@ -468,6 +469,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
             eval_dataset = self._tokenize_dataset(eval_dataset)
         if data_collator is None:
             data_collator = DPODataCollatorWithPadding(self.padding_value, self.label_pad_token_id, self.is_encoder_decoder)
+        args, self._eval_strategy_without_data = without_eval_strategy(args, eval_dataset)  # TRL 0.11 accepts it
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=tokenizer,

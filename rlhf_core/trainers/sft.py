@@ -29,6 +29,7 @@ from rlhf_core.trainers.base import (
     load_tokenizer_for,
     resolve_processing_class,
     wrap_peft,
+    without_eval_strategy,
 )
 from rlhf_core.trainers.collators import ConstantLengthDataset, DataCollatorForCompletionOnlyLM
 
@@ -196,6 +197,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
                 eval_dataset = self._prepare_dataset(eval_dataset, **eval_prepare)
         if data_collator is None:
             data_collator = default_data_collator if packing else DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        args, self._eval_strategy_without_data = without_eval_strategy(args, eval_dataset)  # TRL 0.11 accepts it
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
