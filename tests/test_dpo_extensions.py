@@ -137,7 +137,7 @@ def test_rpo_adds_alpha_times_the_chosen_token_nll(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
 def test_rpo_alpha_must_be_finite_and_not_negative(bad, tmp_path):
-    with pytest.raises(ValueError, match="rpo_alpha"):
+    with pytest.raises(ValueError, match="DPOConfig.rpo_alpha must be None or a finite number >= 0"):
         config(tmp_path, rpo_alpha=bad)
 
 
