@@ -275,13 +275,22 @@ def test_a_peft_model_with_peft_config_is_merged_then_trained_and_saved(tokenize
 
 @pytest.mark.parametrize("extra", [{}, {"dataset_num_proc": 2}])
 def test_a_tokenizer_without_pad_token_is_refused_with_trls_words(extra, tokenizer, tmp_path):
+    # as TRL 0.11.4: the trainer builds (tests that never train construct one so), the first batch is refused
     no_pad = copy.deepcopy(tokenizer)
     no_pad.pad_token = None
+    model = tiny_causal_lm(tokenizer)
+    trainer = DPOTrainer(model=model, args=config(tmp_path, **extra), tokenizer=no_pad,
+                         train_dataset=Dataset.from_dict(ROWS))
+    before = params_of(model)
     with pytest.raises(ValueError, match=r"Padding is enabled, but the tokenizer is not configured with a padding "
                                          r"token. Explicitly set `tokenizer.pad_token` \(e.g. `tokenizer.pad_token = "
                                          r"tokenizer.eos_token`\) before calling the trainer."):
-        DPOTrainer(model=tiny_causal_lm(tokenizer), args=config(tmp_path, **extra), tokenizer=no_pad,
-                   train_dataset=Dataset.from_dict(ROWS))
+        trainer.train()
+    assert trainer.state.global_step == 0 and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with_padding = DPOTrainer(model=tiny_causal_lm(tokenizer), args=config(tmp_path, padding_value=0), tokenizer=no_pad,
+                              train_dataset=Dataset.from_dict(ROWS))
+    with_padding.train()  # an explicit padding_value needs no pad token
+    assert with_padding.state.global_step == 2
 
 
 def test_dataset_num_proc_tokenises_in_processes_to_the_same_rows(tokenizer, tmp_path):

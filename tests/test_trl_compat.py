@@ -327,6 +327,20 @@ def test_sft_renders_a_conversational_dataset_with_the_chat_template(tokenizer, 
     assert trainer.train_dataset[0]["input_ids"] == expected
 
 
+@pytest.mark.parametrize("column", ["conversations", None])
+def test_sft_renders_conversations_and_prompt_completion_rows_with_the_chat_template(column, tokenizer, tmp_path):
+    # TRL 0.11's get_formatting_func_from_dataset: a `conversations` column like `messages`; an instruction dataset
+    # (exactly prompt and completion) as a user turn and the assistant's answer
+    chat = tokenizer.__class__.from_pretrained(_saved(tokenizer, tmp_path))
+    chat.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    turns = [{"role": "user", "content": "a good film"}, {"role": "assistant", "content": "yes"}]
+    rows = Dataset.from_dict({column: [turns]} if column else {"prompt": ["a good film"], "completion": ["yes"]})
+    trainer = SFTTrainer(model=tiny_causal_lm(tokenizer), args=cpu_args(SFTConfig, tmp_path), tokenizer=chat,
+                         train_dataset=rows)
+    expected = chat("user: a good film\nassistant: yes\n", add_special_tokens=True)["input_ids"] + [chat.eos_token_id]
+    assert trainer.train_dataset[0]["input_ids"] == expected
+
+
 def _saved(tokenizer, tmp_path) -> str:
     """A copy of the session tokenizer on disk (so a test can change it freely)."""
     tokenizer.save_pretrained(tmp_path / "tok")

@@ -50,7 +50,7 @@ from rlhf_core.trainers.base import (
     wrap_peft,
     without_eval_strategy,
 )
-from rlhf_core.trainers.collators import IGNORE_INDEX, NO_PAD_TOKEN_MESSAGE, DPODataCollatorWithPadding, pad_to_length
+from rlhf_core.trainers.collators import IGNORE_INDEX, DPODataCollatorWithPadding, pad_to_length
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback
 
 logger = logging.getLogger(__name__)
@@ -441,8 +441,6 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         tokenizer = resolve_processing_class(tokenizer, processing_class)
         if tokenizer is None:
             raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
-        if data_collator is None and o["padding_value"] is None and tokenizer.pad_token_id is None:
-            raise ValueError(NO_PAD_TOKEN_MESSAGE)  # before TRL's collator would fail on the first batch
         self._check_options(o["beta"], o["loss_type"], o["label_smoothing"], o["truncation_mode"])
         self._check_sample_logging(o["generate_during_eval"], tracking.get("log_with"), tracking.get("tracker"))
         self.rpo_alpha, self.sync_ref_model, mixup_alpha, sync_steps = self._extensions_of(args)
@@ -458,8 +456,10 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         self.f_divergence_type, self.f_divergence_params = self._f_divergence_of(args)
         self.reference_free, self.generate_during_eval = o["reference_free"], o["generate_during_eval"]
         self.label_pad_token_id, self.truncation_mode = o["label_pad_token_id"], o["truncation_mode"]
-        # The spec's keyword default is 0; DPOConfig's None means the tokenizer's pad token (as in TRL 0.11).
-        self.padding_value = o["padding_value"] if o["padding_value"] is not None else (tokenizer.pad_token_id or 0)
+        # The spec's keyword default is 0; DPOConfig's None means the tokenizer's pad token (as in TRL 0.11). Without
+        # one the default collator refuses the first batch in TRL 0.11.4's words (a custom collator pads as it likes).
+        pad_id = o["padding_value"] if o["padding_value"] is not None else tokenizer.pad_token_id
+        self.padding_value = pad_id if pad_id is not None else 0
         self._set_lengths(o["max_length"], o["max_prompt_length"], o["max_completion_length"])
         self._row_tokenizer, self.dataset_num_proc = tokenizer, o["dataset_num_proc"]
         train_dataset = self._tokenize_dataset(train_dataset)
@@ -468,7 +468,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         else:
             eval_dataset = self._tokenize_dataset(eval_dataset)
         if data_collator is None:
-            data_collator = DPODataCollatorWithPadding(self.padding_value, self.label_pad_token_id, self.is_encoder_decoder)
+            data_collator = DPODataCollatorWithPadding(pad_id, self.label_pad_token_id, self.is_encoder_decoder)
         args, self._eval_strategy_without_data = without_eval_strategy(args, eval_dataset)  # TRL 0.11 accepts it
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,

@@ -99,11 +99,20 @@ def format_batch(
 
 
 def chat_formatting_func(dataset: Any, tokenizer: Any) -> Callable | None:
-    """For a conversational dataset (a ``messages`` column) and a tokenizer with a chat template: the texts
-    rendered by that template (TRL 0.11's default formatting); else None."""
-    if "messages" not in dataset.column_names or not getattr(tokenizer, "chat_template", None):
+    """TRL 0.11's default formatting, when the tokenizer has a chat template: a conversational dataset (a
+    ``messages`` or ``conversations`` column) is rendered by the template; an instruction dataset (exactly the
+    columns ``prompt`` and ``completion``) as a user turn and the assistant's answer. Else None."""
+    if not getattr(tokenizer, "chat_template", None):
         return None
-    return lambda example: tokenizer.apply_chat_template(example["messages"], tokenize=False)
+    for column in ("messages", "conversations"):
+        if column in dataset.column_names:
+            return lambda example: tokenizer.apply_chat_template(example[column], tokenize=False)
+    if sorted(dataset.column_names) == ["completion", "prompt"]:
+        return lambda example: tokenizer.apply_chat_template(
+            [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example["completion"]}],
+            tokenize=False,
+        )
+    return None
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_seq_length: int) -> dict[str, list[list[int]]]:
