@@ -108,10 +108,13 @@ def chat_formatting_func(dataset: Any, tokenizer: Any) -> Callable | None:
         if column in dataset.column_names:
             return lambda example: tokenizer.apply_chat_template(example[column], tokenize=False)
     if sorted(dataset.column_names) == ["completion", "prompt"]:
-        return lambda example: tokenizer.apply_chat_template(
-            [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example["completion"]}],
-            tokenize=False,
-        )
+        def render(example: Mapping[str, Any]) -> str | list[str]:  # one row, or a batch of them (columns of lists)
+            if isinstance(example["prompt"], list):
+                return [render({"prompt": p, "completion": c}) for p, c in zip(example["prompt"], example["completion"])]
+            turns = [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example["completion"]}]
+            return tokenizer.apply_chat_template(turns, tokenize=False)
+
+        return render
     return None
 
 
