@@ -345,3 +345,15 @@ def test_eval_strategy_with_an_eval_dataset_still_evaluates(tokenizer, tmp_path)
                          dataset_text_field="text")
     trainer.train()
     assert sum("eval_loss" in entry for entry in trainer.state.log_history) >= 2
+
+
+def test_packing_data_too_short_for_one_block_is_refused_as_trl_does(tokenizer, tmp_path):
+    # TRL 0.11 packs a sized dataset up front and refuses one that yields no max_seq_length block
+    dataset = Dataset.from_dict({"text": TEXTS[:2]})
+    with pytest.raises(ValueError, match=r"enough samples to at least yield one packed sequence. \(2 rows give fewer "
+                                         r"than max_seq_length=1024 tokens"):
+        SFTTrainer(tiny_causal_lm(tokenizer), args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer,
+                   dataset_text_field="text", packing=True, max_seq_length=1024)
+    packed = ConstantLengthDataset(tokenizer, dataset, dataset_text_field="text", seq_length=1024, infinite=True)
+    assert not packed.fills_a_block() and packed.infinite  # one pass decides; the dataset itself keeps repeating
+    assert ConstantLengthDataset(tokenizer, dataset, dataset_text_field="text", seq_length=4).fills_a_block()

@@ -7,6 +7,8 @@ along dim 0, so chosen and rejected are padded to one common length here.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import math
 import numbers
@@ -189,6 +191,13 @@ class ConstantLengthDataset(IterableDataset):
     def __len__(self) -> int:
         """The number of source texts (as TRL 0.11 reports it), not the number of packed blocks."""
         return len(self.dataset)
+
+    def fills_a_block(self) -> bool:
+        """Whether one pass over the texts fills at least one block of ``seq_length`` tokens (reads only as far as
+        the first block; ``infinite`` aside)."""
+        one_pass = copy.copy(self)
+        one_pass.infinite = False
+        return next(iter(one_pass), None) is not None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         carry: list[int] = []

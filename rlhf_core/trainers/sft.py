@@ -291,11 +291,18 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
                 f"dataset_text_field={dataset_text_field!r} is not a column of the dataset: {dataset.column_names}"
             )
         if packing:
-            return ConstantLengthDataset(
+            packed = ConstantLengthDataset(
                 tokenizer, dataset, dataset_text_field=dataset_text_field, formatting_func=formatting_func,
                 infinite=infinite, seq_length=self.max_seq_length, num_of_sequences=num_of_sequences,
                 chars_per_token=chars_per_token, eos_token_id=tokenizer.eos_token_id,
             )
+            if hasattr(dataset, "__len__") and not packed.fills_a_block():  # TRL 0.11 packs a (sized) dataset up front
+                raise ValueError(
+                    "Error occurred while packing the dataset. Make sure that your dataset has enough samples to at "
+                    f"least yield one packed sequence. ({len(dataset)} rows give fewer than max_seq_length="
+                    f"{self.max_seq_length} tokens.)"
+                )
+            return packed
 
         def tokenize(batch: Mapping[str, list]) -> dict[str, list[list[int]]]:
             texts = format_batch(batch, dataset_text_field, formatting_func)
