@@ -3,9 +3,11 @@
 Rows are tokenised once (``tokenize_dpo_row``: prompt and responses tokenised separately, EOS after each
 response, truncated by ``truncation_mode``). Each batch is stacked ``[chosen; rejected]`` (2B, T) for one
 forward pass (``concatenated_forward``) and split with ``chunk(2)``; a response's log-prob is
-``core.sequence_logprobs`` over its tokens, and the loss is ``losses.dpo_loss``. The reference is a frozen
-copy of the policy, the PEFT policy with its adapter disabled, precomputed log-probs, or nothing
-(``reference_free``).
+``core.sequence_logprobs`` over its tokens, and the loss is ``losses.dpo_loss`` (any of TRL 0.11.4's loss types;
+plus RPO's chosen NLL with ``rpo_alpha``). The reference is ``ref_model``, a frozen copy of the policy, the PEFT
+policy with its adapter disabled, precomputed log-probs, or nothing (``reference_free``); with ``sync_ref_model``
+(TR-DPO) it follows the policy (``ref_sync.py``). An encoder-decoder reads the prompt and scores each response as
+its decoder's labels (``tokenize_dpo_row_encoder_decoder``).
 """
 
 from __future__ import annotations
