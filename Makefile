@@ -46,9 +46,11 @@ test: setup ## set up, then run the fast test suite (no slow end-to-end checks)
 test-slow: setup ## run the slow end-to-end checks (pipeline, retraining, signals, soak)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m slow
 
-# Classic TRL 0.11.4's own unit tests against rlhf_core (TRL=path to a trl v0.11.4 checkout; TRL_TESTS_FLAGS=--trl
-# runs them against trl itself). See bench/trl_tests/README.md.
-trl-tests: setup ## classic TRL 0.11.4's own tests against rlhf_core (TRL=<checkout>; see bench/trl_tests/README.md)
+# Classic TRL 0.11.4's own unit tests against trl 0.11.4 with its release-era libraries, with today's, and against
+# rlhf_core, then rlhf_core compared test by test with each baseline (TRL=path to a trl v0.11.4 checkout;
+# TRL_TESTS_FLAGS=--trl-era, --trl or an empty value runs one of them). See bench/trl_tests/README.md.
+TRL_TESTS_FLAGS ?= --all
+trl-tests: setup ## classic TRL 0.11.4's own tests: trl 0.11.4 (2024 and today's libraries) and rlhf_core, compared (TRL=<checkout>)
 	bash bench/trl_tests/run.sh $(TRL_TESTS_FLAGS) $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout))
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
