@@ -287,3 +287,20 @@ def test_a_kept_state_follows_weight_updates_and_mode_changes(setup):
     model.train()
     _ours(model, tok, prompts, graphs=backend, do_sample=False, max_new_tokens=6)
     assert backend.recorded == 2
+
+
+def test_a_rotary_model_decodes_under_autocast(setup):
+    """Under bf16 autocast a rotary model's keys leave the rotation in fp32 while its values are bf16: the static
+    cache keeps each in its own dtype (one shared dtype failed), and greedy tokens are generate's."""
+    tok, _, prompts = setup
+    torch.manual_seed(0)
+    model = _qwen2().eval()
+    batch = pad_queries(prompts, tok.pad_token_id, left=True)
+    settings = _settings(model, tok, batch, do_sample=False, max_new_tokens=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = decode(model, batch["input_ids"], batch["attention_mask"], settings, takes_logits_to_keep=True)
+        theirs = model.generate(**batch, pad_token_id=tok.pad_token_id, do_sample=False, max_new_tokens=6)
+    assert torch.equal(ours, theirs)
+    layer = D.static_cache(1, 8).layers[0]
+    layer.lazy_initialization(torch.zeros(1, 2, 0, 4), torch.zeros(1, 2, 0, 4, dtype=torch.bfloat16))
+    assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16

@@ -152,12 +152,10 @@ class DecodeState:
 
     def __init__(self, model: Any, batch: int, cache_len: int, settings: DecodeSettings, device: torch.device,
                  mask_dtype: torch.dtype):
-        from transformers import StaticCache
-
-        vocab = model.config.get_text_config(decoder=True).vocab_size
+        text = model.config.get_text_config(decoder=True)
         self.settings, self.mask_dtype = settings, mask_dtype
         self.warpers = warpers(settings)
-        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        self.cache = static_cache(text.num_hidden_layers, cache_len)
         long = {"dtype": torch.long, "device": device}
         self.tokens = torch.zeros(batch, 1, **long)  # (b, 1) the last sampled token: the next step's input
         self.positions = torch.zeros(batch, 1, **long)  # (b, 1) its position id
@@ -171,7 +169,7 @@ class DecodeState:
         self.logprobs = torch.zeros(batch, cache_len, dtype=torch.float32, device=device)  # (b, L)
         self.eos = torch.tensor(settings.eos_ids, **long)  # (E,)
         self.eos_blocked = torch.zeros((), **long)
-        ids = torch.arange(vocab, device=device)
+        ids = torch.arange(text.vocab_size, device=device)
         self.is_eos = torch.isin(ids, self.eos)  # (V,)
         self.suppressed = torch.isin(ids, torch.tensor(settings.suppress_ids, **long))  # (V,)
 
@@ -195,6 +193,21 @@ class DecodeState:
         seen = self.key_ok[:, None, :] & (self.slots[None, None, :] <= query_slots[None, :, None])  # (b, q, L)
         blocked = torch.zeros(seen.shape, dtype=self.mask_dtype, device=seen.device)
         return blocked.masked_fill_(~seen, torch.finfo(self.mask_dtype).min)[:, None]  # (b, 1, q, L)
+
+
+def static_cache(layers: int, cache_len: int) -> Any:
+    """transformers' static KV cache (``StaticCache``'s full-attention layers), except that each layer keeps its
+    values in the values' own dtype: under autocast a rotary model's keys come out of the rotation in fp32 while its
+    values stay bf16, which one shared dtype cannot hold (the dynamic cache keeps them apart as well)."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    class Layer(StaticLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            if self.values.dtype != value_states.dtype:
+                self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
+
+    return Cache(layers=[Layer(max_cache_len=cache_len) for _ in range(layers)])
 
 
 def prefill(model: Any, state: DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor,
