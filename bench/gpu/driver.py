@@ -57,7 +57,7 @@ def sizes() -> dict[str, dict]:
         online = {"arch": "4x128", "steps": 2, "completions_per_step": 8, "num_generations": 4,
                   "max_completion_length": 8}
         qwen = {"arch": "qwen2-tiny", "steps": 2, "completions_per_step": 8, "num_generations": 4,
-                "max_completion_length": 8, "bf16": True}
+                "max_completion_length": 8, "learning_rate": 1e-6, "bf16": True}
         loop = {"arch": "qwen2-tiny", "batch_size": 8, "mini_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 8,
                 "steps": 1, "warmup": 1, "mixed_precision": "bf16"}
     else:
@@ -219,7 +219,7 @@ def in_ours(script: list[str], timeout: float) -> subprocess.CompletedProcess:
 def prepare_in_background(archs: str) -> subprocess.Popen:
     """Build the big online checkpoint while the GPT-2 rows run (CPU work, written atomically)."""
     python, env = environment("ours")
-    return subprocess.Popen([python, str(HERE / "prepare.py"), "--archs", archs], cwd=ROOT, env=env,
+    return subprocess.Popen([python, str(HERE / "prepare_inputs.py"), "--archs", archs], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -230,13 +230,13 @@ def main() -> None:
     report = {"smoke": SMOKE, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "threads": THREADS,
               "environments": check_environments(), "rows": []}
     if "error" in report["environments"]["ours"]:
-        results_path.write_text(json.dumps(report, indent=1))
+        save(report, results_path)
         sys.exit("the rlhf_core environment does not import: see environments.ours in " + str(results_path))
     probe = in_ours([str(HERE / "probe.py")] + (["--smoke"] if SMOKE else []), 120)
     report["probe"] = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {
         "error": probe.stderr[-2000:]}
     qwen = sizes()["qwen"]["arch"]
-    ready = in_ours([str(HERE / "prepare.py"), "--sizes", "tiny,gpt2s" if not SMOKE else "tiny",
+    ready = in_ours([str(HERE / "prepare_inputs.py"), "--sizes", "tiny,gpt2s" if not SMOKE else "tiny",
                      "--archs", sizes()["online"]["arch"]], 300)
     print(ready.stdout.strip() or ready.stderr[-2000:], flush=True)
     background = prepare_in_background(qwen)
@@ -248,19 +248,27 @@ def main() -> None:
         status = "skip" if "skipped" in record else ("ok  " if "result" in record else "FAIL")
         print(f"{status} {row.label:18s} {row.lib:7s} {record.get('wall_s', '-')!s:>7} s  {left():5.0f} s left",
               flush=True)
-        results_path.write_text(json.dumps(report, indent=1))
+        save(report, results_path)
     if background.poll() is None:
         background.kill()
     report["parity"] = parity_record(parity_dir)
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    results_path.write_text(json.dumps(report, indent=1))
-    sys.path.insert(0, str(HERE))
-    import report as markdown
-
-    results_path.with_suffix(".md").write_text(markdown.render(report))
+    save(report, results_path)
     failed = [r for r in report["rows"] if "error" in r]
     print(f"{len(report['rows']) - len(failed)} rows ran or were skipped, {len(failed)} failed; {results_path}")
     sys.exit(1 if failed else 0)
+
+
+def save(report: dict, path: Path) -> None:
+    """The results so far: the JSON, and its tables (a rendering error is printed, the JSON is kept)."""
+    path.write_text(json.dumps(report, indent=1))
+    try:
+        sys.path.insert(0, str(HERE))
+        import render
+
+        path.with_suffix(".md").write_text(render.render(report))
+    except Exception as exc:  # noqa: BLE001 - the measurements matter more than their table
+        print(f"rendering {path.with_suffix('.md')} failed: {type(exc).__name__}: {exc}", flush=True)
 
 
 def wait_for(process: subprocess.Popen) -> None:

@@ -1,6 +1,6 @@
 """Build the GPU bench's cached inputs (run in the rlhf_core environment before the rows that need them).
 
-    python bench/gpu/prepare.py --sizes tiny,gpt2s --archs 4x128,gpt2s qwen2-0.5b
+    python bench/gpu/prepare_inputs.py --sizes tiny,gpt2s --archs 4x128,gpt2s qwen2-0.5b
 
 The bench tokenizers (default BPE; rt-polarity BPE), the neutral GPT-2 checkpoints of ``common.SIZES`` and the
 online workload's ``save_pretrained`` policies (``online.ARCHS``), each written once, atomically, under BENCH_CACHE.

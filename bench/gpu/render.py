@@ -1,6 +1,6 @@
 """``results-gpu.md`` from ``results-gpu.json`` (standard library only): the tables a GPU user reads.
 
-    python3 bench/gpu/report.py bench/results-gpu.json > bench/results-gpu.md
+    python3 bench/gpu/render.py bench/results-gpu.json > bench/results-gpu.md
 
 Per workload: median seconds per step (or tokens/s) of ours and its peer and their ratio, next to the card's
 floor (``roofline``, ``peaks``): the bandwidth floor of generation, MFU for training steps, and for the
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peaks  # noqa: E402
 import roofline  # noqa: E402
 
-PEER = {"generate": ("trl", "hf"), "step": ("trl",), "online": ("trl116",), "ppo_loop": ()}
+PHASE_ORDER = ("generation", "reward", "reference forward", "policy forward", "policy update")
 
 
 def median(values):
@@ -38,8 +38,8 @@ def fmt(x, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def devices(rows: list[dict], label: str) -> str:
-    return ", ".join(sorted({r["device"] for r in rows if r["label"] == label and r.get("device")})) or "-"
+def devices(rows: list[dict], *labels: str) -> str:
+    return ", ".join(sorted({r["device"] for r in rows if r["label"] in labels and r.get("device")})) or "-"
 
 
 # ---------------------------------------------------------------------------- generation
@@ -74,7 +74,7 @@ def generate_floor(args: dict, device: str | None, result: dict) -> float | None
 def generate_table(rows: list[dict]) -> list[str]:
     out = ["| library | precision | s / call | tokens/s | ours / this | timed calls |", "|---|---|---|---|---|---|"]
     ours = generate_rates(ran(rows, "generate", "ours"))
-    entries = [("rlhf_core", "bf16 (fp32 weights, bf16 sampling copy)", ours),
+    entries = [("rlhf_core", "bf16 mixed precision (on CUDA: samples from a bf16 copy)", ours),
                ("rlhf_core", "fp32", generate_rates(ran(rows, "generate fp32", "ours"))),
                ("classic TRL 0.11.4", "fp32 (its generate ignores mixed precision)",
                 generate_rates(ran(rows, "generate", "trl"))),
@@ -116,8 +116,8 @@ def step_table(rows: list[dict]) -> list[str]:
         o, p = (median([s for r in rs for s in r["step_seconds"][skip:]]) for rs in (ours, theirs))
         if o is None and p is None:
             continue
-        mem = [fmt(max((r.get("cuda_max_memory_allocated") or 0) for r in rs) / 1e9) if rs else "-"
-               for rs in (ours, theirs)]
+        mem = [fmt(max(r["cuda_max_memory_allocated"] for r in rs) / 1e9)
+               if rs and all(r.get("cuda_max_memory_allocated") for r in rs) else "-" for rs in (ours, theirs)]
         version = theirs[0]["lib"] if theirs else peer
         out.append(f"| {label} | {fmt(o)} | {fmt(p)} | {fmt(o / p) if o and p else '-'} | {version} | "
                    f"{mem[0]} / {mem[1]} | {devices(rows, label)} |")
@@ -138,7 +138,7 @@ def phase_rows(result: dict, kind: str) -> tuple[dict, float, tuple[float, float
     else:
         phases, seconds = result["phase_seconds"][1:], result["step_seconds"][1:]
         prompt, completion = result["prompt_tokens"][1:], result["completion_tokens"][1:]
-    names = sorted({k for p in phases for k in p})
+    names = [k for k in PHASE_ORDER if any(k in p for p in phases)]
     med = {k: median([p.get(k, 0.0) for p in phases]) for k in names}
     step = median(seconds)
     if kind != "ppo":
@@ -171,13 +171,21 @@ def real_size_table(rows: list[dict]) -> list[str]:
         mfu = total / step / (peak * 1e12) if peak else None
         out.append(f"| {name} | **step** | {fmt(step)} | 100% | {fmt((prompt + completion) / step)} | "
                    f"{fmt(100 * mfu, 2) + '%' if mfu else '-'} |")
-    out.append(f"Device(s): {devices(rows, 'qwen2-0.5b grpo')} {devices(rows, 'qwen2-0.5b ppo')}. tokens/s: "
+    out.append(f"Device(s): {devices(rows, 'qwen2-0.5b grpo', 'qwen2-0.5b ppo')}. tokens/s: "
                "completion tokens for generation, prompt + completion tokens otherwise. MFU: model FLOPs "
                "(bench/gpu/roofline.py) over the card's datasheet bf16 peak (bench/gpu/peaks.py).")
     return out
 
 
 # ---------------------------------------------------------------------------- the page
+
+
+def generation_title(rows: list[dict]) -> str:
+    args = next((r["args"] for r in rows if r["workload"] == "generate"), None)
+    if args is None:
+        return "not run"
+    return (f"the {args['size']} model, {args['num_prompts']} prompts of {args['query_len'][0]}-{args['query_len'][1]} "
+            f"tokens x {args['max_new_tokens']} new tokens, one batch")
 
 
 def render(report: dict) -> str:
@@ -192,7 +200,7 @@ def render(report: dict) -> str:
              f"{probe.get('cuda')}. Datasheet: {peaks.CARDS.get(card, {})}. Measured here: bf16 matmul "
              f"{fmt(probe.get('matmul_tflops_bfloat16'))} TFLOP/s, fp32 {fmt(probe.get('matmul_tflops_float32'))} "
              f"TFLOP/s, copy {fmt(probe.get('copy_tb_s'))} TB/s.", "",
-             "## Generation (GPT-2-small shape, 64 prompts x 128 new tokens, one batch)", "", *generate_table(rows), "",
+             f"## Generation ({generation_title(rows)})", "", *generate_table(rows), "",
              "## Training steps (medians; ratio < 1: ours faster)", "", *step_table(rows), "",
              "## Qwen2-0.5B shape (random weights), bf16 mixed precision, by phase", "", *real_size_table(rows), ""]
     parity = report.get("parity")
