@@ -17,20 +17,15 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
+from rlhf_core.models.tiny import tiny_causal_lm
 from rlhf_core.trainers import decode as D
 from rlhf_core.trainers.decode import decode, decode_settings, sample_exponential_race, static_cache_fits
 from rlhf_core.trainers.generation import generate_batched, pad_queries
 
 
 @pytest.fixture(scope="module")
-def setup():
-    tok = build_tokenizer(padding_side="left")
-    torch.manual_seed(0)
-    model = tiny_causal_lm(tok, seed=0).eval()
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (3, 7, 5, 2)]
-    return tok, model, prompts
+def setup(decoding_setup):
+    return decoding_setup
 
 
 def _settings(model, tok, batch, **kwargs):
@@ -213,6 +208,38 @@ def test_token_step_reads_no_value_on_the_host(build):
         assert state.out.device.type == "meta"
         with pytest.raises(RuntimeError, match="meta"):  # what a host read does there
             bool(state.unfinished.any())
+
+
+# Operators that read a value or size the result by the data on a GPU (``isin`` sorts and uniques its inputs there).
+HOST_READS = {"item", "_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+              "unique_consecutive", "isin", "bincount", "repeat_interleave"}
+
+
+@pytest.mark.parametrize("build", [
+    lambda: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512)), _qwen2])
+def test_token_step_calls_no_operator_that_reads_values(build):
+    """The meta-device run cannot see a GPU kernel that syncs inside (``isin`` on CUDA); this lists the step's
+    operators as dispatched and refuses the ones that do."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    settings = D.DecodeSettings(max_new_tokens=8, do_sample=True, eos_ids=(0, 3), pad_id=1, suppress_ids=(1,),
+                                eos_blocked_steps=2, temperature=0.7, top_k=20, top_p=0.9)
+    model = build().eval()
+    state = D.DecodeState(model, 64, 16, settings, torch.device("cpu"), torch.float32)
+    state.start(torch.ones(64, 4, dtype=torch.long), settings)
+    state.slot.fill_(4)
+    with torch.no_grad(), Record() as record:
+        D.token_step(model, state)
+    assert record.names and not (record.names & HOST_READS), record.names & HOST_READS
 
 
 class ReplayItself:

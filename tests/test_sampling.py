@@ -13,20 +13,15 @@ import copy
 import pytest
 import torch
 
-from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
+from rlhf_core.models.tiny import tiny_causal_lm
 from rlhf_core.trainers.decode import decode, decode_settings
 from rlhf_core.trainers.generation import generate_batched, pad_queries, response_keep, sample_completions
 from rlhf_core.trainers.sampling_precision import half_copy, sampler_for
 
 
 @pytest.fixture(scope="module")
-def setup():
-    tok = build_tokenizer(padding_side="left")
-    torch.manual_seed(0)
-    model = tiny_causal_lm(tok, seed=0).eval()
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (4, 2, 6, 3, 5)]
-    return tok, model, prompts
+def setup(decoding_setup):
+    return decoding_setup
 
 
 def test_response_keep_cuts_after_the_first_eos_and_drops_a_distinct_pad():
@@ -41,13 +36,13 @@ def test_completions_are_generate_batched_responses_with_their_logprobs(setup):
     tok, model, prompts = setup
     kwargs = {"do_sample": True, "top_k": 0, "top_p": 1.0, "max_new_tokens": 9, "eos_token_id": 40}
     torch.manual_seed(4)
-    done = sample_completions(model, tok, prompts, device="cpu", batch_size=2, **kwargs)
+    done = sample_completions(model, tok, prompts, device="cpu", batch_size=3, **kwargs)
     torch.manual_seed(4)
-    plain = generate_batched(model, tok, prompts, device="cpu", batch_size=2, return_prompt=False, **kwargs)
+    plain = generate_batched(model, tok, prompts, device="cpu", batch_size=3, return_prompt=False, **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(done.responses, plain))
     assert [len(r) for r in done.responses] == [len(lp) for lp in done.logprobs]
     assert all((lp < 0).all() for lp in done.logprobs)
-    with_prompts = generate_batched(model, tok, prompts, device="cpu", batch_size=2, do_sample=False,
+    with_prompts = generate_batched(model, tok, prompts, device="cpu", batch_size=3, do_sample=False,
                                     max_new_tokens=3)
     assert all(torch.equal(w[:len(p)], p) and len(w) == len(p) + 3 for w, p in zip(with_prompts, prompts))
 

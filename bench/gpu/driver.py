@@ -46,37 +46,43 @@ class Row:
     """A second-pass row: run only with time left, and only when PASSES is not 1."""
 
 
+GPU_SIZES = {
+    # PPO step on GPT-2 small's shape: batch 64, mini-batch 16, 4 epochs, queries 48-64 / responses 96-128 tokens
+    "step": {"size": "gpt2s", "batch_size": 64, "mini_batch_size": 16, "ppo_epochs": 4, "query_len": [48, 64],
+             "response_len": [96, 128], "warmup": 2, "steps": 3},
+    # generate: 64 prompts of 4-12 tokens in one batch, 128 new tokens each, one warm-up call (graph capture)
+    "gen": {"size": "gpt2s", "num_prompts": 64, "batch_size": 64, "query_len": [4, 12], "max_new_tokens": 128,
+            "warmup": 1, "repeats": 3},
+    # GRPO / RLOO: GPT-2-small shape over the 2048-token rt-polarity vocabulary, 64 completions (8 per prompt)
+    "online": {"arch": "gpt2s", "steps": 5, "completions_per_step": 64, "num_generations": 8,
+               "max_completion_length": 64},
+    # Qwen2-0.5B's shape, bf16 mixed precision: 64 completions (8 per prompt) of 128 tokens
+    "qwen": {"arch": "qwen2-0.5b", "steps": 4, "completions_per_step": 64, "num_generations": 8,
+             "max_completion_length": 128, "learning_rate": 1e-6, "bf16": True},
+    # whole PPO iterations on it: 64 prompts, 128 new tokens, mini-batch 16, 4 epochs
+    "loop": {"arch": "qwen2-0.5b", "batch_size": 64, "mini_batch_size": 16, "ppo_epochs": 4, "max_new_tokens": 128,
+             "steps": 2, "warmup": 1, "mixed_precision": "bf16"},
+    "parity": {"size": "tiny", "kl_penalty": "kl"},
+}
+# SMOKE=1: the same arguments with tiny values (a CPU runs every row in seconds)
+SMOKE_SIZES = {
+    "step": {"size": "tiny", "batch_size": 8, "mini_batch_size": 4, "ppo_epochs": 1, "query_len": [4, 8],
+             "response_len": [8, 16], "warmup": 1, "steps": 1},
+    "gen": {"size": "tiny", "num_prompts": 8, "batch_size": 8, "query_len": [4, 8], "max_new_tokens": 16,
+            "repeats": 1},
+    "online": {"arch": "4x128", "steps": 2, "completions_per_step": 8, "num_generations": 4,
+               "max_completion_length": 8},
+    "qwen": {"arch": "qwen2-tiny", "steps": 2, "completions_per_step": 8, "num_generations": 4,
+             "max_completion_length": 8},
+    "loop": {"arch": "qwen2-tiny", "batch_size": 8, "mini_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 8,
+             "steps": 1},
+}
+
+
 def sizes() -> dict[str, dict]:
     """Each workload's arguments: the GPU's (the baseline's shapes where there is one), or the smoke run's."""
-    t = {"threads": THREADS}
-    if SMOKE:
-        step = {"size": "tiny", "batch_size": 8, "mini_batch_size": 4, "ppo_epochs": 1, "query_len": [4, 8],
-                "response_len": [8, 16], "warmup": 1, "steps": 1}
-        gen = {"size": "tiny", "num_prompts": 8, "batch_size": 8, "query_len": [4, 8], "max_new_tokens": 16,
-               "warmup": 1, "repeats": 1}
-        online = {"arch": "4x128", "steps": 2, "completions_per_step": 8, "num_generations": 4,
-                  "max_completion_length": 8}
-        qwen = {"arch": "qwen2-tiny", "steps": 2, "completions_per_step": 8, "num_generations": 4,
-                "max_completion_length": 8, "learning_rate": 1e-6, "bf16": True}
-        loop = {"arch": "qwen2-tiny", "batch_size": 8, "mini_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 8,
-                "steps": 1, "warmup": 1, "mixed_precision": "bf16"}
-    else:
-        # PPO step on GPT-2 small's shape: batch 64, mini-batch 16, 4 epochs, queries 48-64 / responses 96-128 tokens
-        step = {"size": "gpt2s", "batch_size": 64, "mini_batch_size": 16, "ppo_epochs": 4, "query_len": [48, 64],
-                "response_len": [96, 128], "warmup": 2, "steps": 3}
-        # generate: 64 prompts of 4-12 tokens in one batch, 128 new tokens each, one warm-up call (graph capture)
-        gen = {"size": "gpt2s", "num_prompts": 64, "batch_size": 64, "query_len": [4, 12], "max_new_tokens": 128,
-               "warmup": 1, "repeats": 3}
-        # GRPO / RLOO: GPT-2-small shape over the 2048-token rt-polarity vocabulary, 64 completions (8 per prompt)
-        online = {"arch": "gpt2s", "steps": 5, "completions_per_step": 64, "num_generations": 8,
-                  "max_completion_length": 64}
-        # Qwen2-0.5B's shape, bf16 mixed precision: 64 completions (8 per prompt) of 128 tokens
-        qwen = {"arch": "qwen2-0.5b", "steps": 4, "completions_per_step": 64, "num_generations": 8,
-                "max_completion_length": 128, "learning_rate": 1e-6, "bf16": True}
-        loop = {"arch": "qwen2-0.5b", "batch_size": 64, "mini_batch_size": 16, "ppo_epochs": 4, "max_new_tokens": 128,
-                "steps": 2, "warmup": 1, "mixed_precision": "bf16"}
-    return {"step": {**step, **t}, "gen": {**gen, **t}, "online": {**online, **t}, "qwen": {**qwen, **t},
-            "loop": {**loop, **t}, "parity": {"size": "tiny", "kl_penalty": "kl", **t}}
+    return {name: {**args, **(SMOKE_SIZES.get(name, {}) if SMOKE else {}), "threads": THREADS}
+            for name, args in GPU_SIZES.items()}
 
 
 def plan() -> list[Row]:

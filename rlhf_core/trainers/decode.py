@@ -27,6 +27,7 @@ non-SDPA/eager attention, no ``StaticCache`` support), goes to ``generate``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -199,15 +200,22 @@ def static_cache(layers: int, cache_len: int) -> Any:
     """transformers' static KV cache (``StaticCache``'s full-attention layers), except that each layer keeps its
     values in the values' own dtype: under autocast a rotary model's keys come out of the rotation in fp32 while its
     values stay bf16, which one shared dtype cannot hold (the dynamic cache keeps them apart as well)."""
-    from transformers.cache_utils import Cache, StaticLayer
+    from transformers.cache_utils import Cache
 
-    class Layer(StaticLayer):
+    return Cache(layers=[_static_layer_class()(max_cache_len=cache_len) for _ in range(layers)])
+
+
+@functools.cache
+def _static_layer_class() -> type:
+    from transformers.cache_utils import StaticLayer
+
+    class ValuesInTheirDtype(StaticLayer):
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
             if self.values.dtype != value_states.dtype:
                 self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
 
-    return Cache(layers=[Layer(max_cache_len=cache_len) for _ in range(layers)])
+    return ValuesInTheirDtype
 
 
 def prefill(model: Any, state: DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -251,8 +259,8 @@ def take_token(state: DecodeState, logits: torch.Tensor) -> None:
     state.out.index_copy_(1, column, tokens[:, None])
     state.logprobs.index_copy_(1, column, logprobs[:, None])
     state.lengths.add_(state.unfinished)
-    if settings.eos_ids:
-        state.unfinished.logical_and_(~torch.isin(tokens, state.eos))
+    if settings.eos_ids:  # (isin sorts and uniques its inputs on CUDA beyond a few elements: a host read)
+        state.unfinished.logical_and_(~(tokens[:, None] == state.eos[None, :]).any(dim=-1))
     state.tokens.copy_(tokens[:, None])
     state.step.add_(1)
 
