@@ -59,6 +59,12 @@ bench: setup ## benchmark against classic TRL 0.11.4 (PPO) and TRL 1.16.0 (GRPO,
 	bash bench/setup_trl116_venv.sh
 	OMP_NUM_THREADS=1 $(PY) bench/run.py
 
+# The GPU bench travels to a network-less GPU machine as the working tree plus this git-ignored folder (wheels the
+# machine lacks, the rt-polarity corpus); there, `bash bench/gpu/run.sh` runs it. See docs/bench.md.
+.PHONY: bench-gpu-bundle
+bench-gpu-bundle: setup ## build bench/gpu/bundle/ (wheels + data) for `bash bench/gpu/run.sh` on a GPU machine with no network
+	$(PY) bench/gpu/bundle.py
+
 # Regenerate the lock file from the current environment (after changing pyproject.toml).
 lock: ## regenerate requirements.lock from the current venv
 	$(PY) -m pip freeze --exclude-editable | grep -v '^rlhf' > requirements.lock

@@ -364,7 +364,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         with dropout_off(policy, self.args.disable_dropout):
             responses = generate_batched(policy, tokenizer, queries, device=self.args.device,
-                                         batch_size=len(queries), return_prompt=False, **self._generation_kwargs())
+                                         batch_size=len(queries), return_prompt=False,
+                                         mixed_precision=self.accelerator.mixed_precision, **self._generation_kwargs())
         eos = tokenizer.eos_token_id
         # A completion can come back empty only if generation stopped at once; give it one EOS to score.
         responses = [r if len(r) else torch.tensor([eos], device=self.args.device) for r in responses]
