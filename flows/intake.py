@@ -28,9 +28,8 @@ EXIT_BAD_INPUT = 65  # EX_DATAERR
 EXIT_NOT_VERSIONED = 74  # EX_IOERR
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.intake", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", metavar="FILE", help="feedback files (.jsonl, .csv, .parquet)")
+def add_intake_options(parser: argparse.ArgumentParser) -> None:
+    """The options of an intake (this one and ``flows.collect_feedback``'s): project, DVC, git, event, retrain, limits."""
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--no-push", action="store_true", help="do not push the batches to the DVC remote")
     parser.add_argument("--no-commit", action="store_true", help="do not commit the manifest and .dvc files")
@@ -41,15 +40,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=IntakeLimits.max_rows, help="most records per file")
     parser.add_argument("--max-file-bytes", type=int, default=IntakeLimits.max_file_bytes, help="largest file")
     parser.add_argument("--max-field-chars", type=int, default=IntakeLimits.max_field_chars, help="longest text")
-    args = parser.parse_args(argv)
-    root = Path(args.root).resolve()
-    paths = load_params(root / PARAMS_FILE).paths
-    store = paths.incoming
+
+
+def intake_options(args: argparse.Namespace) -> dict:
+    """``ingest``'s keyword arguments from the parsed options (store and metrics folders from params.yaml)."""
+    paths = load_params(Path(args.root).resolve() / PARAMS_FILE).paths
     limits = IntakeLimits(max_file_bytes=args.max_file_bytes, max_rows=args.max_rows,
                           max_field_chars=args.max_field_chars)
+    return {"store_dir": paths.incoming, "push": not args.no_push, "commit": not args.no_commit,
+            "emit": not args.no_event, "remote": args.remote, "limits": limits, "metrics_dir": paths.metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.intake", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", metavar="FILE", help="feedback files (.jsonl, .csv, .parquet)")
+    add_intake_options(parser)
+    args = parser.parse_args(argv)
+    root = Path(args.root).resolve()
+    options = intake_options(args)
+    store = options["store_dir"]
     try:
-        records = ingest(root, args.files, store_dir=store, push=not args.no_push, commit=not args.no_commit,
-                         emit=not args.no_event, remote=args.remote, limits=limits, metrics_dir=paths.metrics)
+        records = ingest(root, args.files, **options)
     except DataFormatError as err:
         print(f"intake refused (nothing ingested): {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -58,12 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NOT_VERSIONED
     for r in records:
         print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} rows) from {r['source']} -> {store}/{r['file']}")
-    return _retrain_now(root, args) if records else 0  # a batch ingested before: nothing new to train on
+    return retrain_now(root, args) if records else 0  # a batch ingested before: nothing new to train on
 
 
-def _retrain_now(root: Path, args: argparse.Namespace) -> int:
+def retrain_now(root: Path, args: argparse.Namespace) -> int:
     """Local mode: retrain on what was just committed (team mode: the event starts the deployment instead; a
-    retrain killed after an intake is run again with ``make retrain``)."""
+    retrain killed after an intake is run again with ``make retrain``). ``args``: the intake options
+    (``no_retrain``, ``no_commit``, ``no_push``)."""
     from prefect.settings import PREFECT_API_URL
 
     if args.no_retrain or args.no_commit or PREFECT_API_URL.value():
