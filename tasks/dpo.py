@@ -1,4 +1,4 @@
-"""Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs.
+"""Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs (loss: ``dpo.loss_type``).
 
 The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``,
 ``metrics/dpo.json``, ``plots/dpo.csv`` and ``plots/dpo_windows.csv`` (every ``dpo.sample_every`` optimizer steps:
@@ -49,7 +49,7 @@ def dpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
         with resumable_training("dpo", run, p) as ck, atomic_dir(root / io["outs"][0]) as out:
             windows, windows_callback = sample_windows("dpo", root, params, run, ck.dir / "sample_windows.json",
                                                        eval_prompts_path, sft_dir)
-            trainer = DPOTrainer(model, ref_model=None, beta=p.beta,
+            trainer = DPOTrainer(model, ref_model=None, beta=p.beta, loss_type=p.loss_type,
                                  args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                                  train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
                                  max_prompt_length=p.max_prompt_length, tracker=run.tracker,

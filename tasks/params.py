@@ -323,6 +323,8 @@ class DPOParams(SampledPolicy):
 
     beta: float
     """Strength of the implicit KL constraint to the reference."""
+    loss_type: str
+    """The DPO loss, any of TRL 0.11.4's (``rlhf_core.losses.DPO_LOSS_TYPES``; ``sigmoid`` is the DPO paper's)."""
     learning_rate: float
     """AdamW learning rate."""
     num_train_epochs: float
