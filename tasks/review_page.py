@@ -101,8 +101,9 @@ def name_form(token: str, error: str = "") -> str:
 
 
 def trace_link(settings: ReviewSettings, trace_id: str) -> str:
+    """The trace in MLflow's UI, opened in its trace view (the query MLflow 3.17's own "View trace" links use)."""
     base = settings.mlflow_ui_url.rstrip("/")
-    query = urlencode({"selectedEvaluationId": trace_id})
+    query = urlencode({"selectedEvaluationId": trace_id, "traceId": trace_id})
     return f"{base}/#/experiments/{quote(settings.experiment_id)}/traces?{query}"
 
 
