@@ -19,10 +19,8 @@ from pathlib import Path
 import flows  # noqa: F401  (environment defaults)
 from prefect import flow
 
-from flows.intake import EXIT_BAD_INPUT, EXIT_NOT_VERSIONED, add_intake_options, intake_options, retrain_now
-from rlhf_core.data import DataFormatError
+from flows.intake import add_intake_options, intake_options, retrain_now, run_intake
 from tasks.feedback_intake import Collection, collect
-from tasks.intake import IntakeError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,14 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     root = Path(args.root).resolve()
     options = intake_options(args)
-    try:
-        collection = collect(root, **options)
-    except DataFormatError as err:
-        print(f"intake-feedback refused (nothing ingested): {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except IntakeError as err:
-        print(str(err), file=sys.stderr)
-        return EXIT_NOT_VERSIONED
+    collection, refused = run_intake("intake-feedback", lambda: collect(root, **options))
+    if refused is not None:
+        return refused
     for r in collection.records:
         print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} judgements) -> {options['store_dir']}/{r['file']}")
     for r in collection.refused:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import flows  # noqa: F401  (environment defaults)
 from rlhf_core.data import DataFormatError
@@ -26,6 +28,7 @@ from tasks.params import PARAMS_FILE, load_params
 
 EXIT_BAD_INPUT = 65  # EX_DATAERR
 EXIT_NOT_VERSIONED = 74  # EX_IOERR
+T = TypeVar("T")
 
 
 def add_intake_options(parser: argparse.ArgumentParser) -> None:
@@ -59,17 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     options = intake_options(args)
     store = options["store_dir"]
-    try:
-        records = ingest(root, args.files, **options)
-    except DataFormatError as err:
-        print(f"intake refused (nothing ingested): {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except IntakeError as err:
-        print(str(err), file=sys.stderr)
-        return EXIT_NOT_VERSIONED
+    records, refused = run_intake("intake", lambda: ingest(root, args.files, **options))
+    if refused is not None:
+        return refused
     for r in records:
         print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} rows) from {r['source']} -> {store}/{r['file']}")
     return retrain_now(root, args) if records else 0  # a batch ingested before: nothing new to train on
+
+
+def run_intake(label: str, call: Callable[[], T]) -> tuple[T | None, int | None]:
+    """``(call(), None)``; a refused intake is printed (``<label> refused ...``) and gives ``(None, exit code)``."""
+    try:
+        return call(), None
+    except DataFormatError as err:
+        print(f"{label} refused (nothing ingested): {err}", file=sys.stderr)
+        return None, EXIT_BAD_INPUT
+    except IntakeError as err:
+        print(str(err), file=sys.stderr)
+        return None, EXIT_NOT_VERSIONED
 
 
 def retrain_now(root: Path, args: argparse.Namespace) -> int:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +35,7 @@ from rlhf_core.data import DataFormatError
 from rlhf_core.feedback import (IntakeLimits, canonical_bytes, canonical_row, read_manifest, read_stored_rows, row_key,
                                 stored_keys)
 from tasks.intake import ingest, recover_interrupted
-from tasks.intake_journal import intake_lock, scratch_dir
+from tasks.intake_journal import intake_lock, scratch_dir, scratch_lock
 from tasks.logs import get_logger
 from tasks.review import CHOSEN_KEY, PREFERENCE, RATING, REJECTED_KEY, Generation, generation
 from tasks.serving import SERVED_TAG
@@ -88,17 +86,9 @@ class Collection:
     """The manifest records the intake added."""
 
 
-@contextlib.contextmanager
-def collect_lock(root: Path) -> Iterator[None]:
+def collect_lock(root: Path) -> contextlib.AbstractContextManager[None]:
     """One collection at a time (a second waits: a collection takes seconds)."""
-    path = scratch_dir(root) / COLLECT_LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return scratch_lock(root, COLLECT_LOCK)
 
 
 def collected_ids(store: Path) -> set[str]:
