@@ -177,3 +177,16 @@ def test_a_judgement_that_cannot_be_recorded_says_so(page, store):
     browser.post("/reviewer", token=settings.token, reviewer="carol")
     shown = browser.post("/rate", token=settings.token, trace="tr-does-not-exist", good="true")
     assert "your rating was NOT recorded" in shown and "no such trace" in shown
+
+
+def test_trace_link_opens_the_trace_in_mlflows_trace_view():
+    from tasks.review_page import ReviewSettings, trace_link
+
+    settings = ReviewSettings(client=None, experiment_id="7", model_url="http://127.0.0.1:5001",
+                              mlflow_ui_url="http://127.0.0.1:5000/")
+    url = urllib.parse.urlsplit(trace_link(settings, "tr-abc"))
+    path, _, query = url.fragment.partition("?")
+    assert (url.netloc, path) == ("127.0.0.1:5000", "/experiments/7/traces")
+    # the query MLflow 3.17's own UI builds for a trace link (its bundle: URLSearchParams({selectedEvaluationId: id,
+    # traceId: id})); with it Chromium opened the trace view (the screenshot in docs/lifecycle.md, section 6)
+    assert urllib.parse.parse_qs(query) == {"selectedEvaluationId": ["tr-abc"], "traceId": ["tr-abc"]}
