@@ -148,6 +148,18 @@ intake: setup remote ## validate, version and push new feedback: make intake FIL
 	@test -n "$(FILE)" || { echo "usage: make intake FILE=path/to/feedback.jsonl [FILE=...]" >&2; exit 2; }
 	$(PY) -m flows.intake $(FILE)
 
+# Human feedback in the loop (docs/lifecycle.md): the champion served with a trace per answer, a review page that
+# records judgements as MLflow assessments, and their intake as versioned feedback (then a retrain, as `make intake`).
+.PHONY: serve-model review intake-feedback
+serve-model: setup ## serve the champion on http://127.0.0.1:5001 (follows the alias; a trace per answer; MODEL_PORT=...)
+	$(PY) -m flows.serve_model
+
+review: setup ## the review page on http://127.0.0.1:5002: rate answers, choose the better of two (REVIEW_PORT=...)
+	$(PY) -m flows.review
+
+intake-feedback: setup remote ## ingest the judgements made since the last intake as feedback batches, then retrain
+	$(PY) -m flows.collect_feedback
+
 # Team mode on 127.0.0.1: Prefect server + process work pool + worker, MLflow server, prefect.yaml deployed.
 # PIDs and logs in .serve/; `make serve-stop` stops exactly those PIDs.
 .PHONY: serve serve-stop

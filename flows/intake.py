@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import flows  # noqa: F401  (environment defaults)
 from rlhf_core.data import DataFormatError
@@ -26,11 +28,11 @@ from tasks.params import PARAMS_FILE, load_params
 
 EXIT_BAD_INPUT = 65  # EX_DATAERR
 EXIT_NOT_VERSIONED = 74  # EX_IOERR
+T = TypeVar("T")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.intake", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", metavar="FILE", help="feedback files (.jsonl, .csv, .parquet)")
+def add_intake_options(parser: argparse.ArgumentParser) -> None:
+    """The options of an intake (this one and ``flows.collect_feedback``'s): project, DVC, git, event, retrain, limits."""
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--no-push", action="store_true", help="do not push the batches to the DVC remote")
     parser.add_argument("--no-commit", action="store_true", help="do not commit the manifest and .dvc files")
@@ -41,29 +43,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=IntakeLimits.max_rows, help="most records per file")
     parser.add_argument("--max-file-bytes", type=int, default=IntakeLimits.max_file_bytes, help="largest file")
     parser.add_argument("--max-field-chars", type=int, default=IntakeLimits.max_field_chars, help="longest text")
-    args = parser.parse_args(argv)
-    root = Path(args.root).resolve()
-    paths = load_params(root / PARAMS_FILE).paths
-    store = paths.incoming
+
+
+def intake_options(args: argparse.Namespace) -> dict:
+    """``ingest``'s keyword arguments from the parsed options (store and metrics folders from params.yaml)."""
+    paths = load_params(Path(args.root).resolve() / PARAMS_FILE).paths
     limits = IntakeLimits(max_file_bytes=args.max_file_bytes, max_rows=args.max_rows,
                           max_field_chars=args.max_field_chars)
-    try:
-        records = ingest(root, args.files, store_dir=store, push=not args.no_push, commit=not args.no_commit,
-                         emit=not args.no_event, remote=args.remote, limits=limits, metrics_dir=paths.metrics)
-    except DataFormatError as err:
-        print(f"intake refused (nothing ingested): {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except IntakeError as err:
-        print(str(err), file=sys.stderr)
-        return EXIT_NOT_VERSIONED
+    return {"store_dir": paths.incoming, "push": not args.no_push, "commit": not args.no_commit,
+            "emit": not args.no_event, "remote": args.remote, "limits": limits, "metrics_dir": paths.metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.intake", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", metavar="FILE", help="feedback files (.jsonl, .csv, .parquet)")
+    add_intake_options(parser)
+    args = parser.parse_args(argv)
+    root = Path(args.root).resolve()
+    options = intake_options(args)
+    store = options["store_dir"]
+    records, refused = run_intake("intake", lambda: ingest(root, args.files, **options))
+    if refused is not None:
+        return refused
     for r in records:
         print(f"ingested {r['kind']} batch {r['sha256']} ({r['rows']} rows) from {r['source']} -> {store}/{r['file']}")
-    return _retrain_now(root, args) if records else 0  # a batch ingested before: nothing new to train on
+    return retrain_now(root, args) if records else 0  # a batch ingested before: nothing new to train on
 
 
-def _retrain_now(root: Path, args: argparse.Namespace) -> int:
+def run_intake(label: str, call: Callable[[], T]) -> tuple[T | None, int | None]:
+    """``(call(), None)``; a refused intake is printed (``<label> refused ...``) and gives ``(None, exit code)``."""
+    try:
+        return call(), None
+    except DataFormatError as err:
+        print(f"{label} refused (nothing ingested): {err}", file=sys.stderr)
+        return None, EXIT_BAD_INPUT
+    except IntakeError as err:
+        print(str(err), file=sys.stderr)
+        return None, EXIT_NOT_VERSIONED
+
+
+def retrain_now(root: Path, args: argparse.Namespace) -> int:
     """Local mode: retrain on what was just committed (team mode: the event starts the deployment instead; a
-    retrain killed after an intake is run again with ``make retrain``)."""
+    retrain killed after an intake is run again with ``make retrain``). ``args``: the intake options
+    (``no_retrain``, ``no_commit``, ``no_push``)."""
     from prefect.settings import PREFECT_API_URL
 
     if args.no_retrain or args.no_commit or PREFECT_API_URL.value():

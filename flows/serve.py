@@ -1,8 +1,8 @@
 """Team mode on one machine: ``python -m flows.serve start|stop`` (``make serve`` / ``make serve-stop``).
 
 ``start`` brings up, on 127.0.0.1 only: a Prefect server, a ``process`` work pool with a worker, and an
-MLflow tracking server on the project's SQLite store; deploys ``prefect.yaml`` (the pipeline, and
-retraining on its cron and on every ingested feedback batch); prints the URLs and PIDs and writes them to
+MLflow tracking server on the project's SQLite store; deploys ``prefect.yaml`` (the pipeline, retraining on its
+cron and on every ingested feedback batch, and the daily collection of reviewers' judgements); prints the URLs and PIDs and writes them to
 ``.serve/pids.json`` (logs beside it). ``stop`` stops exactly those processes, by PID (each was started as
 the leader of its own process group, so its children stop with it). docs/lifecycle.md says how the same
 deployments move to a Docker or Kubernetes work pool and MLflow to PostgreSQL + object storage.
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     info = start(root, args.prefect_port, args.mlflow_port, args.prefect_file)
     print("Team mode is up (127.0.0.1 only):")
-    print(f"  Prefect UI:  {info['urls']['prefect_ui']}   (deployments rlhf-pipeline, rlhf-retrain)")
+    print(f"  Prefect UI:  {info['urls']['prefect_ui']}   (deployments rlhf-pipeline, rlhf-retrain, "
+          "rlhf-collect-feedback)")
     print(f"  MLflow:      {info['urls']['mlflow']}")
     for name, pid in info["pids"].items():
         print(f"  {name:15s} pid {pid}")

@@ -18,7 +18,7 @@ import csv
 import json
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
@@ -261,10 +261,11 @@ def _require_text(file: Path, lineno: int, record: dict, key: str, strip: bool =
 
 @dataclass
 class IncomingData:
-    """New data dropped for retraining: extra reviews and extra preference pairs."""
+    """New data for retraining: extra reviews, preference pairs and unpaired ratings (prompt, completion, label)."""
 
     reviews: list[str]
     pairs: list[dict]
+    ratings: list[dict] = field(default_factory=list)
 
 
 def load_hub_texts(name: str, split: str = "train", text_field: str = "text", revision: str = "", limit: int = 0) -> list[str]:
@@ -338,6 +339,17 @@ def pairs_with_margin(pairs: Sequence[dict], chosen_scores: Sequence[float], rej
     kept = [{**pair, "chosen_score": float(sc), "rejected_score": float(sr)}
             for pair, sc, sr in zip(pairs, chosen_scores, rejected_scores) if sc - sr >= max(min_margin, 1e-9)]
     return kept, len(pairs) - len(kept)
+
+
+def ratings_with_margin(ratings: Sequence[dict], scores: Sequence[float], threshold: float = 0.0,
+                        min_margin: float = 0.0) -> tuple[list[dict], int]:
+    """Incoming ratings with their gold score, kept only where the judge gives the same label by at least
+    ``min_margin`` (the rule :func:`make_unpaired_ratings` labels generated rows by); returns (kept, dropped count).
+    Example: labels [True, True, False], scores [0.6, 0.02, 0.3], margin 0.05 -> the first kept (0.02 is within the
+    margin, 0.3 says desirable)."""
+    kept = [{**rating, "score": float(s)} for rating, s in zip(ratings, scores)
+            if s != threshold and (s > threshold) == rating["label"] and abs(s - threshold) >= min_margin]
+    return kept, len(ratings) - len(kept)
 
 
 def split_train_eval(texts: Sequence[str], eval_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:

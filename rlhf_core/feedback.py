@@ -7,6 +7,11 @@ Two kinds of batch, one kind per file:
 - ``ratings``: records with ``prompt``, ``completion`` (strings) and ``label`` (true = desirable), the
   unpaired data of KTO.
 
+Either kind may carry provenance columns (``PROVENANCE_FIELDS``: the trace(s) a row was judged on, the assessment
+and the reviewer, as the review loop writes them): they are checked, kept in the stored batch after the schema's
+fields, never part of what makes two rows duplicates, and never trained on (:func:`read_stored_pairs` and
+:func:`read_stored_ratings` return the schema's fields only).
+
 :func:`validate_batch` reads one ``.jsonl``/``.csv``/``.parquet`` file and returns its rows in a canonical
 form (:func:`canonical_bytes` of which gives the batch's SHA-256, its name in the store) or raises
 :class:`~rlhf_core.data.DataFormatError` naming the file and line of the first problem: schema, UTF-8,
@@ -25,6 +30,11 @@ from pathlib import Path
 from rlhf_core.data import DataFormatError, check_preference_pair, iter_records
 
 KIND_FIELDS = {"pairs": ("prompt", "chosen", "rejected"), "ratings": ("prompt", "completion", "label")}
+PROVENANCE_FIELDS = {"pairs": ("chosen_trace_id", "rejected_trace_id", "assessment_id", "reviewer"),
+                     "ratings": ("trace_id", "assessment_id", "reviewer")}
+"""Optional columns of each kind naming where a row came from (MLflow trace and assessment ids, the reviewer)."""
+MAX_PROVENANCE_CHARS = 256
+"""Longest accepted provenance value (ids are about 35 characters; a reviewer's name is short)."""
 SUFFIXES = (".jsonl", ".csv", ".parquet")
 MANIFEST = "manifest.jsonl"
 STORE_ENTRIES = {"README.md", MANIFEST, ".gitignore", *KIND_FIELDS}
@@ -77,12 +87,14 @@ def canonical_bytes(rows: Iterable[Mapping]) -> bytes:
 
 
 def detect_kind(path: Path, line: int, record: Mapping) -> str:
-    """``pairs`` or ``ratings`` from a record's keys; any other key set is a schema error."""
+    """``pairs`` or ``ratings`` from a record's keys (the schema's fields, plus any of that kind's provenance
+    columns); any other key set is a schema error."""
     keys = set(record)
     for kind, fields in KIND_FIELDS.items():
-        if keys == set(fields):
+        if keys - set(PROVENANCE_FIELDS[kind]) == set(fields):
             return kind
-    expected = " or ".join("{" + ", ".join(f) + "}" for f in KIND_FIELDS.values())
+    expected = " or ".join("{" + ", ".join(f) + "} (optional: " + ", ".join(PROVENANCE_FIELDS[k]) + ")"
+                           for k, f in KIND_FIELDS.items())
     raise DataFormatError(path, line, f"fields {sorted(keys)} match no feedback schema (expected {expected})")
 
 
@@ -107,8 +119,20 @@ def _label(path: Path, line: int, value) -> bool:
     raise DataFormatError(path, line, f"field 'label' must be true or false, got {value!r}")
 
 
+def _provenance(path: Path, line: int, record: Mapping, key: str) -> str:
+    value = record[key]
+    if not isinstance(value, str) or not value.strip():
+        raise DataFormatError(path, line, f"field {key!r} must be a non-empty string, got {value!r}")
+    if len(value) > MAX_PROVENANCE_CHARS:
+        raise DataFormatError(path, line, f"field {key!r} has {len(value)} characters (limit {MAX_PROVENANCE_CHARS})")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise DataFormatError(path, line, f"field {key!r} contains a control character")
+    return value.strip()
+
+
 def canonical_row(path: Path, line: int, kind: str, record: Mapping, limits: IntakeLimits) -> dict:
-    """Check one record's fields and return it with exactly the schema's keys (prompt stripped)."""
+    """Check one record's fields and return it with the schema's keys (prompt stripped), then the provenance
+    columns it has, in ``PROVENANCE_FIELDS`` order."""
     row = {}
     for key in KIND_FIELDS[kind]:
         if key == "label":
@@ -118,6 +142,7 @@ def canonical_row(path: Path, line: int, kind: str, record: Mapping, limits: Int
             row[key] = text.strip() if key == "prompt" else text
     if kind == "pairs":
         check_preference_pair(row, path, line)  # chosen == rejected (ignoring surrounding space) states no preference
+    row.update({key: _provenance(path, line, record, key) for key in PROVENANCE_FIELDS[kind] if key in record})
     return row
 
 
@@ -195,10 +220,11 @@ def stored_keys(store: str | Path) -> dict[str, str]:
     return keys
 
 
-def read_stored_pairs(store: str | Path, batch_files: Iterable[str]) -> list[dict]:
-    """The preference pairs of the stored batches named (paths relative to ``store``), in that order."""
+def read_stored_rows(store: str | Path, batch_files: Iterable[str]) -> list[dict]:
+    """Every row, provenance columns included, of the stored batches named (paths relative to ``store``), in that
+    order; each file's content must still match the hash it is named by."""
     store = Path(store)
-    pairs = []
+    rows = []
     for name in batch_files:
         file = store / name
         if not file.is_file():
@@ -206,8 +232,18 @@ def read_stored_pairs(store: str | Path, batch_files: Iterable[str]) -> list[dic
         digest = hashlib.sha256(file.read_bytes()).hexdigest()
         if file.stem != digest:
             raise DataFormatError(file, None, f"content hash {digest} does not match the batch name (file edited?)")
-        pairs += [dict(r) for _, _, r in iter_records(file)]
-    return pairs
+        rows += [dict(r) for _, _, r in iter_records(file)]
+    return rows
+
+
+def read_stored_pairs(store: str | Path, batch_files: Iterable[str]) -> list[dict]:
+    """The preference pairs of the stored batches named, in that order: prompt, chosen, rejected only."""
+    return [{k: r[k] for k in KIND_FIELDS["pairs"]} for r in read_stored_rows(store, batch_files)]
+
+
+def read_stored_ratings(store: str | Path, batch_files: Iterable[str]) -> list[dict]:
+    """The unpaired ratings of the stored batches named, in that order: prompt, completion, label only."""
+    return [{k: r[k] for k in KIND_FIELDS["ratings"]} for r in read_stored_rows(store, batch_files)]
 
 
 def read_manifest(store: Path) -> list[dict]:
@@ -233,3 +269,11 @@ def read_feedback_pairs(store: str | Path) -> list[dict]:
     check_no_loose_files(store)
     files = [r["file"] for r in read_manifest(store) if r["kind"] == "pairs"]
     return read_stored_pairs(store, files)
+
+
+def read_feedback_ratings(store: str | Path) -> list[dict]:
+    """Every ingested unpaired rating, in manifest order (what ``prepare`` adds to KTO's ratings)."""
+    store = Path(store)
+    check_no_loose_files(store)
+    files = [r["file"] for r in read_manifest(store) if r["kind"] == "ratings"]
+    return read_stored_ratings(store, files)

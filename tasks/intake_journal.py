@@ -36,10 +36,16 @@ def journal_path(root: Path) -> Path:
     return scratch_dir(root) / JOURNAL
 
 
-@contextlib.contextmanager
-def intake_lock(root: Path) -> Iterator[None]:
+def intake_lock(root: Path) -> contextlib.AbstractContextManager[None]:
     """Hold the intake lock for the block; a second intake waits (an intake takes seconds)."""
-    path = scratch_dir(root) / LOCK
+    return scratch_lock(root, LOCK)
+
+
+@contextlib.contextmanager
+def scratch_lock(root: Path, name: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``name`` in the scratch folder for the block; a second holder waits. The kernel
+    drops it when the holder dies (even on ``kill -9``), so a killed process never leaves it taken."""
+    path = scratch_dir(root) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -75,4 +81,5 @@ def clear_journal(root: Path) -> None:
     journal_path(root).unlink(missing_ok=True)
 
 
-__all__ = ["JOURNAL", "clear_journal", "intake_lock", "journal_path", "read_journal", "write_journal"]
+__all__ = ["JOURNAL", "clear_journal", "intake_lock", "journal_path", "read_journal", "scratch_lock",
+           "write_journal"]

@@ -27,11 +27,12 @@ from rlhf_core.data import (
     make_prompts,
     make_unpaired_ratings,
     pairs_with_margin,
+    ratings_with_margin,
     read_text_records,
     split_train_eval,
     write_jsonl,
 )
-from rlhf_core.feedback import read_feedback_pairs
+from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
 from tasks.distributed import LauncherError, require_single_process
 from tasks.logs import get_logger
@@ -150,7 +151,7 @@ def load_source(p: PrepareParams, root: Path) -> list[str]:
 
 
 def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[dict], judge,
-                   dropped: dict[str, int] | None = None) -> dict[str, list[dict]]:
+                   dropped: dict[str, int] | None = None, incoming_ratings: list[dict] = ()) -> dict[str, list[dict]]:
     """Pure shaping: cleaned reviews -> the six datasets (lists of records; ``ratings``: unpaired
     prompt/completion/label rows for KTO).
 
@@ -180,14 +181,21 @@ def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[di
             get_logger().warning("prepare: dropped %d incoming pair(s) whose chosen text the gold judge does not "
                                  "prefer by prepare.min_margin=%s", n - len(kept), p.min_margin)
         pairs += kept
+    ratings = make_unpaired_ratings(train, judge, p.prompt_min_words, p.prompt_max_words, threshold=0.0,
+                                    min_margin=NEUTRAL_BAND, seed=p.seed)
+    kept_ratings, dropped["num_dropped_incoming_ratings"] = ratings_with_margin(
+        incoming_ratings, judge([r["prompt"] + r["completion"] for r in incoming_ratings]) if incoming_ratings else [],
+        threshold=0.0, min_margin=NEUTRAL_BAND)
+    if len(kept_ratings) < len(incoming_ratings):
+        get_logger().warning("prepare: dropped %d incoming rating(s) whose label the gold judge does not give (outside "
+                             "its neutral band %s)", len(incoming_ratings) - len(kept_ratings), NEUTRAL_BAND)
     return {
         "sft_train": [{"text": t} for t in train],
         "heldout": [{"text": t} for t in heldout],
         "prompts_train": [{"query": q} for q in make_prompts(train, p.prompt_min_words, p.prompt_max_words, seed=p.seed)],
         "prompts_eval": [{"query": q} for q in make_prompts(heldout, p.prompt_min_words, p.prompt_max_words, seed=p.seed + 1)],
         "preferences": pairs,
-        "ratings": make_unpaired_ratings(train, judge, p.prompt_min_words, p.prompt_max_words, threshold=0.0,
-                                         min_margin=NEUTRAL_BAND, seed=p.seed),
+        "ratings": ratings + kept_ratings,
     }
 
 
@@ -220,14 +228,15 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
 
     # read and validate everything first
     reviews = load_source(p, root)
-    incoming = IncomingData(reviews=[], pairs=read_feedback_pairs(root / paths.incoming))  # versioned by the intake
-    log.info("prepare: %d reviews from %s, %d new reviews and %d new pairs from %s", len(reviews), p.source,
-             len(incoming.reviews), len(incoming.pairs), paths.incoming)
+    incoming = IncomingData(reviews=[], pairs=read_feedback_pairs(root / paths.incoming),  # versioned by the intake
+                            ratings=read_feedback_ratings(root / paths.incoming))
+    log.info("prepare: %d reviews from %s, %d new reviews, %d new pairs and %d new ratings from %s", len(reviews),
+             p.source, len(incoming.reviews), len(incoming.pairs), len(incoming.ratings), paths.incoming)
     if (warning := size_warning(len(reviews) + len(incoming.reviews))) is not None:
         log.warning(warning)
     judge = GoldJudge()
     dropped: dict[str, int] = {}
-    datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge, dropped)
+    datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge, dropped, incoming.ratings)
 
     with stage_run("prepare", root, p, io["deps"], parent_run_id) as run:
         counts = _write_datasets(root / paths.data, datasets)
@@ -238,7 +247,7 @@ def prepare_task(root: str = ".", parent_run_id: str | None = None) -> dict:
             "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],
             "num_pairs": counts["preferences"], "num_ratings": counts["ratings"],
             "num_desirable": sum(r["label"] for r in datasets["ratings"]), "num_incoming_reviews": len(incoming.reviews),
-            "num_incoming_pairs": len(incoming.pairs), **dropped,
+            "num_incoming_pairs": len(incoming.pairs), "num_incoming_ratings": len(incoming.ratings), **dropped,
             "gold_mean": round(statistics.fmean(gold), 4),
             "share_positive": round(sum(g > 0.05 for g in gold) / len(gold), 4),
             "share_negative": round(sum(g < -0.05 for g in gold) / len(gold), 4),

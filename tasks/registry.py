@@ -7,7 +7,9 @@ requirements: ``mlflow.pyfunc.load_model("models:/rlhf-policy@champion")`` works
 ``challenger``.
 
 - **Lineage.** Each version is tagged with the git commit, the DVC hashes of its weights and data (dvc.lock),
-  the evaluation set's hash and the MLflow run of the evaluation that scored it. Weights whose hash differs from
+  the evaluation set's hash and the MLflow run of the evaluation that scored it; and with the human feedback that
+  taught it (``feedback.*`` tags; the batches' traces and judgements in ``feedback_lineage.json`` of its run:
+  ``tasks/feedback_lineage.py``). Weights whose hash differs from
   the one ``evaluate`` scored (``metrics/evaluate.json`` -> ``scored``) are refused.
 - **Same data only.** ``champion`` moves only when :func:`decide` says so, on numbers measured on the same
   evaluation set: a champion scored on another set is re-scored on this one first (its weights loaded from the
@@ -33,6 +35,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.distributed import require_single_process
+from tasks.feedback_lineage import LINEAGE_FILE, feedback_lineage, feedback_tags
 from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
 from tasks.evaluate import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, policy_results,
                             read_prompt_scores, rescore)
@@ -490,14 +493,17 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                                                      challenger.prompt_scores["sft"].gold, rule)
     decision = decide(challenger.metrics, champion.metrics if champion else None, rule, test)
     lineage = _lineage(client, root, paths, experiment_id, challenger)
+    feedback = feedback_lineage(root, paths, challenger.name)  # the batches, traces and judgements that taught it
     decision_tags = _decision_tags(challenger, decision, rule, champion, test)
     deps = [f"{paths.metrics}/evaluate.json", f"{paths.models}/{challenger.name}"]
     with stage_run("registry", root, rule, deps, parent_run_id) as run:
         source, model_id = _model_source(client, rule, root, challenger, lineage)
         description = describe(challenger.name, decision, rule, challenger.metrics, champion, test, lineage,
                                _run_link(experiment_id, lineage))
-        version = _register_version(client, rule, run.run_id, source, model_id, {**lineage, **decision_tags},
-                                    description)
+        version = _register_version(client, rule, run.run_id, source, model_id,
+                                    {**lineage, **feedback_tags(feedback), **decision_tags}, description)
+        if run.run_id:
+            client.log_dict(run.run_id, feedback, LINEAGE_FILE)
         _tag_run(client, run, decision_tags, decision, version, champion.version if champion else None)
     record = _record(rule, client.get_model_version(rule.model_name, version.version), True)
     get_logger().info("registry: %s v%s (%s) -> %s: %s", rule.model_name, version.version, challenger.name,

@@ -94,3 +94,15 @@ def test_prepare_bounds_hostile_reviews_and_counts_them(project):
         assert "aaaaaaaaaa" not in text and "yyyyyyyyyy" not in text
     for line in (project / "data" / "prompts_train.jsonl").read_text().splitlines():
         assert len(json.loads(line)["query"].encode()) <= prompt_token_budget(4)
+
+
+def test_incoming_ratings_need_the_judge_to_give_the_same_label_outside_the_band():
+    from rlhf_core.data import ratings_with_margin
+
+    ratings = [{"prompt": "p", "completion": f" c{i}", "label": label}
+               for i, label in enumerate([True, True, False, False, True])]
+    kept, dropped = ratings_with_margin(ratings, [0.6, 0.02, 0.3, -0.4, 0.0], threshold=0.0, min_margin=0.05)
+    # 0.6 good and labelled good: kept; 0.02 inside the band; 0.3 says good, labelled bad; -0.4 bad and bad: kept;
+    # 0.0 exactly the threshold (no label either way)
+    assert [r["completion"] for r in kept] == [" c0", " c3"] and dropped == 3
+    assert kept[1] == {"prompt": "p", "completion": " c3", "label": False, "score": -0.4}

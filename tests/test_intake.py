@@ -126,6 +126,85 @@ def test_prepare_reads_ingested_pairs_only(tmp_path):
         check_no_loose_files(store)
 
 
+RATED = {"prompt": "The film", "completion": " bored me.", "label": False, "trace_id": "tr-1", "assessment_id": "a-1",
+         "reviewer": "alice"}
+JUDGED_PAIR = {**PAIR, "chosen_trace_id": "tr-2", "rejected_trace_id": "tr-3", "assessment_id": "a-2",
+               "reviewer": "bob"}
+
+
+def test_provenance_columns_are_checked_and_kept_in_schema_order(tmp_path):
+    shuffled = {"reviewer": " bob ", "assessment_id": "a-2", **PAIR, "rejected_trace_id": "tr-3",
+                "chosen_trace_id": "tr-2"}
+    batch = validate_batch(_jsonl(tmp_path / "pairs.jsonl", [shuffled]))
+    assert batch.kind == "pairs" and batch.rows == [JUDGED_PAIR]  # schema fields, then provenance, stripped
+    assert list(batch.rows[0]) == ["prompt", "chosen", "rejected", "chosen_trace_id", "rejected_trace_id",
+                                   "assessment_id", "reviewer"]
+    ratings = validate_batch(_jsonl(tmp_path / "ratings.jsonl", [{"prompt": "The film", "completion": " ok.",
+                                                                   "label": True, "reviewer": "carol"}]))
+    assert ratings.kind == "ratings" and ratings.rows[0]["reviewer"] == "carol"  # any subset of the columns
+    bare = validate_batch(_jsonl(tmp_path / "bare.jsonl", [PAIR]))
+    assert bare.sha256 != batch.sha256 and canonical_bytes(bare.rows) == canonical_bytes([PAIR])  # old batches: same bytes
+
+
+@pytest.mark.parametrize("row, message", [
+    ({**PAIR, "trace_id": "tr-1"}, r"fields .* match no feedback schema"),  # a ratings column in a pair
+    ({**RATED, "reviewer": ""}, r"field 'reviewer' must be a non-empty string"),
+    ({**RATED, "assessment_id": 7}, r"field 'assessment_id' must be a non-empty string, got 7"),
+    ({**RATED, "reviewer": "a\nb"}, r"field 'reviewer' contains a control character"),
+    ({**RATED, "trace_id": "t" * 300}, r"field 'trace_id' has 300 characters \(limit 256\)"),
+])
+def test_bad_provenance_names_file_and_line(tmp_path, row, message):
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl:1: " + message):
+        validate_batch(_jsonl(tmp_path / "bad.jsonl", [row]))
+
+
+def test_a_row_judged_twice_is_a_duplicate_whatever_its_provenance(tmp_path):
+    first = _jsonl(tmp_path / "a.jsonl", [JUDGED_PAIR])
+    again = _jsonl(tmp_path / "b.jsonl", [{**JUDGED_PAIR, "assessment_id": "a-9", "reviewer": "carol"}])
+    with pytest.raises(DataFormatError, match=r"b\.jsonl:1: duplicate of a row already ingested"):
+        validate_files([first, again])
+
+
+def _store(tmp_path: Path, batches: list[tuple[str, list[dict]]]) -> Path:
+    store = tmp_path / "incoming"
+    lines = []
+    for kind, rows in batches:
+        data = canonical_bytes(rows)
+        sha = hashlib.sha256(data).hexdigest()
+        (store / kind).mkdir(parents=True, exist_ok=True)
+        (store / kind / f"{sha}.jsonl").write_bytes(data)
+        lines.append(json.dumps({"sha256": sha, "kind": kind, "file": f"{kind}/{sha}.jsonl"}) + "\n")
+    (store / "manifest.jsonl").write_text("".join(lines))
+    return store
+
+
+def test_prepare_reads_schema_fields_only_ratings_included(tmp_path):
+    from rlhf_core.feedback import read_feedback_ratings
+
+    store = _store(tmp_path, [("pairs", [JUDGED_PAIR]), ("ratings", [RATED, {**RATED, "completion": " fine."}])])
+    assert read_feedback_pairs(store) == [PAIR]  # provenance stays in the batch, never reaches training
+    assert read_feedback_ratings(store) == [{"prompt": "The film", "completion": " bored me.", "label": False},
+                                            {"prompt": "The film", "completion": " fine.", "label": False}]
+
+
+def test_prepare_adds_ingested_ratings_the_judge_agrees_with(tmp_path, monkeypatch):
+    from tasks.prepare import prepare_task
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    root = make_project(tmp_path / "proj", git_dvc=False)
+    agreed = [{**RATED, "completion": " was wonderful, I loved it.", "label": True, "assessment_id": "a-3"},
+              {**RATED, "completion": " was awful and boring.", "label": False, "assessment_id": "a-4"}]
+    disagreed = {**RATED, "completion": " was terrible, the worst.", "label": True, "assessment_id": "a-5"}
+    _store(root, [("ratings", agreed + [disagreed])])
+    metrics = prepare_task.fn(str(root))
+    assert metrics["num_incoming_ratings"] == 3 and metrics["num_dropped_incoming_ratings"] == 1
+    rows = [json.loads(line) for line in (root / "data" / "ratings.jsonl").read_text().splitlines()]
+    assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in rows[-2:]] == [
+        {k: r[k] for k in ("prompt", "completion", "label")} for r in agreed]  # after the generated ratings
+    assert metrics["num_ratings"] == len(rows) and not any("reviewer" in r for r in rows)
+
+
 def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
 

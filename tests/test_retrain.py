@@ -38,6 +38,9 @@ def test_prefect_yaml_defines_pipeline_and_retraining_on_cron_and_feedback_event
     assert [t.expect for t in triggers] == [{EVENT}]
     assert triggers[0].match.root == {"prefect.resource.id": "rlhf.feedback.*"}
     assert triggers[0].posture == "Reactive" and triggers[0].threshold == 1
+    collect = deployments["rlhf-collect-feedback"]  # reviewers' judgements -> batches (its event: the trigger above)
+    assert collect["entrypoint"] == "flows/collect_feedback.py:collect_feedback"
+    assert len(collect["schedules"][0]["cron"].split()) == 5
     for d in deployments.values():
         path, func = d["entrypoint"].split(":")
         assert f"def {func}(" in (ROOT / path).read_text()

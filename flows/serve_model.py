@@ -1,0 +1,78 @@
+"""Serve the champion: ``python -m flows.serve_model`` (``make serve-model``), on http://127.0.0.1:5001.
+
+Writes the served model (``tasks/serving.py``: code and settings, no weights) to ``.serve/policy-server`` and then
+becomes MLflow's scoring server on it (``mlflow models serve --env-manager local``, same PID: Ctrl-C or a SIGTERM
+to it stops the server). It answers with the version holding ``registry.model_name@champion`` (``--alias``), looks
+the alias up again at most every ``--reload-s`` seconds at a request (a promotion is served within that time, no
+restart), and records every generation as a trace in the project's MLflow experiment, tagged with the version.
+
+    curl -s http://127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
+         -d '{"inputs": ["This movie was"], "params": {"max_new_tokens": 20}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import flows  # noqa: F401  (environment defaults)
+from flows.serve import HOST, STATE_DIR, _bin
+from rlhf_core.tracking import redact
+from tasks.mlflow_runs import mlflow_setup, tracking_uri
+from tasks.params import PARAMS_FILE, load_params
+from tasks.registry import CHAMPION, pinned_requirements
+from tasks.serving import ServerConfig, save_server
+
+DEFAULT_PORT = 5001
+SERVER_DIR = "policy-server"
+
+
+def prepare(root: Path, alias: str, reload_s: float) -> tuple[Path, dict[str, str]]:
+    """Check that ``alias`` names a version, write the served model; returns its folder and the server's environment."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    model_name = load_params(root / PARAMS_FILE).registry.model_name
+    experiment_id = mlflow_setup(root)  # the project's store (a vanished or locked one is named here)
+    try:
+        version = MlflowClient().get_model_version_by_alias(model_name, alias)
+    except MlflowException:
+        raise SystemExit(f"serve-model: no version of {model_name} holds the alias {alias!r} yet in {tracking_uri(root)}"
+                         " (run `make run` first: the registry step sets `champion`)") from None
+    uri = tracking_uri(root)
+    config = ServerConfig(model_name, alias, experiment_id, uri if uri.startswith("sqlite:") else "", reload_s)
+    path = root / STATE_DIR / SERVER_DIR
+    path.parent.mkdir(exist_ok=True)
+    save_server(path, config, pinned_requirements())
+    print(f"Serving {model_name}@{alias} (now v{version.version}, followed every {reload_s:g} s); traces go to "
+          f"experiment {experiment_id} of {redact(uri)}")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING": "false"}
+    return path, env
+
+
+def command(path: Path, port: int) -> list[str]:
+    """The MLflow scoring server on the served model (what this module runs; type it to run it by hand)."""
+    return [_bin("mlflow"), "models", "serve", "-m", str(path), "--env-manager", "local", "--host", HOST,
+            "--port", str(port)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.serve_model", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=".", help="project directory (default: current)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("MODEL_PORT", DEFAULT_PORT)))
+    parser.add_argument("--alias", default=CHAMPION, help="registry alias served by default (default: champion)")
+    parser.add_argument("--reload-s", type=float, default=10.0, help="look the alias up again at most this often")
+    args = parser.parse_args(argv)
+    if args.reload_s < 0:
+        parser.error("--reload-s must be >= 0")
+    path, env = prepare(Path(args.root).resolve(), args.alias, args.reload_s)
+    cmd = command(path, args.port)
+    print(f"  http://{HOST}:{args.port}/invocations   (POST {{\"inputs\": [...], \"params\": {{...}}}}; Ctrl-C stops)")
+    print("  " + " ".join(cmd), flush=True)
+    os.execvpe(cmd[0], cmd, env)  # the scoring server takes this PID: a signal to it stops the server
+
+
+if __name__ == "__main__":
+    sys.exit(main())
