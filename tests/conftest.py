@@ -1,5 +1,6 @@
 """Shared test setup: the hub is offline, trackers stay quiet, threads are bounded."""
 
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,11 +20,20 @@ torch.set_num_threads(1)  # tiny models: more threads only add overhead
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    """A byte-level BPE tokenizer trained on the built-in corpus (pad distinct from EOS)."""
+def make_tokenizer():
+    """Fresh copies of one byte-level BPE tokenizer trained once per session on the built-in corpus (pad distinct
+    from EOS). The trained one is never handed out: trainers and loggers may set attributes on the tokenizer they
+    are given (GRPO and RLOO set left padding, as TRL does), which must not leak into another test."""
     from rlhf_core.models.tiny import build_tokenizer
 
-    return build_tokenizer()
+    pristine = build_tokenizer()
+    return lambda: copy.deepcopy(pristine)
+
+
+@pytest.fixture
+def tokenizer(make_tokenizer):
+    """This test's own copy of the session's tokenizer."""
+    return make_tokenizer()
 
 
 @pytest.fixture

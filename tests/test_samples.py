@@ -49,7 +49,8 @@ def _naive_sequence_logprob(model, query: torch.Tensor, response: torch.Tensor) 
 
 
 @pytest.fixture(scope="module")
-def models(tokenizer):
+def models(make_tokenizer):
+    tokenizer = make_tokenizer()
     from rlhf_core.models.tiny import tiny_causal_lm
 
     reference = tiny_causal_lm(tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0).eval()

@@ -32,8 +32,9 @@ def test_a_request_gets_the_served_defaults():
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory, tokenizer):
+def registry(tmp_path_factory, make_tokenizer):
     """A store with two registered tiny policies: v1 holds champion, v2 challenger."""
+    tokenizer = make_tokenizer()
     import mlflow
     import torch
     from mlflow.models import infer_signature
