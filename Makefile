@@ -46,9 +46,11 @@ test: setup ## set up, then run the fast test suite (no slow end-to-end checks)
 test-slow: setup ## run the slow end-to-end checks (pipeline, retraining, signals, soak)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m slow
 
-# Classic TRL 0.11.4's own unit tests against rlhf_core (TRL=path to a trl v0.11.4 checkout; TRL_TESTS_FLAGS=--trl
-# runs them against trl itself). See bench/trl_tests/README.md.
-trl-tests: setup ## classic TRL 0.11.4's own tests against rlhf_core (TRL=<checkout>; see bench/trl_tests/README.md)
+# Classic TRL 0.11.4's own unit tests against trl 0.11.4 with its release-era libraries, with today's, and against
+# rlhf_core, then rlhf_core compared test by test with each baseline (TRL=path to a trl v0.11.4 checkout;
+# TRL_TESTS_FLAGS=--trl-era, --trl or an empty value runs one of them). See bench/trl_tests/README.md.
+TRL_TESTS_FLAGS ?= --all
+trl-tests: setup ## classic TRL 0.11.4's own tests: trl 0.11.4 (2024 and today's libraries) and rlhf_core, compared (TRL=<checkout>)
 	bash bench/trl_tests/run.sh $(TRL_TESTS_FLAGS) $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout))
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
@@ -56,6 +58,12 @@ bench: setup ## benchmark against classic TRL 0.11.4 (PPO) and TRL 1.16.0 (GRPO,
 	bash bench/setup_trl_venv.sh
 	bash bench/setup_trl116_venv.sh
 	OMP_NUM_THREADS=1 $(PY) bench/run.py
+
+# The GPU bench travels to a network-less GPU machine as the working tree plus this git-ignored folder (wheels the
+# machine lacks, the rt-polarity corpus); there, `bash bench/gpu/run.sh` runs it. See docs/bench.md.
+.PHONY: bench-gpu-bundle
+bench-gpu-bundle: setup ## build bench/gpu/bundle/ (wheels + data) for `bash bench/gpu/run.sh` on a GPU machine with no network
+	$(PY) bench/gpu/bundle.py
 
 # Regenerate the lock file from the current environment (after changing pyproject.toml).
 lock: ## regenerate requirements.lock from the current venv
@@ -81,11 +89,13 @@ repro: setup ## run the stages through dvc repro, then the registry step
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
 
 # Prints where to open it (the training runs' view, the policies side by side), then runs `mlflow ui` (same PID).
+MLFLOW_PORT ?= 5000
+PREFECT_PORT ?= 4200
 mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000, opened on the training runs (runs, charts, comparison, registry)
-	$(PY) -m flows.ui --port 5000
+	$(PY) -m flows.ui --port $(MLFLOW_PORT)
 
 prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 retrain: setup ## retrain from the committed state (stale stages only, evaluate, register), then land the record on the branch
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.retrain

@@ -56,9 +56,9 @@ def cpu_has_bf16_units() -> bool:
 # ------------------------------------------------------------------------------------------ args / output
 
 
-def parse_args() -> tuple[str, dict]:
+def parse_args(libs: tuple[str, ...] = ("ours", "trl")) -> tuple[str, dict]:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lib", choices=("ours", "trl"), required=True)
+    parser.add_argument("--lib", choices=libs, required=True)
     parser.add_argument("--args", default="{}", help="workload arguments as a JSON object")
     ns = parser.parse_args()
     args = json.loads(ns.args)
@@ -70,14 +70,45 @@ def parse_args() -> tuple[str, dict]:
 
 
 def emit(result: dict) -> None:
-    """Print the one JSON line the driver reads (always the last line of stdout)."""
+    """Print the one JSON line the driver reads (always the last line of stdout), with the device it ran on."""
     import torch
     import transformers
 
     result.setdefault("versions", {"torch": torch.__version__, "transformers": transformers.__version__})
     result["peak_rss_mb"] = peak_rss_mb()
+    result.update(device_info())
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def clock() -> float:
+    """``time.perf_counter()`` after the GPU has finished the work queued so far (its kernels run asynchronously:
+    without this a timer would read when the work was queued, not done). Every workload timer reads this."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def device_info() -> dict:
+    """The device the workload ran on (a CUDA card's name, else the CPU's model) and its peak GPU memory."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"device": torch.cuda.get_device_name(), "cuda_max_memory_allocated": torch.cuda.max_memory_allocated(),
+                "cuda_max_memory_reserved": torch.cuda.max_memory_reserved()}
+    return {"device": f"cpu: {cpu_model()}"}
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def peak_rss_mb() -> float:
@@ -105,10 +136,14 @@ def library(lib: str):
 
 
 def version_of(lib: str) -> str:
-    if lib == "trl":
+    if lib in ("trl", "trl116"):
         import trl
 
         return f"trl {trl.__version__}"
+    if lib == "hf":
+        import transformers
+
+        return f"transformers {transformers.__version__} generate"
     import importlib.metadata as md
 
     try:
@@ -277,10 +312,59 @@ def rt_polarity_lines() -> list[str]:
     return lines
 
 
+class PhaseClock:
+    """Seconds per phase of each step, from synchronised timers around named methods of a trainer instance.
+
+    ``wrap(trainer, "_sample", "generation")`` times every call of ``trainer._sample`` as the phase
+    "generation" (``when(args, kwargs)`` can restrict it to some calls); ``end_step()`` closes a step. A method
+    that does not exist is an error: a renamed method must not silently drop out of the table.
+    """
+
+    def __init__(self):
+        self.current: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, obj, name: str, phase: str, when=None) -> None:
+        method = getattr(obj, name, None)
+        if method is None:
+            raise AttributeError(f"{type(obj).__name__} has no method {name!r} to time as phase {phase!r}")
+
+        def timed(*args, **kwargs):
+            if when is not None and not when(args, kwargs):
+                return method(*args, **kwargs)
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current[phase] = self.current.get(phase, 0.0) + clock() - start
+
+        setattr(obj, name, timed)
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = {}
+
+
+def matmul_params(model) -> int:
+    """Weights that take part in a matmul per token (linear layers and the LM head; not the input embedding,
+    which is a lookup): the N of the 2 x N FLOPs-per-token estimate."""
+    import torch
+
+    seen, total = set(), 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear) or kind == "Conv1D":
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                total += weight.numel()
+    return total
+
+
 class Timer:
     def __enter__(self):
-        self.t = time.perf_counter()
+        self.t = clock()
         return self
 
     def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t
+        self.seconds = clock() - self.t

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("(starting the server; Ctrl-C stops it)", flush=True)
     mlflow = str(Path(sys.prefix) / "bin" / "mlflow")
-    os.execv(mlflow, [mlflow, "ui", "--backend-store-uri", store, "--host", "127.0.0.1",
-                      "--port", str(args.port)])
+    # one worker: a reviewer's UI on a laptop (MLflow's default of 4 starts 4 uvicorn workers and their job runners)
+    os.execv(mlflow, [mlflow, "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(args.port),
+                      "--workers", "1"])
     return 0  # not reached
 
 

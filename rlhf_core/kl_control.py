@@ -75,7 +75,8 @@ class RunningMoments:
         old_sum = self.var * self.count + delta**2 * self.count * xs_count / total
         self.mean = float(self.mean + delta * xs_count / total)
         self.var = float((old_sum + xs_var * xs_count) / total)
-        self.std = float(np.sqrt(self.var * total / (total - 1)))
+        with np.errstate(divide="ignore", invalid="ignore"):  # a first update of one value: Bessel divides by 0
+            self.std = float(np.sqrt(np.float64(self.var * total) / np.float64(total - 1)))  # inf there, as TRL
         self.count = float(total)
         batch_std = float(np.sqrt(xs_var * xs_count / (xs_count - 1))) if xs_count > 1 else 0.0
         return float(xs_mean), batch_std

@@ -6,13 +6,14 @@ Tensors in, tensors (and a dict of detached stats) out. Shapes: ``B`` batch, ``A
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from rlhf_core.core import entropy_from_logits, masked_mean, masked_var, masked_whiten, clip_by_value
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 # f-divergences regularising DPO ("Beyond Reverse KL", Wang et al. 2023); reverse_kl is standard DPO.
 F_DIVERGENCE_TYPES = ("reverse_kl", "js_divergence", "alpha_divergence")
 
@@ -182,6 +183,124 @@ def f_divergence_logits(
     return pi_ref_logratios
 
 
+# ---- DPO's loss family (TRL 0.11.4's DPOTrainer.dpo_loss, one pure function per loss_type) ----
+# Two kinds: a "logit loss" takes the DPO logit h (B,) (``f_divergence_logits``: for reverse KL,
+# h = (log pi_w - log pi_l) - (log ref_w - log ref_l)); a "log-ratio loss" takes each response's own
+# log-ratio r_w = log pi_w - log ref_w and r_l = log pi_l - log ref_l (B,) and ignores the f-divergence.
+# Each returns the per-pair losses (B,), with grad; ``dpo_loss`` adds the detached implicit rewards.
+
+# label smoothing used by exo_pair when none is given (TRL 0.11.4 sets label_smoothing to it in place)
+EXO_DEFAULT_EPSILON = 1e-3
+
+
+def dpo_sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7) with conservative label smoothing (cDPO, Mitchell
+    2023): ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``. logits h (B,) -> losses (B,)."""
+    return -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+
+
+def dpo_robust_loss(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al. 2024, arXiv 2403.00409), unbiased under label flips of rate e:
+    ``((1 - e) (-log sigmoid(beta h)) - e (-log sigmoid(-beta h))) / (1 - 2e)``. logits (B,) -> losses (B,)."""
+    return (
+        -F.logsigmoid(beta * logits) * (1 - label_smoothing) + F.logsigmoid(-beta * logits) * label_smoothing
+    ) / (1 - 2 * label_smoothing)
+
+
+def dpo_hinge_loss(logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """SLiC's hinge (Zhao et al. 2023, arXiv 2305.10425) on the DPO logit:
+    ``relu(1 - beta h)``. logits (B,) -> losses (B,)."""
+    return torch.relu(1 - beta * logits)
+
+
+def dpo_ipo_loss(logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17, beta = tau): ``(h - 1 / (2 beta))^2``; the trainer
+    feeds it length-averaged log-probs, as TRL 0.11.4 does. logits (B,) -> losses (B,)."""
+    return (logits - 1 / (2 * beta)) ** 2
+
+
+def dpo_exo_pair_loss(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """EXO, pairwise (Ji et al. 2024, arXiv 2402.00856, eq. 16): the reverse KL from the model's preference
+    ``p = sigmoid(beta h)`` to the smoothed label ``(1 - e, e)``:
+    ``p (log p - log(1 - e)) + (1 - p) (log(1 - p) - log e)``, ``e = label_smoothing`` or 1e-3 when 0 (as
+    TRL 0.11.4). logits (B,) -> losses (B,)."""
+    epsilon = label_smoothing or EXO_DEFAULT_EPSILON
+    return (beta * logits).sigmoid() * (F.logsigmoid(beta * logits) - math.log(1 - epsilon)) + (
+        -beta * logits
+    ).sigmoid() * (F.logsigmoid(-beta * logits) - math.log(epsilon))
+
+
+def dpo_bco_pair_loss(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, delta: torch.Tensor | float
+) -> torch.Tensor:
+    """BCO, pairwise (Jung et al. 2024, arXiv 2404.04656): a binary classifier on the implicit rewards
+    shifted by ``delta``, the running mean of the batch-mean reward (``bco_reward_shift``):
+    ``-log sigmoid(beta r_w - delta) - log sigmoid(-(beta r_l - delta))``. log-ratios (B,) -> losses (B,)."""
+    return -F.logsigmoid(beta * chosen_logratios - delta) - F.logsigmoid(-(beta * rejected_logratios - delta))
+
+
+def bco_batch_reward(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """The batch's mean implicit reward ``mean(beta [r_w; r_l])`` (detached), which BCO's running mean ``delta``
+    folds in before the batch's loss (TRL 0.11.4: ``RunningMoments.update`` then ``.mean``). (B,), (B,) -> ()."""
+    return torch.cat((beta * chosen_logratios, beta * rejected_logratios), 0).mean().detach()
+
+
+def dpo_sppo_hard_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """SPPO with hard labels (Wu et al. 2024, arXiv 2405.00675, eq. 4.7 with P(winner) = 1, P(loser) = 0):
+    ``(r_w - 1 / (2 beta))^2 + (r_l + 1 / (2 beta))^2``. log-ratios (B,) -> losses (B,)."""
+    return (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+
+
+def dpo_nca_pair_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """NCA, pairwise (Chen et al. 2024, arXiv 2402.05369, with K = 2 responses):
+    ``-log sigmoid(beta r_w) - 1/2 log sigmoid(-beta r_w) - 1/2 log sigmoid(-beta r_l)``. (B,) -> losses (B,)."""
+    chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
+    return -F.logsigmoid(chosen_rewards) - 0.5 * F.logsigmoid(-chosen_rewards) - 0.5 * F.logsigmoid(-rejected_rewards)
+
+
+def dpo_aot_pair_loss(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """AOT for unpaired data (Melnyk et al. 2024, arXiv 2406.05882): the sigmoid loss on the gap between
+    the sorted chosen and the sorted rejected log-ratios (first-order stochastic dominance of the chosen reward
+    distribution, over the batch): ``sigmoid_loss(sort(r_w)_i - sort(r_l)_i)``. (B,) -> losses (B,), in sorted order."""
+    chosen_sorted, _ = torch.sort(chosen_logratios, dim=0)
+    rejected_sorted, _ = torch.sort(rejected_logratios, dim=0)
+    return dpo_sigmoid_loss(chosen_sorted - rejected_sorted, beta, label_smoothing)
+
+
+def dpo_aot_loss(
+    pi_logratios: torch.Tensor, ref_logratios: torch.Tensor, beta: float, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """AOT for paired data (Melnyk et al. 2024, arXiv 2406.05882): the sigmoid loss on the gap between the
+    sorted policy margins ``log pi_w - log pi_l`` and the sorted reference margins ``log ref_w - log ref_l``:
+    ``sigmoid_loss(sort(pi)_i - sort(ref)_i)``. (B,), (B,) -> losses (B,), in sorted order."""
+    pi_sorted, _ = torch.sort(pi_logratios, dim=0)
+    ref_sorted, _ = torch.sort(ref_logratios, dim=0)
+    return dpo_sigmoid_loss(pi_sorted - ref_sorted, beta, label_smoothing)
+
+
+def dpo_apo_zero_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """APO-zero (D'Oosterlinck et al. 2024, arXiv 2408.06266, eq. 7), for chosen outputs better than the model's:
+    raise the chosen, lower the rejected likelihood: ``1 - sigmoid(beta r_w) + sigmoid(beta r_l)``. (B,) -> (B,)."""
+    return 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
+
+
+def dpo_apo_down_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """APO-down (D'Oosterlinck et al. 2024, arXiv 2408.06266, eq. 8), for chosen outputs worse than the model's:
+    lower both, the rejected more: ``sigmoid(beta r_w) + 1 - sigmoid(beta (r_w - r_l))``. (B,) -> losses (B,)."""
+    return torch.sigmoid(beta * chosen_logratios) + 1 - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
+
+
+# TRL 0.11.4's DPOConfig.loss_type values, in its order
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_pair",
+    "apo_zero", "apo_down",
+)
+# the loss types that read label_smoothing (TRL 0.11.4 warns that the others ignore it)
+DPO_SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair", "aot", "aot_pair")
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
@@ -193,13 +312,16 @@ def dpo_loss(
     reference_free: bool = False,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
+    bco_delta: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO losses (B,) and implicit rewards ``beta * (policy - reference)`` for chosen and rejected (B,).
+    """DPO losses (B,) of ``loss_type`` and implicit rewards ``beta * (policy - reference)`` for chosen and
+    rejected (B,), detached. Log-probs: (B,) each.
 
-    loss types: ``sigmoid`` (with conservative label smoothing), ``robust`` (unbiased under label
-    noise), ``hinge`` and ``ipo``. With ``reference_free`` the reference log-ratio is taken as 0.
-    ``f_divergence_type`` picks the divergence whose ``f'`` turns the log-ratios into the logit
-    (``f_divergence_logits``; ``f_alpha_divergence_coef`` is alpha); the implicit rewards stay the log-ratios.
+    ``loss_type`` is one of ``DPO_LOSS_TYPES`` (TRL 0.11.4's), computed by the ``dpo_<loss_type>_loss`` above.
+    With ``reference_free`` the reference log-probs are taken as 0 for every loss type and for the rewards.
+    ``f_divergence_type`` picks the divergence whose ``f'`` turns the log-ratios into the logit of the logit
+    losses (``f_divergence_logits``; ``f_alpha_divergence_coef`` is alpha); the log-ratio losses do not use it.
+    ``bco_pair`` needs ``bco_delta``, the running mean reward after folding in this batch's ``bco_batch_reward``.
     """
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
@@ -207,29 +329,46 @@ def dpo_loss(
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if loss_type == "bco_pair" and bco_delta is None:
+        raise ValueError("loss_type='bco_pair' needs bco_delta (the running mean reward, see bco_batch_reward)")
     ref_chosen = torch.zeros_like(reference_chosen_logps) if reference_free else reference_chosen_logps
     ref_rejected = torch.zeros_like(reference_rejected_logps) if reference_free else reference_rejected_logps
-    pi_logratios = policy_chosen_logps - policy_rejected_logps
+    chosen_logratios = policy_chosen_logps - ref_chosen  # (B,)
+    rejected_logratios = policy_rejected_logps - ref_rejected  # (B,)
+    pi_logratios = policy_chosen_logps - policy_rejected_logps  # (B,)
     ref_logratios = torch.zeros_like(pi_logratios) if reference_free else reference_chosen_logps - reference_rejected_logps
-    logits = f_divergence_logits(
-        policy_chosen_logps - ref_chosen, policy_rejected_logps - ref_rejected, pi_logratios - ref_logratios,
-        f_divergence_type, f_alpha_divergence_coef,
-    )  # (B,)
 
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
-    elif loss_type == "robust":
-        losses = (
-            -F.logsigmoid(beta * logits) * (1 - label_smoothing) + F.logsigmoid(-beta * logits) * label_smoothing
-        ) / (1 - 2 * label_smoothing)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * logits)
-    else:  # ipo: squared distance of the log-ratio gap from 1 / (2 beta)
-        losses = (logits - 1 / (2 * beta)) ** 2
+    r_w, r_l, e = chosen_logratios, rejected_logratios, label_smoothing
 
-    chosen_rewards = beta * (policy_chosen_logps - ref_chosen).detach()
-    rejected_rewards = beta * (policy_rejected_logps - ref_rejected).detach()
+    def logits() -> torch.Tensor:  # (B,) the f-divergence's DPO logit, for the logit losses only
+        return f_divergence_logits(r_w, r_l, pi_logratios - ref_logratios, f_divergence_type, f_alpha_divergence_coef)
+
+    losses = {
+        "sigmoid": lambda: dpo_sigmoid_loss(logits(), beta, e),
+        "hinge": lambda: dpo_hinge_loss(logits(), beta),
+        "ipo": lambda: dpo_ipo_loss(logits(), beta),
+        "exo_pair": lambda: dpo_exo_pair_loss(logits(), beta, e),
+        "nca_pair": lambda: dpo_nca_pair_loss(r_w, r_l, beta),
+        "robust": lambda: dpo_robust_loss(logits(), beta, e),
+        "bco_pair": lambda: dpo_bco_pair_loss(r_w, r_l, beta, bco_delta),
+        "sppo_hard": lambda: dpo_sppo_hard_loss(r_w, r_l, beta),
+        "aot": lambda: dpo_aot_loss(pi_logratios, ref_logratios, beta, e),
+        "aot_pair": lambda: dpo_aot_pair_loss(r_w, r_l, beta, e),
+        "apo_zero": lambda: dpo_apo_zero_loss(r_w, r_l, beta),
+        "apo_down": lambda: dpo_apo_down_loss(r_w, r_l, beta),
+    }[loss_type]()  # (B,)
+
+    chosen_rewards = beta * chosen_logratios.detach()
+    rejected_rewards = beta * rejected_logratios.detach()
     return losses, chosen_rewards, rejected_rewards
+
+
+def rpo_nll_loss(token_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """RPO's term (Pang et al. 2024, arXiv 2404.19733 v3): the negative log-likelihood of the chosen responses,
+    averaged over all their tokens in the batch (TRL 0.11.4: ``CrossEntropyLoss(ignore_index=label_pad)`` on the
+    chosen half). token_logprobs (B, A), response_mask (B, A) -> (); 0 when no token is masked in."""
+    mask = response_mask.to(token_logprobs.dtype)
+    return -(token_logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def pairwise_reward_loss(

@@ -172,7 +172,8 @@ def mlflow_compare_link(experiment_id: str, run_ids: list[str]) -> str:
     """The MLflow UI's run comparison of ``run_ids`` (metrics side by side, parallel coordinates, charts)."""
     base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
     runs, experiments = json.dumps(list(run_ids)), json.dumps([experiment_id])
-    return f"{base}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}"
+    return (f"{base}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}"
+            "&workflowType=machine_learning")  # the "Model training" navigation, as mlflow_ui_link
 
 
 RUNNING_NAME = "pipeline (running)"

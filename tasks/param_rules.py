@@ -78,8 +78,13 @@ AT_LEAST_ONE_FLOATS = {"ddpo": ("sample_guidance_scale",)}
 UNIT_INTERVAL = {"ppo": ("gamma", "lam"), "registry": ("significance",)}
 """Finite and in [0, 1]."""
 
-CHOICES = {("ppo", "kl_penalty"): ("kl", "abs", "mse", "full"), ("sft", "arch"): ("gpt2", "llama")}
-"""Closed vocabularies: what the trainers implement (``sft.arch``: what ``rlhf_core/models/tiny.py`` builds)."""
+CHOICES = {
+    ("ppo", "kl_penalty"): ("kl", "abs", "mse", "full"), ("sft", "arch"): ("gpt2", "llama"),
+    ("dpo", "loss_type"): ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                           "aot_pair", "apo_zero", "apo_down"),
+}
+"""Closed vocabularies: what the trainers implement (``sft.arch``: what ``rlhf_core/models/tiny.py`` builds;
+``dpo.loss_type``: ``rlhf_core.losses.DPO_LOSS_TYPES``, spelled out so loading params imports no loss code)."""
 
 FORBIDDEN_DIRS = (".git", ".dvc")
 """Output paths may not lie inside these: a stage would overwrite git or DVC internals."""

@@ -25,6 +25,19 @@ def tokenizer():
 
     return build_tokenizer()
 
+
+@pytest.fixture(scope="session")
+def decoding_setup():
+    """``(tokenizer, model, prompts)`` for decoding tests: a left-padding tokenizer, a tiny GPT-2 in eval mode
+    (seed 0) and four 1-d prompts of 3, 7, 5 and 2 tokens."""
+    from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
+
+    tok = build_tokenizer(padding_side="left")
+    torch.manual_seed(0)
+    model = tiny_causal_lm(tok, seed=0).eval()
+    g = torch.Generator().manual_seed(3)
+    return tok, model, [torch.randint(3, 300, (n,), generator=g) for n in (3, 7, 5, 2)]
+
 try:  # property tests: the same examples on every run (no flaky CI), no per-example deadline on a busy machine
     from hypothesis import settings
 

@@ -251,11 +251,11 @@ def _prompt():
 
 
 def test_first_inner_epoch_recomputes_the_recorded_log_probs_exactly(tmp_path):
-    from rlhf_core.ddpo.trainer import DDPOTrainer
+    from rlhf_core.ddpo.trainer import DDPOTrainer, collate_samples
 
     trainer = DDPOTrainer(_config(tmp_path), jpeg_compressibility, _prompt, _pipeline())
-    samples, _ = trainer._generate_samples(2, 2)
-    batches = trainer._shuffled_batches(samples)
+    sample_batches, _ = trainer._generate_samples(2, 2)
+    batches = trainer._shuffled_batches(collate_samples(sample_batches))
     negative = trainer.negative_prompt_embed
     with torch.no_grad():
         for batch in batches:
@@ -388,3 +388,24 @@ def test_ddpo_learns_to_compress_on_the_tiny_pipeline(tmp_path):
     # the same noise before and after: with learning rate 0, `after == before` exactly
     assert after - before > 0.05, (before, after, curve)
     assert sum(curve[-2:]) / 2 > curve[0] + 0.05, curve
+
+
+def test_generate_samples_returns_trl_0_11_4s_structure(tmp_path):
+    # TRL 0.11.4: a list with one dict per sampling batch, and one [images, prompts, prompt_metadata] per batch
+    from rlhf_core.ddpo.trainer import DDPOTrainer, collate_samples
+
+    trainer = DDPOTrainer(_config(tmp_path, sample_num_steps=3), jpeg_compressibility, _prompt, _pipeline())
+    samples, pairs = trainer._generate_samples(2, 3)
+    assert len(samples) == len(pairs) == 2
+    assert set(samples[0]) == {"prompt_embeds", "timesteps", "latents", "next_latents", "log_probs",
+                               "negative_prompt_embeds"}
+    latents = samples[0]["latents"]
+    assert latents.shape[:2] == (3, 3) and samples[0]["next_latents"].shape == latents.shape  # (B, S, C, h, w)
+    assert samples[0]["log_probs"].shape == samples[0]["timesteps"].shape == (3, 3)  # (B, S)
+    assert torch.equal(samples[0]["latents"][:, 1:], samples[0]["next_latents"][:, :-1])  # x_t then x_{t-1}
+    assert samples[0]["prompt_embeds"].shape == samples[0]["negative_prompt_embeds"].shape
+    images, prompts, metadata = pairs[1]
+    assert len(images) == len(prompts) == len(metadata) == 3 and all(p in PROMPTS for p in prompts)
+    assert collate_samples(samples)["log_probs"].shape == (6, 3)
+    _, started = trainer._generate_samples(1, 2, start_rewards=True)  # step(): rewards begin with each batch
+    assert len(started[0]) == 5 and started[0][3].shape == (2,) and started[0][4] == {}

@@ -142,7 +142,7 @@ def test_response_logprobs_matches_naive_loop():
 def test_concatenated_forward_equals_separate_passes(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path)
     batch = first_batch(trainer)
-    chosen_logps, rejected_logps, chosen_logits, rejected_logits = trainer.concatenated_forward(trainer.model, batch)
+    chosen_logps, rejected_logps, chosen_logits, rejected_logits, _ = trainer.concatenated_forward(trainer.model, batch)
     assert chosen_logps.shape == rejected_logps.shape == (4,) and chosen_logits.shape[0] == 4
     with torch.no_grad():
         for side, got in (("chosen", chosen_logps), ("rejected", rejected_logps)):
@@ -180,7 +180,7 @@ def test_trainer_loss_matches_pure_dpo_loss(tokenizer, tmp_path):
     for loss_type, label_smoothing in [("hinge", 0.0), ("ipo", 0.0), ("robust", 0.1), ("sigmoid", 0.1)]:
         trainer.loss_type, trainer.label_smoothing = loss_type, label_smoothing
         loss, _ = trainer.get_batch_metrics(trainer.model, batch)  # classic name of get_batch_loss_metrics
-        pc, pr, _, _ = trainer.concatenated_forward(trainer.model, batch)
+        pc, pr = trainer.concatenated_forward(trainer.model, batch)[:2]
         rc, rr = trainer.compute_reference_log_probs(batch)
         losses, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type=loss_type, label_smoothing=label_smoothing)
         torch.testing.assert_close(loss, losses.mean())
@@ -199,7 +199,7 @@ def test_peft_policy_uses_disabled_adapter_as_reference(tokenizer, tmp_path):
     trainer.train()
     batch = first_batch(trainer)
     ref_chosen, _ = trainer.compute_reference_log_probs(batch)
-    policy_chosen, _, _, _ = trainer.concatenated_forward(trainer.model, batch)
+    policy_chosen = trainer.concatenated_forward(trainer.model, batch)[0]
     with torch.no_grad():
         logits = original(input_ids=batch["chosen_input_ids"], attention_mask=batch["chosen_attention_mask"]).logits
         expected = response_logprobs(logits, batch["chosen_labels"])

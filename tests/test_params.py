@@ -360,7 +360,7 @@ BAD_VALUES = [
     ("ppo.mini_batch_size", 0), ("ppo.batch_size", -64), ("sft.per_device_train_batch_size", -1),
     ("dpo.per_device_train_batch_size", 0), ("ppo.kl_penalty", "bogus"), ("ppo.ppo_epochs", 0),
     ("ppo.learning_rate", -1e-4), ("ppo.learning_rate", float("nan")), ("sft.learning_rate", 0.0),
-    ("dpo.beta", -0.1), ("dpo.beta", float("nan")), ("sft.num_train_epochs", float("inf")),
+    ("dpo.beta", -0.1), ("dpo.beta", float("nan")), ("dpo.loss_type", "kto_pair"), ("sft.num_train_epochs", float("inf")),
     ("dpo.num_train_epochs", float("inf")), ("sft.arch", "bert"), ("sft.max_seq_length", 97),
     ("dpo.max_length", 200), ("reward_model.max_length", 128), ("ppo.max_new_tokens", 96),
     ("ppo.max_new_tokens", 49), ("evaluate.max_new_tokens", 49),  # 48-token prompt budget + 49 > 96 positions
@@ -378,6 +378,15 @@ def test_bad_value_rejected_naming_the_key(tmp_path, raw, key, value):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(apply_overrides(raw, {key: value})))
     with pytest.raises(ParamsError, match=rf"params\.yaml: {key.replace('.', r'[.]')}: "):
         load_params(tmp_path / "params.yaml")
+
+
+def test_dpo_loss_type_vocabulary_is_the_trainers(raw):
+    from rlhf_core.losses import DPO_LOSS_TYPES
+    from tasks.param_rules import CHOICES
+
+    assert CHOICES[("dpo", "loss_type")] == DPO_LOSS_TYPES  # spelled out in param_rules: kept equal here
+    for loss_type in DPO_LOSS_TYPES:
+        assert parse_params(apply_overrides(raw, {"dpo.loss_type": loss_type})).dpo.loss_type == loss_type
 
 
 def test_positions_rule_only_for_the_built_model(raw):

@@ -127,6 +127,16 @@ def test_running_moments_match_numpy():
     assert rm.std == pytest.approx(everything.std(ddof=1), rel=1e-6)
 
 
+def test_running_moments_start_from_one_value():
+    # DPO's bco_pair folds in one batch mean at a time: the first update has a total count of 1 (+ 1e-24), so the
+    # unbiased std divides by 0 (inf, as TRL 0.11.4's tensor arithmetic gives) instead of raising
+    rm = RunningMoments()
+    assert rm.update(torch.tensor(2.0)) == (2.0, 0.0)
+    assert rm.mean == 2.0 and rm.std == math.inf
+    rm.update(torch.tensor(4.0))
+    assert rm.mean == pytest.approx(3.0) and rm.std == pytest.approx(math.sqrt(2.0))
+
+
 # ---------------------------------------------------------------------------- construction and input checks
 
 

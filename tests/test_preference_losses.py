@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_core.losses import DPO_LOSS_TYPES, dpo_loss, pairwise_reward_loss
+from rlhf_core.losses import dpo_loss, pairwise_reward_loss
 
 
 def t(*values: float) -> torch.Tensor:
@@ -79,7 +79,7 @@ def test_reference_free_ignores_reference():
     torch.testing.assert_close(rejected, BETA * PR, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "robust"])  # all types: test_dpo_loss_types.py
 def test_finite_at_extreme_log_probs(loss_type):
     big = t(-1e4, -1e-8, -5e3)
     small = t(-1e-8, -1e4, -5e3)

@@ -45,8 +45,9 @@ def make_targets() -> set[str]:
 
 
 def problems_of(command: str, targets: set[str], venv_bin: Path) -> list[str]:
-    """Why ``command`` would not run as typed in a clone after ``make run`` (empty when it would)."""
-    first, *rest = command.split()
+    """Why ``command`` would not run as typed in a clone after ``make run`` (empty when it would); ``<...>`` is a
+    placeholder the reader fills in."""
+    first, *rest = re.sub(r"<[^>]*>", "PLACEHOLDER", command).split()
     if first in VENV_ONLY:
         return [f"`{command}`: bare {first} works only in an activated venv; write .venv/bin/{first} or a make target"]
     if first == "make":
@@ -64,6 +65,7 @@ def test_commands_are_read_from_code_blocks():
     assert problems_of("make run", targets, venv_bin) == []
     assert problems_of("make nope FILE=x", targets, venv_bin) == ["`make nope FILE=x`: no make target 'nope'"]
     assert "activated venv" in problems_of("dvc repro", targets, venv_bin)[0]
+    assert problems_of("make run DVC_REMOTE=<the team URL>", targets, venv_bin) == []
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the project's venv (make setup)")
@@ -80,3 +82,93 @@ def test_the_end_of_make_run_prints_runnable_commands():
     targets, venv_bin = make_targets(), Path(sys.prefix) / "bin"
     problems = [p for command, _ in NEXT_COMMANDS for p in problems_of(command, targets, venv_bin)]
     assert not problems and len(NEXT_COMMANDS) >= 4, problems
+
+
+# --------------------------------------------------------------------------------------------
+# slow: the end block's commands, run as typed in a clone after a (tiny) pipeline run
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_and_probe(cmd: list[str], cwd: Path, url: str, env: dict, timeout: float = 120) -> str:
+    """Start a server command (its own process group), wait until ``url`` answers 200, stop it by PID; returns
+    what it printed."""
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    log = cwd / f".serve-{abs(hash(url))}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"{cmd} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"{url} did not answer:\n{log.read_text()[-3000:]}"
+            time.sleep(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs the project's venv (make setup)")
+def test_the_end_blocks_commands_work_in_a_clone_after_a_pipeline_run(tmp_path):
+    """A clone (the project's venv linked in, tiny params), one pipeline run, then every command the end block
+    prints, as typed, from a shell whose PATH has no venv: the dvc lines, make mlflow-ui, make prefect-ui."""
+    import os
+    import subprocess
+
+    from _pipeline_project import TINY
+    from tasks.params import apply_overrides, read_raw
+
+    import yaml
+
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    (clone / ".venv").symlink_to(Path(sys.prefix))
+    raw = apply_overrides(read_raw(clone / "params.yaml"), TINY)
+    (clone / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RLHF_PARENT_RUN_ID",
+                                                             "PREFECT_API_URL")}
+    env.update(PATH="/usr/bin:/bin", PREFECT_HOME=str(tmp_path / "prefect-home"))  # a shell with no venv on PATH
+
+    def sh(command: str, timeout: float = 900) -> str:
+        out = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+        assert out.returncode == 0, f"`{command}` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        return out.stdout + out.stderr
+
+    end = sh(".venv/bin/python -m flows.pipeline")
+    for command, _ in NEXT_COMMANDS:
+        if command.startswith(".venv/bin/"):
+            sh(command)
+    assert (clone / "dvc_plots" / "index.html").is_file()  # .venv/bin/dvc plots show, offline template
+    assert "cdn.jsdelivr" not in (clone / "dvc_plots" / "index.html").read_text()
+    assert "Next:" in end and "make mlflow-ui" in end
+    make = ["make", "-o", ".venv/.installed"]  # the venv is the test's own: setup is not re-run here
+    port = _free_port()
+    printed = _serve_and_probe([*make, "mlflow-ui", f"MLFLOW_PORT={port}"], clone, f"http://127.0.0.1:{port}/health", env)
+    assert f"http://127.0.0.1:{port}/#/experiments/" in printed and "workflowType=machine_learning" in printed
+    assert "side by side" in printed and "compare-runs" in printed
+    port = _free_port()
+    _serve_and_probe([*make, "prefect-ui", f"PREFECT_PORT={port}"], clone, f"http://127.0.0.1:{port}/api/health", env)

@@ -302,3 +302,58 @@ def test_neftune_keyword_overrides_config_and_torch_dtype_is_checked(tokenizer, 
                    processing_class=tokenizer, dataset_text_field="text", model_init_kwargs={"torch_dtype": -1})
     with pytest.raises(ValueError, match="but got Tensor"):
         checked_init_kwargs({"torch_dtype": "Tensor"}, "DPOConfig", "ref_model_init_kwargs")
+
+
+# ---- an evaluation strategy without an eval dataset (TRL 0.11 with transformers 4.45 accepts it) -----------
+
+
+def test_eval_strategy_without_eval_dataset_trains_when_no_evaluation_falls_in_the_run(tokenizer, tmp_path):
+    # eval_steps defaults to logging_steps (500): the 2-step run ends first, so TRL 0.11 never evaluated
+    from rlhf_core.trainers.sft import SFTConfig
+
+    args = SFTConfig(output_dir=str(tmp_path), eval_strategy="steps", max_steps=2, per_device_train_batch_size=2,
+                     max_seq_length=16, dataset_text_field="text", report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = SFTTrainer(tiny_causal_lm(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
+                         tokenizer=tokenizer)
+    assert args.eval_strategy == "steps"  # the caller's arguments are left as given
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.state.log_history[-1]["train_loss"] is not None
+    assert not any(key.startswith("eval_") for entry in trainer.state.log_history for key in entry)
+
+
+@pytest.mark.parametrize("overrides, due", [({"eval_strategy": "steps", "eval_steps": 2}, 2),
+                                            ({"eval_strategy": "steps", "eval_steps": 0.5}, 2),
+                                            ({"eval_strategy": "epoch"}, 2)])
+def test_eval_strategy_without_eval_dataset_is_refused_before_training_when_an_evaluation_is_due(
+    overrides, due, tokenizer, tmp_path
+):
+    model = tiny_causal_lm(tokenizer)
+    trainer = SFTTrainer(model, args=small_args(tmp_path, max_steps=3, **overrides),
+                         train_dataset=Dataset.from_dict({"text": TEXTS}), tokenizer=tokenizer, max_seq_length=16,
+                         dataset_text_field="text")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"evaluates at step {due} of this run's 3, but no eval_dataset was given"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_eval_strategy_with_an_eval_dataset_still_evaluates(tokenizer, tmp_path):
+    dataset = Dataset.from_dict({"text": TEXTS})
+    trainer = SFTTrainer(tiny_causal_lm(tokenizer), args=small_args(tmp_path, max_steps=2, eval_strategy="steps",
+                                                                    eval_steps=1, per_device_eval_batch_size=4),
+                         train_dataset=dataset, eval_dataset=dataset, tokenizer=tokenizer, max_seq_length=16,
+                         dataset_text_field="text")
+    trainer.train()
+    assert sum("eval_loss" in entry for entry in trainer.state.log_history) >= 2
+
+
+def test_packing_data_too_short_for_one_block_is_refused_as_trl_does(tokenizer, tmp_path):
+    # TRL 0.11 packs a sized dataset up front and refuses one that yields no max_seq_length block
+    dataset = Dataset.from_dict({"text": TEXTS[:2]})
+    with pytest.raises(ValueError, match=r"enough samples to at least yield one packed sequence. \(2 rows give fewer "
+                                         r"than max_seq_length=1024 tokens"):
+        SFTTrainer(tiny_causal_lm(tokenizer), args=small_args(tmp_path), train_dataset=dataset, tokenizer=tokenizer,
+                   dataset_text_field="text", packing=True, max_seq_length=1024)
+    packed = ConstantLengthDataset(tokenizer, dataset, dataset_text_field="text", seq_length=1024, infinite=True)
+    assert not packed.fills_a_block() and packed.infinite  # one pass decides; the dataset itself keeps repeating
+    assert ConstantLengthDataset(tokenizer, dataset, dataset_text_field="text", seq_length=4).fills_a_block()

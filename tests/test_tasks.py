@@ -231,3 +231,19 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
                           min_improvement=0.0, max_kl=1e9, significance=0.05, bootstrap_samples=100, seed=0)
     best = max(("grpo", "rloo", "kto"), key=lambda n: results[n]["gold_reward"])
     assert pick_challenger(results, rule) == best
+
+
+def test_dpo_stage_trains_with_a_non_default_loss_type_that_evaluate_then_scores(project):
+    from tasks.stage_task import run_stage
+
+    off = {f"{stage}.enabled": False for stage in ("ppo", "grpo", "rloo", "kto")}
+    write_params(project, {**off, "dpo.loss_type": "apo_zero", "dpo.sample_every": 0})
+    for stage in ("prepare", "sft", "reward_model", "ppo", "grpo", "rloo", "kto"):
+        run_stage(stage, str(project))
+    metrics = run_stage("dpo", str(project))
+    # the trainer used APO-zero: from policy == reference its loss starts at 1 - sigmoid(0) + sigmoid(0) = 1 (the DPO
+    # sigmoid loss at log 2 = 0.69); the tiny run's 1-2 steps move it by a few hundredths (0.97 measured)
+    assert metrics["steps"] >= 1 and abs(metrics["train_loss"] - 1.0) < 0.1
+    assert "| loss_type | apo_zero |" in (project / "models" / "dpo" / "README.md").read_text()
+    results = run_stage("evaluate", str(project))
+    assert list(results) == ["sft", "dpo"] and set(results["dpo"]) == set(results["sft"])

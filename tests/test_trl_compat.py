@@ -126,7 +126,7 @@ def test_dpo_without_model_or_model_init_names_both(tokenizer, tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("rpo_alpha", 0.5), ("sync_ref_model", True), ("max_completion_length", 4)],
+    [("model_adapter_name", "train"), ("ref_adapter_name", "reference")],  # RPO, TR-DPO, enc-dec: test_dpo_extensions
 )
 def test_dpo_config_refuses_what_rlhf_core_does_not_implement(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"DPOConfig.{field}="):
@@ -406,6 +406,22 @@ def test_sft_renders_a_conversational_dataset_with_the_chat_template(tokenizer, 
                          train_dataset=rows)
     expected = chat("user: a good film\n", add_special_tokens=True)["input_ids"] + [chat.eos_token_id]
     assert trainer.train_dataset[0]["input_ids"] == expected
+
+
+@pytest.mark.parametrize("column", ["conversations", None])
+def test_sft_renders_conversations_and_prompt_completion_rows_with_the_chat_template(column, tokenizer, tmp_path):
+    # TRL 0.11's get_formatting_func_from_dataset: a `conversations` column like `messages`; an instruction dataset
+    # (exactly prompt and completion) as a user turn and the assistant's answer
+    chat = tokenizer.__class__.from_pretrained(_saved(tokenizer, tmp_path))
+    chat.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"  # + needs str
+    answers = ["yes", "no, a dull one"]
+    turns = [[{"role": "user", "content": "a good film"}, {"role": "assistant", "content": a}] for a in answers]
+    rows = Dataset.from_dict({column: turns} if column else {"prompt": ["a good film"] * 2, "completion": answers})
+    trainer = SFTTrainer(model=tiny_causal_lm(tokenizer), args=cpu_args(SFTConfig, tmp_path), tokenizer=chat,
+                         train_dataset=rows)
+    for row, answer in zip(trainer.train_dataset, answers):
+        text = f"user: a good film\nassistant: {answer}\n"
+        assert row["input_ids"] == chat(text, add_special_tokens=True)["input_ids"] + [chat.eos_token_id]
 
 
 def _saved(tokenizer, tmp_path) -> str:

@@ -420,3 +420,18 @@ def test_loads_classic_trl_peft_layout(tokenizer, tmp_path):
     loaded = CausalVH.from_pretrained(tmp_path / "policy")
     assert torch.equal(loaded.v_head.summary.weight, model.v_head.summary.weight)
     assert torch.equal(loaded.v_head.summary.bias, model.v_head.summary.bias)
+
+
+@pytest.mark.parametrize("wrapper, base", [("causal", "gpt2"), ("seq2seq", "t5")])
+def test_value_head_wrappers_refuse_a_model_without_lm_head(wrapper, base, tokenizer):
+    # TRL 0.11's test_raise_error_not_causallm: a bare GPT2Model / T5Model (no LM head) is a ValueError
+    from transformers import AutoModel
+
+    causal, seq2seq = tiny_causal_lm(tokenizer), tiny_seq2seq_lm(tokenizer)
+    bare = AutoModel.from_config((causal if base == "gpt2" else seq2seq).config)
+    cls = AutoModelForCausalLMWithValueHead if wrapper == "causal" else AutoModelForSeq2SeqLMWithValueHead
+    with pytest.raises(ValueError, match="The model does not have a language model head"):
+        cls.from_pretrained(bare)
+    with pytest.raises(ValueError, match="does not have a language model head"):
+        cls(bare)
+    assert cls.from_pretrained(causal if wrapper == "causal" else seq2seq).v_head is not None

@@ -163,13 +163,40 @@ def save_zen(root: Path) -> None:
     (folder / "README.md").write_text("\n".join(yaml + ["---", ""]))
 
 
-def save_tiny_diffusion(root: Path) -> None:
-    """``hf-internal-testing/tiny-stable-diffusion-torch``: rlhf_core's offline tiny pipeline, when importable."""
+def save_tiny_diffusion(root: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    """``hf-internal-testing/tiny-stable-diffusion-torch`` when diffusers is installed: a random Stable-Diffusion
+    pipeline of the hub checkpoint's shapes as TRL's DDPO tests assert them (64x64 latents of 4 channels, a CLIP
+    text encoder of width 32 over 77 tokens), built with this venv's diffusers and transformers only, so the same
+    fixture serves rlhf_core and TRL alike. Without diffusers (today's trl venv) the DDPO tests skip."""
     try:
-        from rlhf_core.ddpo.pipeline import tiny_stable_diffusion_pipeline
-    except Exception:  # noqa: BLE001 - the trl venv has no rlhf_core / diffusers: DDPO tests are skipped there
+        from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    except ImportError:
         return
-    tiny_stable_diffusion_pipeline(seed=0).save_pretrained(root / "hf-internal-testing" / "tiny-stable-diffusion-torch")
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    clip_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>",
+                                             bos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                             pad_token="<|endoftext|>", model_max_length=77)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=64, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+    )
+    vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(32, 64), latent_channels=4,
+                        layers_per_block=1, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, sample_size=128, norm_num_groups=32)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, pad_token_id=clip_tokenizer.pad_token_id, bos_token_id=clip_tokenizer.bos_token_id,
+        eos_token_id=clip_tokenizer.eos_token_id,
+    ))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1)
+    pipeline = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=clip_tokenizer, unet=unet,
+                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    pipeline.save_pretrained(root / "hf-internal-testing" / "tiny-stable-diffusion-torch")
 
 
 def main(root: Path) -> None:
@@ -177,15 +204,17 @@ def main(root: Path) -> None:
     tokenizer.save_pretrained(root / "gpt2")
     for name, model_type in CAUSAL.items():
         save_model(root, name, model_type, AutoModelForCausalLM, tokenizer)
+    seq2seq_tokenizer = build_tokenizer()
+    seq2seq_tokenizer.pad_token = seq2seq_tokenizer.eos_token  # as the hub's T5/BART tokenizers, these have a pad token
     for name, model_type in SEQ2SEQ.items():
         try:  # best effort: an architecture this transformers cannot build is a test that needs a download
-            save_model(root, name, model_type, AutoModelForSeq2SeqLM, tokenizer)
+            save_model(root, name, model_type, AutoModelForSeq2SeqLM, seq2seq_tokenizer)
         except Exception as error:  # noqa: BLE001
             print(f"not served: {name} ({type(error).__name__}: {error})", file=sys.stderr)
     for name, model_type in BASE.items():
         save_model(root, name, model_type, AutoModel, tokenizer)
     save_zen(root)
-    save_tiny_diffusion(root)
+    save_tiny_diffusion(root, tokenizer)
 
 
 if __name__ == "__main__":

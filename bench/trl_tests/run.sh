@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# Run classic TRL 0.11.4's own unit tests against rlhf_core (default) or against trl 0.11.4 itself (--trl).
-#   bench/trl_tests/run.sh [--trl] TRL_CHECKOUT [pytest args...]
+# Run classic TRL 0.11.4's own unit tests against rlhf_core (default) or against trl 0.11.4 itself: with today's
+# libraries (--trl, bench/.trl-venv) or with those of its release, October 2024 (--trl-era, bench/.trl-era-venv).
+#   bench/trl_tests/run.sh [--trl | --trl-era] TRL_CHECKOUT [pytest args...]
 # TRL_CHECKOUT: a checkout of github.com/huggingface/trl at tag v0.11.4 (the PyPI sdist and wheel ship no tests):
 #   git clone --depth 1 --branch v0.11.4 https://github.com/huggingface/trl bench/.cache/trl-v0.11.4
 # Hub ids are served by local random-weight models (fixtures.py); nothing is downloaded.
+#   bench/trl_tests/run.sh --all TRL_CHECKOUT [pytest args...]   all three, then rlhf_core against each baseline
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
+if [ "${1:-}" = "--all" ]; then
+  shift
+  for mode in --trl-era --trl ""; do bash "$0" $mode "$@"; done
+  PYTHON_CMP="${PYTHON:-$REPO/.venv/bin/python}"
+  "$PYTHON_CMP" "$HERE/compare.py" "$HERE/.work/trl-era/junit.xml" "$HERE/.work/rlhf_core/junit.xml" \
+    "release-era libraries"
+  "$PYTHON_CMP" "$HERE/compare.py" "$HERE/.work/trl/junit.xml" "$HERE/.work/rlhf_core/junit.xml" "today's libraries"
+  exit 0
+fi
 MODE=rlhf_core
-if [ "${1:-}" = "--trl" ]; then MODE=trl; shift; fi
-CHECKOUT="${1:?usage: run.sh [--trl] TRL_CHECKOUT [pytest args]  (a trl v0.11.4 checkout, see README.md)}"
+case "${1:-}" in
+  --trl) MODE=trl; shift ;;
+  --trl-era) MODE=trl-era; shift ;;
+esac
+CHECKOUT="${1:?usage: run.sh [--trl | --trl-era] TRL_CHECKOUT [pytest args]  (a trl v0.11.4 checkout, see README.md)}"
 shift
 test -f "$CHECKOUT/tests/test_core.py" || { echo "no tests/test_core.py under $CHECKOUT: not a trl checkout" >&2; exit 2; }
 # TRL_TEST_FILES="test_dpo_trainer.py ..." runs a subset.
@@ -20,6 +34,10 @@ if [ "$MODE" = trl ]; then
   "$REPO/bench/setup_trl_venv.sh"
   PY="$REPO/bench/.trl-venv/bin/python"
   "$PY" -c "import pytest, PIL" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check pytest pillow  # the tests import PIL
+  PYPATH=""
+elif [ "$MODE" = trl-era ]; then
+  "$REPO/bench/setup_trl_era_venv.sh"   # trl 0.11.4 with transformers 4.45.2, datasets 3.0.1, ... (and pytest, PIL)
+  PY="$REPO/bench/.trl-era-venv/bin/python"
   PYPATH=""
 else
   PY="${PYTHON:-$REPO/.venv/bin/python}"   # the project's venv (make setup), or PYTHON=another interpreter
@@ -34,9 +52,10 @@ if ! PYTHONPATH="$EXTRAS" "$PY" -c "import parameterized" 2>/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check --target "$EXTRAS" parameterized
 fi
 PYPATH="${PYPATH:+$PYPATH:}$EXTRAS"
-if [ ! -f "$WORK/.fixtures" ]; then  # cached: the models and datasets only depend on fixtures.py
+FIXTURES_MD5="$(md5sum "$HERE/fixtures.py" | cut -d' ' -f1)"
+if [ "$(cat "$WORK/.fixtures" 2>/dev/null)" != "$FIXTURES_MD5" ]; then  # cached: they only depend on fixtures.py
   PYTHONPATH="$PYPATH" "$PY" "$HERE/fixtures.py" "$WORK" >"$WORK/fixtures.log" 2>&1
-  touch "$WORK/.fixtures"
+  echo "$FIXTURES_MD5" >"$WORK/.fixtures"
 fi
 rm -rf "$WORK/tests" && cp -r "$CHECKOUT/tests" "$WORK/tests" && rm -rf "$WORK/tests/slow"
 if [ "$MODE" = rlhf_core ]; then cp "$HERE/conftest.py" "$WORK/conftest.py"; else rm -f "$WORK/conftest.py"; fi

@@ -14,7 +14,10 @@ config fields (lr, beta, group size, sampling, seed, steps).
 Prints one JSON line: the gold reward of the samples at the first and last steps (the reward function
 records the mean of every call: one call per step), their gain, seconds per step (median of the
 steps after the first, timed by a TrainerCallback around each optimizer step: generation, reward,
-loss, backward and update), the logged KL, and the peak RSS. ``"profile_step": k`` in the arguments prints
+loss, backward and update), the logged KL, and the peak RSS; per step, the seconds of its generation, reward and
+reference-forward phases (synchronised timers around the trainers' own methods, ``PHASES``) and its prompt and
+completion tokens. The GPU is used when there is one. ``"arch"`` picks another policy shape (``ARCHS``: GPT-2
+small's, Qwen2-0.5B's) and ``"bf16": true`` both trainers' bf16 mixed precision: the GPU bench's rows. ``"profile_step": k`` in the arguments prints
 a cProfile of step k to stderr (the evidence behind "what bounds it" in bench/analysis.md); with
 ``"profile_file": path`` too, the raw profile is written there for bench/online_phases.py.
 """
@@ -25,7 +28,6 @@ import os
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,8 +35,29 @@ import common  # noqa: E402
 
 # The policy of this workload: GPT-2 with 4 layers of width 128 over the rt-polarity tokenizer.
 ARCH = {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 128, "vocab_size": 2048, **common.NO_DROPOUT}
+# Other policies (``"arch"`` argument), for the GPU bench: GPT-2 small's shape over the same 2048-token vocabulary,
+# and Qwen2-0.5B's published shape (random weights; ids the rt-polarity tokenizer lacks decode to nothing),
+# with a 2-layer Qwen2 for the CPU smoke run of the same rows.
+QWEN2_IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # the bench tokenizers' EOS / PAD
+ARCHS = {
+    "4x128": ("gpt2", ARCH),
+    "gpt2s": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 256, "vocab_size": 2048,
+                       **common.NO_DROPOUT}),
+    "qwen2-0.5b": ("qwen2", {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                             "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+                             "tie_word_embeddings": True, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                             "max_position_embeddings": 32768, **QWEN2_IDS}),
+    "qwen2-tiny": ("qwen2", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 4096,
+                             "tie_word_embeddings": True, **QWEN2_IDS}),
+}
 DEFAULTS = {"steps": 40, "seed": 0, "completions_per_step": 64, "num_generations": 8, "learning_rate": 1e-4,
-            "beta": 0.04, "max_completion_length": 20, "prompt_words": 4, "threads": 1}
+            "beta": 0.04, "max_completion_length": 20, "prompt_words": 4, "threads": 1, "arch": "4x128",
+            "bf16": False}
+# Per library, the trainer method of each timed phase (the policy update is the rest of the step).
+PHASES = {"ours": {"generation": "_sample", "reward": "_rewards", "reference forward": "_reference_logprobs"},
+          "trl116": {"generation": "_generate", "reward": "_calculate_rewards",
+                     "reference forward": "_get_per_token_logps_and_entropies"}}
 
 
 def parse() -> tuple[str, str, dict]:
@@ -61,19 +84,21 @@ def tokenizer_path():
     return path
 
 
-def model_dir():
-    """bench/.cache/models/online-4x128-seed0: a save_pretrained directory (written once, atomically)."""
+def model_dir(arch: str = "4x128"):
+    """bench/.cache/models/online-<arch>-seed0: a save_pretrained directory (written once, atomically)."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-    path = common.checkpoint_dir("online-4x128-seed0")
+    family, kwargs = ARCHS[arch]
+    path = common.checkpoint_dir(f"online-{arch}-seed0")
     if not (path / "config.json").exists():
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = GPT2LMHeadModel(GPT2Config(**ARCH))
+            model = GPT2LMHeadModel(GPT2Config(**kwargs)) if family == "gpt2" else Qwen2ForCausalLM(Qwen2Config(**kwargs))
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         model.save_pretrained(str(tmp))
-        tmp.rename(path)
+        if not path.exists():  # another process may have written it meanwhile
+            tmp.rename(path)
     return path
 
 
@@ -101,10 +126,11 @@ class GoldJudge:
         return scores
 
 
-def step_timer(profile_step: int | None = None, profile_file: str | None = None):
-    """A TrainerCallback timing each optimizer step (on_step_begin .. on_step_end); with ``profile_step`` = k it
-    also runs cProfile over step k (1-based), prints the top functions by own time to stderr and, given
-    ``profile_file``, writes the raw profile there."""
+def step_timer(profile_step: int | None = None, profile_file: str | None = None, phases=None):
+    """A TrainerCallback timing each optimizer step (on_step_begin .. on_step_end; ``common.clock``: on a GPU after
+    its queued work); with ``profile_step`` = k it also runs cProfile over step k (1-based), prints the top
+    functions by own time to stderr and, given ``profile_file``, writes the raw profile there. ``phases``
+    (a ``common.PhaseClock``) is closed at the end of every step."""
     import cProfile
     import pstats
 
@@ -120,10 +146,12 @@ def step_timer(profile_step: int | None = None, profile_file: str | None = None)
             if profile_step == len(self.seconds) + 1:
                 self._profile = cProfile.Profile()
                 self._profile.enable()
-            self._t = time.perf_counter()
+            self._t = common.clock()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self._t)
+            self.seconds.append(common.clock() - self._t)
+            if phases is not None:
+                phases.end_step()
             if self._profile is not None:
                 self._profile.disable()
                 for order in ("tottime", "cumulative"):
@@ -145,13 +173,38 @@ def classes(lib: str, method: str):
 
 
 def config_kwargs(args: dict, out_dir: str) -> dict:
-    """The same config fields on both sides (TRL 1.16 names), CPU settings TRL 1.16 needs spelled out."""
+    """The same config fields on both sides (TRL 1.16 names), settings TRL 1.16 defaults differently spelled out.
+    The GPU is used when there is one; ``"bf16": true`` is both trainers' bf16 mixed precision."""
+    import torch
+
     return dict(output_dir=out_dir, report_to="none", max_steps=args["steps"], logging_steps=1, save_strategy="no",
                 seed=args["seed"], learning_rate=args["learning_rate"], beta=args["beta"],
                 per_device_train_batch_size=args["completions_per_step"], num_generations=args["num_generations"],
                 max_completion_length=args["max_completion_length"], temperature=1.0, top_k=0, top_p=1.0,
-                bf16=False, gradient_checkpointing=False, use_vllm=False, disable_dropout=True,
-                use_cpu=True, dataloader_num_workers=0)
+                bf16=bool(args["bf16"]), gradient_checkpointing=False, use_vllm=False, disable_dropout=True,
+                use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+
+
+def time_phases(trainer, lib: str, tokenizer, clock) -> dict:
+    """Wrap the trainer's phase methods in ``clock``; returns the per-step token counts the reward call sees."""
+    methods = PHASES[lib]
+    reference = getattr(trainer, "ref_model", None)
+    for phase, name in methods.items():
+        when = None
+        if lib == "trl116" and phase == "reference forward":  # the same method also runs the policy
+            when = lambda a, k: (a[0] if a else k.get("model")) is reference  # noqa: E731
+        clock.wrap(trainer, name, phase, when)
+    tokens: dict = {"prompt": [], "completion": []}
+    reward = getattr(trainer, methods["reward"])
+
+    def counted(*args, **kwargs):  # (inputs or rows, prompts, completions, completion_ids) in both libraries
+        prompts, completion_ids = args[1], args[3]
+        tokens["prompt"].append(sum(len(ids) for ids in tokenizer([str(p) for p in prompts])["input_ids"]))
+        tokens["completion"].append(sum(len(ids) for ids in completion_ids))
+        return reward(*args, **kwargs)
+
+    setattr(trainer, methods["reward"], counted)
+    return tokens
 
 
 def main():
@@ -164,40 +217,37 @@ def main():
 
     rss_imports = common.current_rss_mb()
     tokenizer = common.load_tokenizer(tokenizer_path(), padding_side="left")
-    path = model_dir()
+    path = model_dir(args["arch"])
     torch.manual_seed(args["seed"])
     model = AutoModelForCausalLM.from_pretrained(str(path))
     dataset = Dataset.from_dict({"prompt": prompts(args["prompt_words"])})
-    judge, timer = GoldJudge(), step_timer(args.get("profile_step"), args.get("profile_file"))
+    phases = common.PhaseClock()
+    judge, timer = GoldJudge(), step_timer(args.get("profile_step"), args.get("profile_file"), phases)
     Config, Trainer = classes(lib, method)
     with tempfile.TemporaryDirectory() as out_dir:
         config = Config(**config_kwargs(args, out_dir))
         trainer = Trainer(model=model, reward_funcs=judge, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
+        tokens = time_phases(trainer, lib, tokenizer, phases)
         rss_setup = common.current_rss_mb()
-        t = time.perf_counter()
+        t = common.clock()
         trainer.train()
-        train_seconds = time.perf_counter() - t
+        train_seconds = common.clock() - t
     means = [sum(c) / len(c) for c in judge.calls]
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     kls = [float(h["kl"]) for h in logs if "kl" in h]
-    result = {"lib": version(lib), "method": method, "seed": args["seed"], "steps": len(timer.seconds),
+    result = {"lib": common.version_of(lib), "method": method, "seed": args["seed"], "steps": len(timer.seconds),
               "reward_calls": len(judge.calls), "completions_per_call": [len(c) for c in judge.calls][:1],
               "gold_first": means[0], "gold_last": means[-1], "gold_gain": means[-1] - means[0],
               "gold_first5": statistics.mean(means[:5]), "gold_last5": statistics.mean(means[-5:]),
               "gold_gain5": statistics.mean(means[-5:]) - statistics.mean(means[:5]), "gold_per_step": means,
               "kl_per_step": kls, "final_kl": kls[-1] if kls else None,
               "step_seconds": timer.seconds, "seconds_per_step": statistics.median(timer.seconds[1:] or timer.seconds),
-              "train_seconds": train_seconds, "rss_after_imports_mb": rss_imports, "rss_after_setup_mb": rss_setup}
+              "train_seconds": train_seconds, "rss_after_imports_mb": rss_imports, "rss_after_setup_mb": rss_setup,
+              "phase_seconds": phases.steps, "prompt_tokens": tokens["prompt"],
+              "completion_tokens": tokens["completion"], "arch": args["arch"], "bf16": bool(args["bf16"]),
+              "matmul_params": common.matmul_params(model)}
     common.emit(result)
-
-
-def version(lib: str) -> str:
-    if lib == "trl116":
-        import trl
-
-        return f"trl {trl.__version__}"
-    return common.version_of("ours")
 
 
 if __name__ == "__main__":

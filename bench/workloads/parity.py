@@ -46,7 +46,7 @@ def main():
         g = torch.Generator().manual_seed(5)
         for name, p in unwrapped.pretrained_model.named_parameters():
             if name.startswith("transformer.ln_f") or name.startswith("transformer.h.1.mlp"):
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+                p.add_((0.05 * torch.randn(p.shape, generator=g)).to(p.device))  # drawn on the CPU: same values on a GPU
     stats = trainer.step(queries, responses, scores)
     out = {k: float(np.asarray(stats[k]).mean()) for k in SCALARS}
     out["objective/kl_dist"] = [float(x) for x in np.asarray(stats["objective/kl_dist"]).reshape(-1)]

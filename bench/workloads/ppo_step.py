@@ -8,7 +8,6 @@ FLOP estimate uses.
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
@@ -40,9 +39,9 @@ def main():
     )
     times, warmup_times = [], []
     for i in range(args.get("warmup", 1) + args["steps"]):
-        t = time.perf_counter()
+        t = common.clock()
         stats = trainer.step(queries, responses, scores)
-        (times if i >= args.get("warmup", 1) else warmup_times).append(time.perf_counter() - t)
+        (times if i >= args.get("warmup", 1) else warmup_times).append(common.clock() - t)
     width = max(len(q) + len(r) for q, r in zip(queries, responses))
     common.emit({
         "lib": common.version_of(lib), "step_seconds": times, "warmup_seconds": warmup_times,  # compile time

@@ -167,16 +167,18 @@ class DDPOTrainer:
 
     def step(self, epoch: int, global_step: int) -> int:
         """One DDPO epoch: sample, reward, advantages, inner PPO epochs, log, checkpoint. Returns global_step."""
-        samples, prompt_image_data = self._generate_samples(
-            self.config.sample_num_batches_per_epoch, self.config.sample_batch_size
+        sample_batches, prompt_image_data = self._generate_samples(
+            self.config.sample_num_batches_per_epoch, self.config.sample_batch_size, start_rewards=True
         )
+        samples = collate_samples(sample_batches)  # (N, ...) per key
         rewards = self._collect_rewards(prompt_image_data)  # (N,)
         self.tracker.log({
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std(unbiased=False).item(), "epoch": epoch,
         }, step=global_step)
         if self.image_samples_callback is not None:
             self.image_samples_callback(prompt_image_data, global_step, self.tracker)
-        samples["advantages"] = self._advantages(samples["prompts"], rewards).to(self.device)  # (N,)
+        prompts = [prompt for entry in prompt_image_data for prompt in entry[1]]  # (N,)
+        samples["advantages"] = self._advantages(prompts, rewards).to(self.device)  # (N,)
         for inner_epoch in range(self.config.train_num_inner_epochs):
             batches = self._shuffled_batches(samples)
             global_step = self._train_batched_samples(inner_epoch, epoch, global_step, batches)
@@ -185,15 +187,20 @@ class DDPOTrainer:
             self.save_checkpoint(epoch, global_step)
         return global_step
 
-    def _generate_samples(self, iterations: int, batch_size: int) -> tuple[dict[str, Any], list[list[Any]]]:
-        """Sample ``iterations`` batches; rewards are started (maybe in threads) but not awaited.
+    def _generate_samples(
+        self, iterations: int, batch_size: int, start_rewards: bool = False
+    ) -> tuple[list[dict[str, torch.Tensor]], list[list[Any]]]:
+        """Sample ``iterations`` batches of ``batch_size`` trajectories, as TRL 0.11.4 returns them.
 
-        Returns the samples (tensors stacked over N = iterations * batch_size) and one
-        ``[images, prompts, prompt_metadata, rewards (Future or value), reward_metadata]`` per batch.
+        Returns one sample dict per batch (``prompt_embeds`` (B, L, D), ``timesteps`` (B, S), ``latents`` (B, S, C,
+        h, w) the latent before each step, ``next_latents`` the one after it, ``log_probs`` (B, S) and
+        ``negative_prompt_embeds`` (B, L, D)) and one ``[images, prompts, prompt_metadata]`` per batch. With
+        ``start_rewards`` (``step``) each of those also gets its rewards, started as soon as the batch is sampled
+        (in threads when rewards are asynchronous, not awaited) and an empty reward metadata:
+        ``[images, prompts, prompt_metadata, rewards (Future or value), {}]``.
         """
         config = self.config
-        parts: dict[str, list] = defaultdict(list)
-        prompt_image_data = []
+        samples, prompt_image_data = [], []
         for _ in range(iterations):
             prompts, metadata = zip(*[self.prompt_fn() for _ in range(batch_size)])
             prompt_embeds = self.sd_pipeline.encode_prompts(prompts)  # (B, L, D)
@@ -203,15 +210,17 @@ class DDPOTrainer:
                     prompt_embeds, negative, num_inference_steps=config.sample_num_steps,
                     guidance_scale=config.sample_guidance_scale, eta=config.sample_eta, generator=self.generator,
                 )
-            parts["prompt_embeds"].append(prompt_embeds)
-            parts["timesteps"].append(out.timesteps)  # (B, S)
-            parts["latents"].append(out.latents[:, :-1])  # (B, S, C, h, w)  x_t
-            parts["next_latents"].append(out.latents[:, 1:])  # (B, S, C, h, w)  x_{t-1}
-            parts["log_probs"].append(out.log_probs)  # (B, S)
-            parts["prompts"].extend(prompts)
-            reward = self._start_reward(out.images, prompts, metadata)
-            prompt_image_data.append([out.images, prompts, metadata, reward, {}])
-        samples = {key: torch.cat(value) if key != "prompts" else value for key, value in parts.items()}
+            samples.append({
+                "prompt_embeds": prompt_embeds,
+                "timesteps": out.timesteps,  # (B, S)
+                "latents": out.latents[:, :-1],  # (B, S, C, h, w)  x_t
+                "next_latents": out.latents[:, 1:],  # (B, S, C, h, w)  x_{t-1}
+                "log_probs": out.log_probs,  # (B, S)
+                "negative_prompt_embeds": negative,
+            })
+            prompt_image_data.append([out.images, prompts, metadata])
+            if start_rewards:
+                prompt_image_data[-1] += [self._start_reward(out.images, prompts, metadata), {}]
         return samples, prompt_image_data
 
     def _start_reward(self, images: torch.Tensor, prompts, metadata) -> Future | tuple[torch.Tensor, Any]:
@@ -244,9 +253,6 @@ class DDPOTrainer:
         rows = torch.arange(n)[:, None]  # (N, 1)
         shuffled = {}
         for key, value in samples.items():
-            if key == "prompts":
-                shuffled[key] = [value[i] for i in order.tolist()]
-                continue
             value = value[order.to(value.device)]
             if key in TIMESTEP_KEYS:
                 value = value[rows.to(value.device), per_step.to(value.device)]  # (N, S, ...) timestep order shuffled
@@ -404,6 +410,11 @@ class DDPOTrainer:
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+def collate_samples(sample_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``_generate_samples``' per-batch dicts as one dict, each tensor concatenated over the batches: (N, ...)."""
+    return {key: torch.cat([batch[key] for batch in sample_batches]) for key in sample_batches[0]}
 
 
 def _split_reward_output(result: Any, batch_size: int) -> tuple[torch.Tensor, Any]:

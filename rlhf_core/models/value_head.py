@@ -190,6 +190,8 @@ class PreTrainedModelWrapper(nn.Module):
     is_encoder_decoder = False
     supports_rm_adapter = False
     supported_args = VALUE_HEAD_KWARGS
+    lm_head_namings: tuple[str, ...] = ()
+    """Attribute names of the wrapped model's LM head; when set, a model with none of them is refused."""
 
     def __init__(
         self,
@@ -199,6 +201,7 @@ class PreTrainedModelWrapper(nn.Module):
         v_head_init_strategy: str | None = None,
     ) -> None:
         super().__init__()
+        self._check_lm_head(pretrained_model)
         self.pretrained_model = pretrained_model
         self.config = pretrained_model.config
         self.is_peft_model = is_peft_model(pretrained_model)
@@ -206,6 +209,17 @@ class PreTrainedModelWrapper(nn.Module):
         init_value_head(self.v_head, v_head_init_strategy, v_head_initializer_range)
         self.v_head.to(self._output_device())
         self.register_load_state_dict_pre_hook(_nest_transformer_keys)
+
+    def _check_lm_head(self, model: nn.Module) -> None:
+        """Refuse a model without a language-model head (a bare ``GPT2Model``/``T5Model``), as TRL 0.11 does: the
+        policy's logits come from that head. An LM head under another name counts through ``get_output_embeddings``."""
+        if not self.lm_head_namings or any(hasattr(model, name) for name in self.lm_head_namings):
+            return
+        if callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None:
+            return
+        raise ValueError("The model does not have a language model head, please use a model that has one. "
+                         f"({type(model).__name__} has none of {self.lm_head_namings}; {type(self).__name__} wraps "
+                         f"a model of {self.transformers_parent_class.__name__})")
 
     def _output_device(self) -> torch.device:
         """Device of the LM head, where the last hidden state lives (also with a device_map)."""

@@ -13,6 +13,7 @@ Trainers never import MLflow here: the tracker object from ``rlhf_core.tracking`
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -25,6 +26,7 @@ from typing import Any, TypedDict
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
@@ -175,6 +177,22 @@ def wrap_peft(model: Any, peft_config: Any) -> Any:
     if not isinstance(peft_config, PeftConfig):
         raise ValueError(f"peft_config must be a peft.PeftConfig, got {type(peft_config).__name__}")
     return get_peft_model(model, peft_config)
+
+
+def without_eval_strategy(args: TrainingArguments, eval_dataset: Any) -> tuple[TrainingArguments, IntervalStrategy | None]:
+    """``(args, None)``, or, when ``args`` asks for evaluations but there is no ``eval_dataset``, a shallow copy of
+    ``args`` with evaluation off and the strategy that was asked for (the user's ``args`` is left as it is).
+
+    TRL 0.11's transformers (4.45) accepted that pair and failed only when an evaluation came due (never, when the
+    run ends first); transformers 5 refuses it at construction and also evaluates at the end of a ``steps`` run.
+    ``RlhfTrainerMixin.train`` refuses the run before its first step when TRL 0.11 would have evaluated in it.
+    """
+    strategy = IntervalStrategy(args.eval_strategy)
+    if eval_dataset is not None or strategy == IntervalStrategy.NO:
+        return args, None
+    args = copy.copy(args)
+    args.eval_strategy = IntervalStrategy.NO
+    return args, strategy
 
 
 def disable_dropout(model: torch.nn.Module | None) -> None:
@@ -422,6 +440,13 @@ class RlhfTrainerMixin:
             self.state.save_to_json(str(tmp / TRAINER_STATE_NAME))
             guard = getattr(self, "nonfinite_guard", None)
             ckpt.write_json(tmp / "rlhf_state.json", {"nonfinite_guard": guard.state_dict() if guard else None})
+            self._save_extra_state(tmp)
+
+    def _save_extra_state(self, directory: Path) -> None:
+        """A subclass's training state beyond what transformers saves (written inside the atomic checkpoint)."""
+
+    def _load_extra_state(self, directory: Path) -> None:
+        """Read back what ``_save_extra_state`` wrote, when resuming from ``directory``."""
 
     def load_state(self, path: str | Path) -> None:
         """Resume from a ``save_state`` checkpoint on the next ``train()`` (built with the same arguments)."""
@@ -430,8 +455,33 @@ class RlhfTrainerMixin:
             raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json)")
         self._resume_checkpoint = str(path)
 
+    def _refuse_due_evaluation(self) -> None:
+        """With an evaluation strategy but no ``eval_dataset`` (``without_eval_strategy``): refuse, before the first
+        step, a run in which TRL 0.11 (transformers 4.45's schedule) would evaluate and stop with
+        "Trainer: evaluation requires an eval_dataset."; a run that ends first trains without evaluating, as there."""
+        strategy = getattr(self, "_eval_strategy_without_data", None)
+        if strategy is None:
+            return
+        args = self.args
+        per_epoch = max(len(self.get_train_dataloader()) // args.gradient_accumulation_steps, 1)
+        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        if strategy == IntervalStrategy.STEPS:
+            every = args.eval_steps or args.logging_steps
+            every = math.ceil(total * every) if every < 1 else int(every)
+            due = next((step for step in range(every, total + 1, every) if step >= args.eval_delay), None)
+        else:  # epoch: at the end of each epoch (the last one possibly cut short by max_steps), from eval_delay on
+            first = max(1, math.ceil(args.eval_delay))
+            due = min(first * per_epoch, total) if first <= math.ceil(total / per_epoch) else None
+        if due is not None:
+            raise ValueError(
+                f"eval_strategy={strategy.value!r} evaluates at step {due} of this run's {total}, but no eval_dataset "
+                "was given (TRL 0.11 would stop there: \"Trainer: evaluation requires an eval_dataset.\"). Pass an "
+                "eval_dataset, or set eval_strategy='no'."
+            )
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``, resuming from ``load_state``'s checkpoint when no other is given."""
+        self._refuse_due_evaluation()
         if resume_from_checkpoint is None:
             resume_from_checkpoint = getattr(self, "_resume_checkpoint", None)
         if isinstance(resume_from_checkpoint, (str, Path)):
@@ -440,6 +490,7 @@ class RlhfTrainerMixin:
             guard = getattr(self, "nonfinite_guard", None)
             if extra.is_file() and guard is not None and ckpt.read_json(extra).get("nonfinite_guard"):
                 guard.load_state_dict(ckpt.read_json(extra)["nonfinite_guard"])
+            self._load_extra_state(Path(resume_from_checkpoint))
         if self.args.device.type == "cpu":
             keep_freed_cpu_memory()  # speed: fewer page faults for the step's large temporaries (exact)
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -469,5 +520,5 @@ __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
     "default_training_args", "keyword_defaults", "merge_config_fields",
     "disable_dropout", "load_model", "load_tokenizer_for", "portable_training_args", "resolve_processing_class",
-    "wrap_peft",
+    "without_eval_strategy", "wrap_peft",
 ]

@@ -7,6 +7,8 @@ along dim 0, so chosen and rejected are padded to one common length here.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import math
 import numbers
@@ -189,6 +191,13 @@ class ConstantLengthDataset(IterableDataset):
     def __len__(self) -> int:
         """The number of source texts (as TRL 0.11 reports it), not the number of packed blocks."""
         return len(self.dataset)
+
+    def fills_a_block(self) -> bool:
+        """Whether one pass over the texts fills at least one block of ``seq_length`` tokens (reads only as far as
+        the first block; ``infinite`` aside)."""
+        one_pass = copy.copy(self)
+        one_pass.infinite = False
+        return next(iter(one_pass), None) is not None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         carry: list[int] = []
@@ -387,20 +396,28 @@ class RewardDataCollatorWithPadding:
                 check_margin(feature["margin"], f"reward feature {i} margin")
 
 
+# TRL 0.11.4's words when ids must be padded and the tokenizer has no pad token
+NO_PAD_TOKEN_MESSAGE = (
+    "Padding is enabled, but the tokenizer is not configured with a padding token. Explicitly set "
+    "`tokenizer.pad_token` (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before calling the trainer."
+)
+
+
 class DPODataCollatorWithPadding:
     """Pads tokenised DPO rows (see ``DPOTrainer.tokenize_row``).
 
     ``*_input_ids`` are padded with ``pad_token_id``, ``*_attention_mask`` with 0 and ``*_labels`` with
     ``label_pad_token_id``; prompts are padded on the left (ready for generation), responses on the right.
+    With ``is_encoder_decoder`` (rows of ``prompt_input_ids``/``prompt_attention_mask`` for the encoder and
+    ``chosen_labels``/``rejected_labels`` for the decoder) everything is padded on the right, as TRL 0.11.4.
     Text columns (``prompt``, ``chosen``, ``rejected``) pass through as lists; precomputed
     ``reference_*_logps`` become float tensors (B,).
     """
 
     def __init__(self, pad_token_id: int = 0, label_pad_token_id: int = IGNORE_INDEX, is_encoder_decoder: bool = False):
-        if is_encoder_decoder:
-            raise NotImplementedError("encoder-decoder DPO is not implemented in rlhf_core yet")
         self.pad_token_id = pad_token_id
         self.label_pad_token_id = label_pad_token_id
+        self.is_encoder_decoder = bool(is_encoder_decoder)
 
     def _pad_value(self, key: str) -> int:
         """Padding value for one column."""
@@ -408,6 +425,8 @@ class DPODataCollatorWithPadding:
             return self.label_pad_token_id
         if key.endswith("_attention_mask"):
             return 0
+        if self.pad_token_id is None:
+            raise ValueError(NO_PAD_TOKEN_MESSAGE)
         return self.pad_token_id
 
     def _check(self, features: Any) -> None:
@@ -436,7 +455,7 @@ class DPODataCollatorWithPadding:
         for key in features[0]:
             values = [f[key] for f in features]
             if key.endswith(("_input_ids", "_attention_mask", "_labels")):
-                side = "left" if key.startswith("prompt") else "right"
+                side = "left" if key.startswith("prompt") and not self.is_encoder_decoder else "right"
                 batch[key] = pad_to_length([list(v) for v in values], self._pad_value(key), side=side)  # (B, T)
             elif key.endswith("_logps"):
                 batch[key] = torch.tensor(values, dtype=torch.float)  # (B,)

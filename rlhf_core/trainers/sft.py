@@ -29,6 +29,7 @@ from rlhf_core.trainers.base import (
     load_tokenizer_for,
     resolve_processing_class,
     wrap_peft,
+    without_eval_strategy,
 )
 from rlhf_core.trainers.collators import ConstantLengthDataset, DataCollatorForCompletionOnlyLM
 
@@ -98,11 +99,23 @@ def format_batch(
 
 
 def chat_formatting_func(dataset: Any, tokenizer: Any) -> Callable | None:
-    """For a conversational dataset (a ``messages`` column) and a tokenizer with a chat template: the texts
-    rendered by that template (TRL 0.11's default formatting); else None."""
-    if "messages" not in dataset.column_names or not getattr(tokenizer, "chat_template", None):
+    """TRL 0.11's default formatting, when the tokenizer has a chat template: a conversational dataset (a
+    ``messages`` or ``conversations`` column) is rendered by the template; an instruction dataset (exactly the
+    columns ``prompt`` and ``completion``) as a user turn and the assistant's answer. Else None."""
+    if not getattr(tokenizer, "chat_template", None):
         return None
-    return lambda example: tokenizer.apply_chat_template(example["messages"], tokenize=False)
+    for column in ("messages", "conversations"):
+        if column in dataset.column_names:
+            return lambda example: tokenizer.apply_chat_template(example[column], tokenize=False)
+    if sorted(dataset.column_names) == ["completion", "prompt"]:
+        def render(example: Mapping[str, Any]) -> str | list[str]:  # one row, or a batch of them (columns of lists)
+            if isinstance(example["prompt"], list):
+                return [render({"prompt": p, "completion": c}) for p, c in zip(example["prompt"], example["completion"])]
+            turns = [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": example["completion"]}]
+            return tokenizer.apply_chat_template(turns, tokenize=False)
+
+        return render
+    return None
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any, max_seq_length: int) -> dict[str, list[list[int]]]:
@@ -196,6 +209,7 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
                 eval_dataset = self._prepare_dataset(eval_dataset, **eval_prepare)
         if data_collator is None:
             data_collator = default_data_collator if packing else DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        args, self._eval_strategy_without_data = without_eval_strategy(args, eval_dataset)  # TRL 0.11 accepts it
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
@@ -277,11 +291,18 @@ class SFTTrainer(RlhfTrainerMixin, Trainer):
                 f"dataset_text_field={dataset_text_field!r} is not a column of the dataset: {dataset.column_names}"
             )
         if packing:
-            return ConstantLengthDataset(
+            packed = ConstantLengthDataset(
                 tokenizer, dataset, dataset_text_field=dataset_text_field, formatting_func=formatting_func,
                 infinite=infinite, seq_length=self.max_seq_length, num_of_sequences=num_of_sequences,
                 chars_per_token=chars_per_token, eos_token_id=tokenizer.eos_token_id,
             )
+            if hasattr(dataset, "__len__") and not packed.fills_a_block():  # TRL 0.11 packs a (sized) dataset up front
+                raise ValueError(
+                    "Error occurred while packing the dataset. Make sure that your dataset has enough samples to at "
+                    f"least yield one packed sequence. ({len(dataset)} rows give fewer than max_seq_length="
+                    f"{self.max_seq_length} tokens.)"
+                )
+            return packed
 
         def tokenize(batch: Mapping[str, list]) -> dict[str, list[list[int]]]:
             texts = format_batch(batch, dataset_text_field, formatting_func)

@@ -1,4 +1,4 @@
-"""Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs.
+"""Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs (loss: ``dpo.loss_type``).
 
 The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``; the wrapper writes
 ``metrics/dpo.json``, ``plots/dpo.csv`` and ``plots/dpo_windows.csv`` (every ``dpo.sample_every`` optimizer steps:
@@ -24,6 +24,8 @@ class DPOParams(SampledPolicy):
 
     beta: float
     """Strength of the implicit KL constraint to the reference."""
+    loss_type: str
+    """The DPO loss, any of TRL 0.11.4's (``rlhf_core.losses.DPO_LOSS_TYPES``; ``sigmoid`` is the DPO paper's)."""
     learning_rate: float
     """AdamW learning rate."""
     num_train_epochs: float
@@ -65,7 +67,7 @@ def body(ctx: StageContext) -> StageResult:
     log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
     with resumable_training("dpo", run, p) as ck, atomic_dir(ctx.out("model")) as out:
         windows, windows_callback = sample_windows(ctx, ck.dir / "sample_windows.json")
-        trainer = DPOTrainer(model, ref_model=None, beta=p.beta,
+        trainer = DPOTrainer(model, ref_model=None, beta=p.beta, loss_type=p.loss_type,
                              args=training_arguments(ck.dir, p, **checkpointing_arguments()),
                              train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
                              max_prompt_length=p.max_prompt_length, tracker=run.tracker,

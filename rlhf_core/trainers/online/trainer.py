@@ -48,6 +48,7 @@ from rlhf_core.trainers.forward import dropout_off, reference_model
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.trainers.online.config import OnlineRLConfig
+from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 
@@ -130,16 +131,6 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
     return logprobs, entropy
 
 
-class _RefSyncCallback(TrainerCallback):
-    """TR-DPO: every ``ref_model_sync_steps`` steps, ref <- alpha * policy + (1 - alpha) * ref."""
-
-    def __init__(self, trainer: "OnlineRLTrainer") -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.trainer.sync_reference(args.ref_model_mixup_alpha)
-
 
 # ---- the trainer -----------------------------------------------------------------------------
 
@@ -218,7 +209,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model: set beta > 0 (and no peft_config)")
-            self.add_callback(_RefSyncCallback(self))
+            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha,
+                                                   args.ref_model_sync_steps, self.accelerator))
         self._setup_tracking(**tracking)
 
     # ---- setup helpers
@@ -372,7 +364,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         with dropout_off(policy, self.args.disable_dropout):
             responses = generate_batched(policy, tokenizer, queries, device=self.args.device,
-                                         batch_size=len(queries), return_prompt=False, **self._generation_kwargs())
+                                         batch_size=len(queries), return_prompt=False,
+                                         mixed_precision=self.accelerator.mixed_precision, **self._generation_kwargs())
         eos = tokenizer.eos_token_id
         # A completion can come back empty only if generation stopped at once; give it one EOS to score.
         responses = [r if len(r) else torch.tensor([eos], device=self.args.device) for r in responses]
@@ -580,10 +573,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
 
     @torch.no_grad()
     def sync_reference(self, alpha: float) -> None:
-        """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter."""
-        policy = self.accelerator.unwrap_model(self.model)
-        for ref_param, param in zip(self.ref_model.parameters(), policy.parameters()):
-            ref_param.mul_(1 - alpha).add_(param.detach(), alpha=alpha)
+        """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (TR-DPO's update)."""
+        mix_into_reference(self.ref_model, self.accelerator.unwrap_model(self.model), alpha)
 
     def _log_rollout_stats(self, mode: str, per_func: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor,
                            truncated: torch.Tensor, prompt_tokens: torch.Tensor) -> None:

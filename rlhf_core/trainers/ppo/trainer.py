@@ -248,7 +248,7 @@ class PPOTrainer:
                 self.accelerator.unwrap_model(model), self.tokenizer, list(query_tensor), device=self.accelerator.device,
                 batch_size=batch_size, length_sampler=length_sampler, return_prompt=return_prompt,
                 is_encoder_decoder=self.is_encoder_decoder, prepack_weights=self.config.prepacked_generation,
-                **generation_kwargs)
+                mixed_precision=self.accelerator.mixed_precision, **generation_kwargs)
         else:
             if query_tensor.dim() != 1:
                 raise ValueError(

@@ -28,6 +28,7 @@ from rlhf_core.trainers.base import (
     load_model,
     resolve_processing_class,
     wrap_peft,
+    without_eval_strategy,
 )
 from rlhf_core.trainers.collators import RewardDataCollatorWithPadding
 
@@ -163,6 +164,7 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
             if tokenizer is None:
                 raise ValueError("RewardTrainer needs tokenizer= (or processing_class=) for its default collator")
             data_collator = RewardDataCollatorWithPadding(tokenizer, max_length=self.max_length)
+        args, self._eval_strategy_without_data = without_eval_strategy(args, eval_dataset)  # TRL 0.11 accepts it
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=tokenizer, model_init=model_init,
