@@ -19,7 +19,7 @@ from prefect import flow  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
-from flows.process import exit_promptly  # noqa: E402
+from flows.process import configure_logging, exit_promptly  # noqa: E402
 from flows.summary import end_block, report  # noqa: E402
 from tasks.locking import add_wait_argument  # noqa: E402
 from tasks.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
@@ -39,6 +39,7 @@ def flow_run_name() -> str:
 @flow(name="rlhf-pipeline", flow_run_name=flow_run_name, log_prints=False)  # log_prints: see flows/process.py
 def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
     """Run every stale stage of the pipeline in ``root``, then the registry step (holding the checkout lock)."""
+    configure_logging()  # a deployed run's process was not started by ``main`` (prefect.yaml's entry point)
     with pipeline_run(root, COMMAND) as run:
         with run.parent_run():
             for name in NAMES:  # a disabled stage (``enabled: false``) runs too: placeholder outputs, recorded

@@ -77,6 +77,14 @@ def configure_process(environ: MutableMapping[str, str] = os.environ) -> None:
     for key, value in ENVIRONMENT_DEFAULTS.items():
         environ.setdefault(key, value)
     pin_cpu_kernels(environ)
+    configure_logging()
+
+
+def configure_logging() -> None:
+    """The in-process part of :func:`configure_process`: credentials in tracking URIs redacted from every log, known
+    harmless third-party messages dropped. Idempotent. A deployed flow (``prefect.yaml``'s entry points) calls it
+    first: Prefect's worker imports its module in a new process, which inherits the environment from the worker
+    (``flows/serve.py`` configures it) but not the worker's logging filters."""
     install_log_redaction()  # credentials in MLFLOW_TRACKING_URI never reach the Prefect log or stderr
     quiet_known_messages()
 
@@ -113,4 +121,4 @@ def exit_promptly(code: int, drain_s: float = 2.0, server_grace_s: float = 2.0) 
     os._exit(code)
 
 
-__all__ = ["ENVIRONMENT_DEFAULTS", "PORTABLE_CPU_KERNELS", "configure_process", "exit_promptly", "pin_cpu_kernels"]
+__all__ = ["ENVIRONMENT_DEFAULTS", "PORTABLE_CPU_KERNELS", "configure_logging", "configure_process", "exit_promptly", "pin_cpu_kernels"]

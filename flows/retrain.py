@@ -18,7 +18,7 @@ record stays on its own branch and ``make land-retrain REF=retrain/<stamp>`` lan
 
 from __future__ import annotations
 
-from flows.process import configure_process
+from flows.process import configure_logging, configure_process
 
 if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch
     configure_process()
@@ -66,6 +66,7 @@ def retrain(root: str = ".", branch: str | None = None, push: bool = True, remot
             record: bool = True, land: bool = True) -> dict:
     """Retrain ``branch`` (default: the one checked out in ``root``) from its last commit; record the result and
     (``land``) bring it to the branch."""
+    configure_logging()  # a deployed run's process was not started by ``main`` (prefect.yaml's entry point)
     root = str(Path(root).resolve())
     branch = branch or current_branch(root)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")

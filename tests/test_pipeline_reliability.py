@@ -304,6 +304,30 @@ def test_tracking_credentials_never_reach_spool_warnings_or_logs(tmp_path):
         assert all(f.filter(record) for f in logging.getLogger(name).filters) and "s3cret" not in record.getMessage()
 
 
+DEPLOYED_FLOW = """
+import json, logging, sys
+from rlhf_core.tracking import RedactingFilter
+module = __import__("flows." + sys.argv[1], fromlist=["x"])
+try:
+    getattr(module, sys.argv[1]).fn(root=sys.argv[2])  # as Prefect's worker does: import, call (no ``main``)
+except Exception:
+    pass  # an empty folder is no project: the flow fails after its first line
+print(json.dumps({name: any(isinstance(f, RedactingFilter) for f in logging.getLogger(name).filters)
+                  for name in ("rlhf_core", "rlhf_pipeline", "prefect.flow_runs")}))
+"""
+
+
+@pytest.mark.parametrize("flow", ["pipeline", "retrain"])
+def test_a_deployed_flow_redacts_its_logs_though_main_never_ran(tmp_path, flow):
+    """prefect.yaml's entry points (``flows/pipeline.py:pipeline``, ``flows/retrain.py:retrain``) run in a process
+    that imports the module: the flow itself installs the log redaction (``flows.process.configure_logging``)."""
+    out = subprocess.run([sys.executable, "-c", DEPLOYED_FLOW, flow, str(tmp_path)], env=_env(), capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"rlhf_core": True, "rlhf_pipeline": True,
+                                                                "prefect.flow_runs": True}
+
+
 def test_mlflow_client_retries_are_bounded_for_pipeline_processes(monkeypatch):
     """A tracking server killed mid-PPO stalled training 4 min in client retries (7 retries, factor 2)."""
     from mlflow.environment_variables import (
