@@ -75,12 +75,13 @@ def fill_reused_batches(rows: list[dict], num_iterations: int) -> list[dict]:
     return filled
 
 
-def train_group_sampled(ctx: StageContext, method: str) -> StageResult:
-    """``<method>Trainer`` (``GRPO`` or ``RLOO``, TRL 1.16 API) on ``data/prompts_train.jsonl`` against
-    ``<stage>.reward``; the model goes to ``models/<stage>``, the result to the wrapper."""
+def train_group_sampled(ctx: StageContext, config_class: type, trainer_class: type) -> StageResult:
+    """``trainer_class`` (``GRPOTrainer`` or ``RLOOTrainer``, TRL 1.16 API, configured by ``config_class``) on
+    ``data/prompts_train.jsonl`` against ``<stage>.reward``; the model goes to ``models/<stage>``, the result to the
+    wrapper."""
     from datasets import Dataset  # datasets and the trainers load transformers: only when the stage runs
 
-    import rlhf_core
+    from rlhf_core import set_seed
 
     stage, p, run, prompts_path = ctx.stage.name, ctx.section, ctx.run, ctx.io.deps["prompts_train"]
     prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_train"))]
@@ -88,7 +89,7 @@ def train_group_sampled(ctx: StageContext, method: str) -> StageResult:
     if len(prompts) < prompts_per_step:
         raise ValueError(f"{prompts_path}: {len(prompts)} prompts, fewer than the {prompts_per_step} per step that "
                          f"{stage}.per_device_train_batch_size / {stage}.num_generations need")
-    rlhf_core.set_seed(p.seed)
+    set_seed(p.seed)
     tokenizer, model = load_sft_policy(ctx.dep("sft"))
     reward = text_reward(p.reward, ctx.dep("reward_model"))
     run.log_dataset(ctx.dep("prompts_train"), "prompts_train")
@@ -96,12 +97,12 @@ def train_group_sampled(ctx: StageContext, method: str) -> StageResult:
                       p.per_device_train_batch_size, p.num_generations, p.reward, p.beta)
 
     def build(ck):
-        args = trainer_arguments(getattr(rlhf_core, f"{method}Config"), p, ck.dir)
-        return getattr(rlhf_core, f"{method}Trainer")(
+        args = trainer_arguments(config_class, p, ck.dir)
+        return trainer_class(
             model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
             processing_class=tokenizer, callbacks=[ck.callback], tracker=run.tracker)
 
-    trainer, rows = train_policy(ctx, build, (f"{method}Trainer",
+    trainer, rows = train_policy(ctx, build, (trainer_class.__name__,
                                               f"{ctx.io.deps['sft']} (SFT policy; also the KL reference)"))
     rows = fill_reused_batches(rows, p.num_iterations)
     metrics = {"enabled": True, "reward_mean_first": round(float(rows[0]["reward"]), 4),

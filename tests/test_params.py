@@ -130,11 +130,25 @@ def test_the_walk_of_a_stage_stops_at_the_table():
 def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
     """Every project module the stage runs (its body and the wrapper, tests/import_closure.py), but the reporting
     ones, is a dep: a change to any of them re-runs the stage, so no committed output is left behind its code. Deps
-    beyond the static imports stay allowed (names resolved at run time, e.g. ``getattr(rlhf_core, f"{name}Trainer")``)."""
+    beyond the static imports stay allowed (files a stage reads at run time)."""
     imported = stage_code(stage)
     assert len(imported) > 10 and REPORTING_ONLY & imported  # the walk reached the stage's library code
     missing = sorted(imported - REPORTING_ONLY - set(_names(dvc_stages[stage]["deps"])))
     assert not missing, f"dvc.yaml stage {stage} lacks deps it imports: {missing}"
+
+
+TRAINERS = {"sft": "SFTTrainer", "reward_model": "RewardTrainer", "ppo": "PPOTrainer", "dpo": "DPOTrainer",
+            "grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "kto": "KTOTrainer", "ddpo": "DDPOTrainer"}
+
+
+@pytest.mark.parametrize("stage", sorted(TRAINERS))
+def test_a_training_stage_depends_on_its_trainer_and_the_walk_sees_it(stage, dvc_stages):
+    """A change to the trainer a stage runs re-runs the stage: its module is a dep in dvc.yaml and among the code the
+    walk finds (a trainer looked up by a name built at run time, ``getattr(rlhf_core, ...)``, hid it from both)."""
+    import rlhf_core
+
+    module = Path(inspect.getsourcefile(getattr(rlhf_core, TRAINERS[stage]))).resolve().relative_to(ROOT).as_posix()
+    assert module in _names(dvc_stages[stage]["deps"]) and module in stage_code(stage), module
 
 
 PARAMS_LOADERS = {"load_params", "read_raw", "parse_params", "load_yaml", "PARAMS_FILE", "load_paths"}

@@ -23,7 +23,10 @@ class GRPOParams(GroupSampledParams, config="GRPOConfig", keys=GRPO_CONFIG_KEYS,
 
 def body(ctx: StageContext) -> StageResult:
     """Train ``models/grpo``."""
-    return train_group_sampled(ctx, "GRPO")
+    # imported here, by name, so that dvc.yaml's deps (the walk of this module's imports) hold the trainer's code
+    from rlhf_core import GRPOConfig, GRPOTrainer  # the trainer loads transformers: only when the stage runs
+
+    return train_group_sampled(ctx, GRPOConfig, GRPOTrainer)
 
 
 __all__ = ["COLUMNS", "GRPO_CONFIG_KEYS", "GRPOParams", "body"]

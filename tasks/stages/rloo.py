@@ -23,7 +23,10 @@ class RLOOParams(GroupSampledParams, config="RLOOConfig", keys=RLOO_CONFIG_KEYS,
 
 def body(ctx: StageContext) -> StageResult:
     """Train ``models/rloo``."""
-    return train_group_sampled(ctx, "RLOO")
+    # imported here, by name, so that dvc.yaml's deps (the walk of this module's imports) hold the trainer's code
+    from rlhf_core import RLOOConfig, RLOOTrainer  # the trainer loads transformers: only when the stage runs
+
+    return train_group_sampled(ctx, RLOOConfig, RLOOTrainer)
 
 
 __all__ = ["COLUMNS", "RLOO_CONFIG_KEYS", "RLOOParams", "body"]
