@@ -246,4 +246,4 @@ def test_dpo_stage_trains_with_a_non_default_loss_type_that_evaluate_then_scores
     assert metrics["steps"] >= 1 and abs(metrics["train_loss"] - 1.0) < 0.1
     assert "| loss_type | apo_zero |" in (project / "models" / "dpo" / "README.md").read_text()
     results = run_stage("evaluate", str(project))
-    assert list(results) == ["sft", "dpo"] and set(results["dpo"]) == set(results["sft"])
+    assert list(results) == ["sft", "dpo", "scored"] and set(results["dpo"]) == set(results["sft"])
