@@ -84,9 +84,9 @@ def test_a_killed_intake_is_finished_by_the_retry_of_the_same_file(project, tmp_
     assert listed == ([] if point == "after-dvc-add-and-push" else listed[:1]) and len(listed) <= 1
     assert _git(project, "rev-parse", "HEAD") == head  # the kill left it uncommitted
 
-    assert main([str(pairs), "--root", str(project)]) == 0  # the retry: not refused as a duplicate
+    assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0  # the retry: not refused as a duplicate
     _assert_ingested_once_and_committed(project, head, PAIRS)
-    assert main([str(pairs), "--root", str(project)]) == 0  # and once more: already ingested, nothing new
+    assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0  # and once more: already ingested, nothing new
     _assert_ingested_once_and_committed(project, head, PAIRS)
 
 
@@ -96,7 +96,7 @@ def test_a_killed_intake_is_finished_by_the_next_intake_of_another_file(project,
 
     head = _git(project, "rev-parse", "HEAD")
     _kill_intake(project, "between-git-add-and-commit", _feedback(tmp_path / "a.jsonl", PAIRS[:1]))
-    assert main([str(_feedback(tmp_path / "b.jsonl", PAIRS[1:])), "--root", str(project)]) == 0
+    assert main([str(_feedback(tmp_path / "b.jsonl", PAIRS[1:])), "--root", str(project), "--no-retrain"]) == 0
     assert [r["rows"] for r in read_manifest(project / "incoming")] == [1, 1]
     assert read_feedback_pairs(project / "incoming") == PAIRS  # the killed intake's pair is kept, first
     assert _git(project, "status", "--porcelain") == ""
@@ -111,7 +111,7 @@ def test_an_intake_killed_while_writing_its_batches_is_undone_and_the_retry_inge
     files = [_feedback(tmp_path / "a.jsonl", PAIRS[:1]), _feedback(tmp_path / "b.jsonl", PAIRS[1:])]
     _kill_intake(project, "after-the-first-batch-file", *files)
     assert len(list((project / "incoming" / "pairs").glob("*.jsonl"))) == 1  # half an intake on disk
-    assert main([str(f) for f in files] + ["--root", str(project)]) == 0
+    assert main([str(f) for f in files] + ["--root", str(project), "--no-retrain"]) == 0
     assert [r["rows"] for r in read_manifest(project / "incoming")] == [1, 1]
     assert read_feedback_pairs(project / "incoming") == PAIRS
     assert _git(project, "status", "--porcelain") == "" and _git(project, "rev-list", "--count", f"{head}..HEAD") == "1"
@@ -127,7 +127,7 @@ def test_an_orphan_batch_without_a_journal_is_not_a_duplicate(project, tmp_path)
     pairs = _feedback(tmp_path / "pairs.jsonl", PAIRS)
     _kill_intake(project, "after-dvc-add-and-push", pairs)
     (project / ".dvc" / "tmp" / "rlhf-intake.journal").unlink()
-    assert main([str(pairs), "--root", str(project)]) == 0
+    assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0
     _assert_ingested_once_and_committed(project, head, PAIRS)
 
 
@@ -138,12 +138,12 @@ def test_an_intake_that_doubles_the_training_data_says_what_it_costs(project, tm
     (project / "metrics" / "prepare.json").write_text(json.dumps({"num_pairs": 2, "num_ratings": 100}))
     with caplog.at_level("WARNING"):
         assert main([str(_feedback(tmp_path / "pairs.jsonl", PAIRS + [{**PAIRS[0], "chosen": " grand."}])),
-                     "--root", str(project)]) == 0
+                     "--root", str(project), "--no-retrain"]) == 0
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warning == ("intake: 3 pairs more: the next retraining trains reward_model and dpo on up to 5 pairs instead "
                        "of 2 (about 2x the training time of those stages; prepare.json of the last run)")
     caplog.clear()
     ratings = [{"prompt": "A film", "completion": f" scene {i}.", "label": i % 2 == 0} for i in range(99)]
     with caplog.at_level("WARNING"):  # 99 more ratings on 100: under double, no warning
-        assert main([str(_feedback(tmp_path / "ratings.jsonl", ratings)), "--root", str(project)]) == 0
+        assert main([str(_feedback(tmp_path / "ratings.jsonl", ratings)), "--root", str(project), "--no-retrain"]) == 0
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
