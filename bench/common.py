@@ -135,6 +135,17 @@ def library(lib: str):
     return L.PPOConfig, L.PPOTrainer, L.AutoModelForCausalLMWithValueHead, L.create_reference_model
 
 
+def bf16_weights_kwargs(lib: str, args: dict) -> dict:
+    """``PPOConfig``'s ``bf16_weights`` for a workload: rlhf_core only (classic TRL has no such field). The
+    argument ``"bf16_weights"``: true (bf16 weights, fp32 masters), false or absent (fp32 weights, pinned: on a
+    CUDA GPU rlhf_core's default picks bf16 weights, and a row labelled fp32 or autocast must not), or
+    ``"default"`` (the field left out: what a user gets, bf16 weights on a bf16-capable GPU, fp32 elsewhere)."""
+    value = args.get("bf16_weights", False)
+    if lib != "ours" or value == "default":
+        return {}
+    return {"bf16_weights": bool(value)}
+
+
 def version_of(lib: str) -> str:
     if lib in ("trl", "trl116"):
         import trl

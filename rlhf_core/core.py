@@ -50,6 +50,84 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return total.log() - (exp * shifted).sum(dim=-1) / total
 
 
+# Most bytes of fp32 logits one chunk of ``token_logprobs``/``rowwise_logit_stats`` holds (256 MiB): a GPT-2-vocabulary
+# row is 0.2 MB, a Qwen2 one 0.6 MB, so a chunk is ~400-1300 rows: few kernel launches, and never the whole (N, V)
+# in fp32 (Qwen2-0.5B's 64 x 256 response tokens would be 10 GB).
+LOGIT_CHUNK_BYTES = 2**28
+
+
+def logit_chunk_rows(vocab: int, chunk_bytes: int | None = None) -> int:
+    """Rows of fp32 logits of width ``vocab`` that fit in ``chunk_bytes`` (default ``LOGIT_CHUNK_BYTES``; at least one)."""
+    return max(1, (chunk_bytes or LOGIT_CHUNK_BYTES) // (4 * max(vocab, 1)))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """``log_softmax(logits[rows])[tokens]`` chunk by chunk; the backward recomputes each chunk's log-softmax.
+
+    Only the logits (in their own dtype, already held for the LM head's backward) and the index tensors are
+    saved: the fp32 log-softmax of every row, which autograd would save, never exists at once. Each chunk runs
+    the same kernels as the unchunked ops (``log_softmax`` on the upcast rows, the gather's ``scatter_add`` into
+    zeros, ``_log_softmax_backward_data``, the cast back), row by row on the same values, so the results are
+    the same numbers as ``logprobs_from_logits`` on the gathered rows, bit for bit (tests/test_core.py).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = logits.new_empty(rows.shape, dtype=dtype)  # (M,)
+        for start in range(0, rows.shape[0], chunk_rows):
+            end = start + chunk_rows
+            logp = F.log_softmax(logits.index_select(0, rows[start:end]).to(dtype), dim=-1)  # (c, V)
+            out[start:end] = logp.gather(-1, tokens[start:end, None])[:, 0]
+        ctx.save_for_backward(logits, rows, tokens)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, rows, tokens = ctx.saved_tensors
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        grad_logits = torch.zeros_like(logits)  # (N, V): rows never scored get no gradient
+        for start in range(0, rows.shape[0], ctx.chunk_rows):
+            end = start + ctx.chunk_rows
+            index = rows[start:end]
+            logp = F.log_softmax(logits.index_select(0, index).to(dtype), dim=-1)  # (c, V), recomputed
+            grad_logp = torch.zeros_like(logp).scatter_add_(-1, tokens[start:end, None], grad[start:end, None])
+            grad_rows = torch._log_softmax_backward_data(grad_logp, logp, -1, dtype)  # (c, V)
+            grad_logits.index_add_(0, index, grad_rows.to(logits.dtype))
+        return grad_logits, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                   chunk_rows: int | None = None) -> torch.Tensor:
+    """Log-prob of ``tokens`` (M,) under the rows ``rows`` (M,) of ``logits`` (N, V) -> (M,), in fp32 (fp64 stays).
+
+    The same numbers as ``logprobs_from_logits(logits[rows], tokens)``, computed ``chunk_rows`` rows at a time
+    (default: ``logit_chunk_rows(V)``) in the forward and the backward, so bf16 logits are never copied to fp32
+    whole. A row may be listed more than once: its gradients add up (in the logits' dtype; a padding slot that
+    repeats a row with no gradient, as the trainers' do, leaves the sum exact).
+    """
+    return _TokenLogprobs.apply(logits, rows, tokens, chunk_rows or logit_chunk_rows(logits.shape[-1]))
+
+
+@torch.no_grad()
+def rowwise_logit_stats(logits: torch.Tensor, rows: torch.Tensor, entropy: bool = True, mean: bool = False,
+                        chunk_rows: int | None = None) -> dict[str, torch.Tensor]:
+    """Detached fp32 statistics of the rows ``rows`` (M,) of ``logits`` (N, V), chunk by chunk: ``entropy`` (M,)
+    (``entropy_from_logits``) and the ``mean`` logit over the vocabulary (M,), each when asked."""
+    chunk_rows = chunk_rows or logit_chunk_rows(logits.shape[-1])
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    names = [name for name, wanted in (("entropy", entropy), ("mean", mean)) if wanted]
+    out = {name: logits.new_empty(rows.shape, dtype=dtype) for name in names}
+    for start in range(0, rows.shape[0], chunk_rows):
+        chunk = logits.index_select(0, rows[start:start + chunk_rows])  # (c, V) in the logits' dtype
+        if entropy:
+            out["entropy"][start:start + chunk_rows] = entropy_from_logits(chunk)
+        if mean:
+            out["mean"][start:start + chunk_rows] = chunk.to(dtype).mean(-1)
+    return out
+
+
 def shifted_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-prob of each token given its prefix: logits (B, T, V), ids (B, T) -> (B, T-1).
 
@@ -108,16 +186,20 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
     return (values * mask).sum() / mask.sum()
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``values`` over the masked positions; Bessel-corrected when ``unbiased``."""
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, check: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions; Bessel-corrected when ``unbiased``.
+
+    An all-zero mask raises ``ValueError`` (classic TRL), which reads the mask on the host; ``check=False``
+    returns NaN for it instead, for loops that must not wait for the device.
+    """
     mean = masked_mean(values, mask)
     variance = masked_mean((values - mean) ** 2, mask)
     if unbiased:
         count = mask.sum()
-        if count == 0:
+        if check and count == 0:
             raise ValueError("masked_var got an all-zero mask: there is no value to take the variance of")
         # With a single value the spread is 0; Bessel's factor would divide by zero, so keep 0.
-        variance = variance * (count / (count - 1)) if count > 1 else variance
+        variance = torch.where(count > 1, variance * (count / (count - 1)), variance)
     return variance
 
 

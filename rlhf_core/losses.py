@@ -106,8 +106,10 @@ def ppo_losses(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy loss and clipped value loss (both masked means), with their stats.
 
-    All inputs (B, A) except logits (B, A, V). Returns ``(pg_loss, vf_loss, stats)`` where
-    ``vf_loss`` is not yet multiplied by ``vf_coef``; stats are detached and flattened-ready.
+    All inputs (B, A) except ``logits``: the (B, A, V) logits, or their per-token entropy (B, A) already
+    computed (only the ``policy/entropy`` stat reads it). Returns ``(pg_loss, vf_loss, stats)`` where
+    ``vf_loss`` is not yet multiplied by ``vf_coef``; stats are detached and flattened-ready. Nothing is read
+    on the host (a mini-batch without a response token gives NaN, not an error).
     """
     response_mask = response_mask.to(vpreds.dtype)  # once, not in each of the ~20 masked means below
     vpred_clipped = clip_by_value(vpreds, old_values - cliprange_value, old_values + cliprange_value)
@@ -123,7 +125,8 @@ def ppo_losses(
 
     with torch.no_grad():  # the stats: the same values without recording a graph (~30 operators per update)
         stats = {
-            "policy/entropy": masked_mean(entropy_from_logits(logits), response_mask),
+            "policy/entropy": masked_mean(logits if logits.dim() == response_mask.dim() else entropy_from_logits(logits),
+                                          response_mask),
             "policy/approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, response_mask),
             "policy/policykl": masked_mean(old_logprobs - logprobs, response_mask),
             "policy/clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
@@ -132,12 +135,12 @@ def ppo_losses(
             "policy/ratio": ratio,
             "policy/ratio_mean": masked_mean(ratio, response_mask),
             "returns/mean": masked_mean(returns, response_mask),
-            "returns/var": masked_var(returns, response_mask),
+            "returns/var": masked_var(returns, response_mask, check=False),
             "val/vpred": masked_mean(vpreds, response_mask),
             "val/error": masked_mean((vpreds - returns) ** 2, response_mask),
             "val/clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask),
             "val/mean": masked_mean(old_values, response_mask),
-            "val/var": masked_var(old_values, response_mask),
+            "val/var": masked_var(old_values, response_mask, check=False),
         }
     return pg_loss, vf_loss, {key: value.detach() for key, value in stats.items()}
 

@@ -26,6 +26,18 @@ def tokenizer():
     return build_tokenizer()
 
 
+@pytest.fixture
+def bf16_accelerator():
+    """A CPU ``Accelerator`` with bf16 mixed precision (autocast), and accelerate's process-wide state reset
+    afterwards: without the reset every later ``Accelerator()`` in the session would inherit bf16."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield Accelerator(cpu=True, mixed_precision="bf16")
+    AcceleratorState._reset_state(True)
+
+
 @pytest.fixture(scope="session")
 def decoding_setup():
     """``(tokenizer, model, prompts)`` for decoding tests: a left-padding tokenizer, a tiny GPT-2 in eval mode

@@ -30,6 +30,13 @@ def test_masked_var_equals_plain_var_of_unmasked_slice():
     assert torch.isclose(core.masked_var(values, mask, unbiased=False), kept.var(unbiased=False))
 
 
+def test_masked_var_without_the_host_check_gives_nan_for_an_empty_mask_and_the_same_values_otherwise():
+    values, mask = torch.tensor([1.0, 4.0, 2.0, 8.0]), torch.tensor([1.0, 1.0, 0.0, 1.0])
+    assert torch.equal(core.masked_var(values, mask, check=False), core.masked_var(values, mask))
+    assert torch.equal(core.masked_var(values, torch.tensor([0, 1, 0, 0]), check=False), torch.tensor(0.0))
+    assert torch.isnan(core.masked_var(values, torch.zeros(4), check=False))
+
+
 def test_masked_var_edge_cases():
     with pytest.raises(ValueError, match="all-zero mask"):
         core.masked_var(torch.ones(3), torch.zeros(3))
@@ -74,6 +81,60 @@ def test_entropy_matches_float64_for_large_logits():
     expected = -(probs * torch.log_softmax(logits.double(), -1)).sum(-1)  # the definition, in float64
     assert (core.entropy_from_logits(logits).double() - expected).abs().max() < 1e-5
     assert core.entropy_from_logits(logits).dtype == torch.float32
+
+
+def _scored_rows(dtype, seed=0, n=12, vocab=37, slots=15):
+    """Logits (n, V) of ``dtype``, slot rows (slots,), tokens (slots,), upstream grads (slots,): as the trainers
+    score them, each row once except padding slots, which repeat the row they were clamped to and get no gradient."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (4 * torch.randn(n, vocab, generator=g)).to(dtype)
+    real = slots - 3
+    rows = torch.cat([torch.randperm(n, generator=g).repeat(real // n + 1)[:real], torch.full((3,), n - 1)])
+    tokens = torch.randint(0, vocab, (slots,), generator=g)
+    grad = torch.randn(slots, generator=g)
+    grad[real:] = 0.0  # the masked padding slots
+    return logits, rows, tokens, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 64])
+def test_chunked_token_logprobs_are_the_unchunked_numbers_bit_for_bit(dtype, chunk_rows):
+    """Chunks only split rows: every row runs the same kernels on the same values as the unchunked ops (gather
+    the rows, upcast, log_softmax, gather the token; and their backward), so forward and gradient are equal exactly.
+    The row-wise kernels reduce each row by itself, whatever rows surround it, on every CPU kind."""
+    logits, rows, tokens, grad = _scored_rows(dtype)
+    plain = logits.clone().requires_grad_()
+    expected = core.logprobs_from_logits(plain[rows], tokens)
+    (expected * grad).sum().backward()
+    chunked = logits.clone().requires_grad_()
+    got = core.token_logprobs(chunked, rows, tokens, chunk_rows=chunk_rows)
+    (got * grad).sum().backward()
+    assert got.dtype == torch.float32 and chunked.grad.dtype == dtype
+    assert torch.equal(got, expected) and torch.equal(chunked.grad, plain.grad)
+    stats = core.rowwise_logit_stats(logits, rows, entropy=True, mean=True, chunk_rows=chunk_rows)
+    assert torch.equal(stats["entropy"], core.entropy_from_logits(logits[rows]))
+    assert torch.equal(stats["mean"], logits[rows].float().mean(-1))
+
+
+def test_token_logprobs_against_a_float64_loop():
+    logits, rows, tokens, grad = _scored_rows(torch.float64, seed=1)
+    x = logits.clone().requires_grad_()
+    out = core.token_logprobs(x, rows, tokens, chunk_rows=5)
+    (out * grad).sum().backward()
+    expected_grad = torch.zeros_like(logits)
+    for s in range(len(rows)):  # d/dx_v of log softmax(x)_t = [v == t] - softmax(x)_v
+        row = logits[rows[s]]
+        log_z = math.log(sum(math.exp(float(v)) for v in row))
+        assert abs(float(out[s]) - (float(row[tokens[s]]) - log_z)) < 1e-12
+        probs = torch.tensor([math.exp(float(v) - log_z) for v in row], dtype=torch.float64)
+        expected_grad[rows[s]] += grad[s] * (torch.nn.functional.one_hot(tokens[s], len(row)) - probs)
+    torch.testing.assert_close(x.grad, expected_grad, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda t: core.token_logprobs(t, rows, tokens, 4), (logits.clone().requires_grad_(),))
+
+
+def test_logit_chunk_rows_fits_the_byte_budget():
+    assert core.logit_chunk_rows(50257) == core.LOGIT_CHUNK_BYTES // (4 * 50257)  # 1335 GPT-2 rows in 256 MiB
+    assert core.logit_chunk_rows(1000, chunk_bytes=4000 * 3 + 5) == 3 and core.logit_chunk_rows(10**12) == 1
 
 
 def test_logprobs_from_logits_is_fp32_for_half_inputs():

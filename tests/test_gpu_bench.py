@@ -198,10 +198,13 @@ def test_smoke_run_of_the_gpu_bench(tmp_path):
                           timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "results-gpu.json").read_text())
-    assert report["smoke"] and len(report["rows"]) == 17
+    assert report["smoke"] and len(report["rows"]) == 23
     assert all("result" in r and r["device"].startswith("cpu") for r in report["rows"])
     if bundle:  # the library sets came from the --target folders
         assert all("/site-" in env_["transformers_from"] for env_ in report["environments"].values())
     assert report["parity"]["weights_max_abs_diff"] < 1e-4
     text = (tmp_path / "results-gpu.md").read_text()
     assert "## Generation" in text and "qwen2-0.5b grpo trl 1.16.0" in text and "Rows that did not run" not in text
+    # issue 23's rows: PPO at its default precision, GRPO/RLOO in bf16, each beside its peer
+    assert all(f"| {label} |" in text for label in ("ppo default", "grpo bf16", "rloo bf16"))
+    assert "qwen2-0.5b ppo default" in text

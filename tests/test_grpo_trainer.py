@@ -140,7 +140,8 @@ def test_left_padded_logprobs_equal_each_row_alone(tok):
         no_pos = dict(together.model_inputs)
         no_pos.pop("position_ids")
         without = type(together)(model_inputs=no_pos, response_index=together.response_index,
-                                 response_mask=together.response_mask, token_ids_key="input_ids")
+                                 response_tokens=together.response_tokens, response_mask=together.response_mask,
+                                 token_ids_key="input_ids")
         shifted, _ = token_logprobs_and_entropy(model, without)
     padded = int((together.model_inputs["attention_mask"][:, 0] == 0).nonzero()[0])
     n = len(responses[padded])

@@ -216,7 +216,7 @@ def test_completion_logps_of_a_padded_batch_equal_each_row_alone(tokenizer, arch
         else:
             ids.append(seq + [0] * pad); masks.append(mask + [0] * pad); marks.append(mark + [0] * pad)
     with torch.no_grad():
-        batched, _ = completion_logps(model, torch.tensor(ids), torch.tensor(masks), torch.tensor(marks))
+        batched = completion_logps(model, torch.tensor(ids), torch.tensor(masks), torch.tensor(marks))[0]
     torch.testing.assert_close(batched, torch.cat(alone).detach(), rtol=1e-5, atol=1e-5)
 
 

@@ -6,6 +6,7 @@ import torch
 from rlhf_core import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
 from rlhf_core.models.tiny import tiny_causal_lm, tiny_seq2seq_lm
 from rlhf_core.trainers.experience import build_causal_batch, build_seq2seq_batch
+from rlhf_core.trainers.forward import response_forward
 
 
 def _pairs(lengths):
@@ -29,10 +30,10 @@ def test_causal_trim_drops_padding_columns_and_keeps_outputs(tokenizer, left_pad
                     == sub.model_inputs["input_ids"][b, sub.response_index[b, a] + 1])
     torch.manual_seed(0)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
-    full, cut = (PPOTrainer._forward_rows(model.eval(), x, return_logits=False) for x in (sub, trimmed))
+    full, cut = (response_forward(model.eval(), x, positions="suffix") for x in (sub, trimmed))
     mask = sub.response_mask.bool()
-    torch.testing.assert_close(cut[0][mask], full[0][mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(cut[1][mask], full[1][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cut.logprobs[mask], full.logprobs[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cut.values[mask], full.values[mask], atol=1e-5, rtol=0)
     assert trimmed.trimmed().model_inputs["input_ids"].shape == trimmed.model_inputs["input_ids"].shape
 
 
@@ -44,10 +45,10 @@ def test_seq2seq_trim_keeps_outputs(tokenizer):
     assert trimmed.model_inputs["input_ids"].shape[1] == 3 and trimmed.model_inputs["decoder_input_ids"].shape[1] == 3
     torch.manual_seed(0)
     model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(tiny_seq2seq_lm(tokenizer, seed=0)).eval()
-    full, cut = (PPOTrainer._forward_rows(model, x, return_logits=False) for x in (sub, trimmed))
+    full, cut = (response_forward(model, x, positions="suffix") for x in (sub, trimmed))
     mask = sub.response_mask.bool()
-    torch.testing.assert_close(cut[0][mask], full[0][mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(cut[1][mask], full[1][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cut.logprobs[mask], full.logprobs[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cut.values[mask], full.values[mask], atol=1e-5, rtol=0)
 
 
 def test_step_with_and_without_trimming_agree(tokenizer, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 
 from rlhf_core import RLOOConfig, RLOOTrainer
 from rlhf_core.models.tiny import build_tokenizer, tiny_causal_lm
+from rlhf_core.trainers import forward
 from rlhf_core.trainers.online import trainer as online
 from rlhf_core.trainers.experience import build_causal_batch
 from tests._online_rl import count_e, online_args, prompt_dataset, train_logs
@@ -36,7 +37,7 @@ def test_padded_logprobs_and_entropy_equal_a_full_forward(tok, wrap, monkeypatch
     queries = [torch.tensor(tok(q)["input_ids"]) for q, _ in texts]
     responses = [torch.tensor(tok(r)["input_ids"]) for _, r in texts]
     batch = build_causal_batch(queries, responses, tok.pad_token_id, left_pad=True)
-    monkeypatch.setattr(online, "should_pack", lambda *a: False)  # the padded path
+    monkeypatch.setattr(forward, "should_pack", lambda *a: False)  # the padded path
     with torch.no_grad():
         logprobs, entropy = online.token_logprobs_and_entropy(_NoLogitsToKeep(lm) if wrap else lm, batch, True)
         full = lm(**batch.model_inputs).logits.double()  # (B, T, V) every position

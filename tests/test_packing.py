@@ -1,4 +1,4 @@
-"""Packed forward passes (``trainers/packing``) and sparse tied-embedding gradients (``models/embedding_grads``).
+"""Packed forward passes (``trainers/packing``, ``trainers/forward``) and sparse tied-embedding gradients (``models/embedding_grads``).
 
 Both are speed changes that must leave the numbers alone: packed log-probs and values equal the padded
 path's (float summation order aside), a model whose attention would let packed rows see each other is
@@ -14,9 +14,7 @@ import torch
 
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad, tied_input_embedding
 from rlhf_core.models.tiny import build_tokenizer
-from rlhf_core.trainers import packing
-import rlhf_core.trainers.ppo.trainer as ppo_trainer_module
-from rlhf_core.trainers.ppo.trainer import PPOTrainer
+from rlhf_core.trainers import forward, packing
 from test_ppo_trainer import LAYOUTS, batch_in_layout, batch_of, make_policy, make_trainer
 
 
@@ -27,15 +25,15 @@ def test_packed_forward_matches_padded(padding_side, arch, monkeypatch):
     trainer.model.eval()  # as every PPO forward pass runs (the value head's dropout off)
     with torch.no_grad():
         lm = trainer.model.pretrained_model
-        assert packing.packing_works(trainer.model, lm)
-        packed_lp, packed_v, packed_logits = PPOTrainer._forward_packed(trainer.model, batch, True)
-        monkeypatch.setattr(ppo_trainer_module, "should_pack", lambda *a: False)  # the padded path
-        padded_lp, padded_v, padded_logits = PPOTrainer._forward_rows(trainer.model, batch, True)
+        assert forward.packing_works(trainer.model, lm)
+        monkeypatch.setattr(forward, "should_pack", lambda *a: True)  # the packed path
+        packed = forward.response_forward(trainer.model, batch, positions="suffix", entropy=True, logits=True)
+        monkeypatch.setattr(forward, "should_pack", lambda *a: False)  # the padded path
+        padded = forward.response_forward(trainer.model, batch, positions="suffix", entropy=True, logits=True)
     mask = batch.response_mask.bool()
-    assert torch.allclose(packed_lp[mask], padded_lp[mask], atol=1e-5)
-    assert torch.allclose(packed_v[mask], padded_v[mask], atol=1e-5)
-    assert torch.allclose(packed_logits[mask], padded_logits[mask], atol=1e-5)
-    assert (packed_lp[~mask] == 0).all() and (packed_v[~mask] == 0).all()  # padding slots hold 0
+    for name in ("logprobs", "values", "entropy", "logits"):
+        assert torch.allclose(getattr(packed, name)[mask], getattr(padded, name)[mask], atol=1e-5), name
+    assert (packed.logprobs[~mask] == 0).all() and (packed.values[~mask] == 0).all()  # padding slots hold 0
 
 
 def test_pack_rows_layout():
@@ -68,12 +66,12 @@ def test_a_model_that_ignores_packed_positions_keeps_the_padded_path():
         def train(self, mode=True):
             return self
 
-    packing._PACKING_WORKS.clear()
+    forward._PACKING_WORKS.clear()
     try:
-        assert packing.packing_works(model, lm)
-        assert not packing.packing_works(Leaky(), type("OtherLM", (), {"config": lm.config, "parameters": lm.parameters})())
+        assert forward.packing_works(model, lm)
+        assert not forward.packing_works(Leaky(), type("OtherLM", (), {"config": lm.config, "parameters": lm.parameters})())
     finally:
-        packing._PACKING_WORKS.clear()
+        forward._PACKING_WORKS.clear()
 
 
 def test_packing_pays_only_when_it_saves_flops():

@@ -103,7 +103,8 @@ def test_batched_forward_pass_has_the_classic_signature_and_padded_layout(tokeni
     inputs = trainer.prepare_model_inputs(queries, responses)
     with torch.no_grad():
         logprobs, logits, values, masks = trainer.batched_forward_pass(trainer.model, queries, responses, inputs)
-        lp_fast, v_fast, _ = trainer._forward_batch(trainer.model, inputs)
+        out = trainer._forward_batch(trainer.model, inputs)
+        lp_fast, v_fast = out.logprobs, out.values
         _, logits_full, _, _ = trainer.batched_forward_pass(trainer.model, queries, responses, {}, return_logits=True)
     assert logits is None and logits_full.shape == (4, width, trainer.model.pretrained_model.config.vocab_size)
     assert logprobs.shape == values.shape == masks.shape == (4, width)
@@ -354,8 +355,10 @@ def test_training_data_collator_pads_the_model_inputs_and_changes_no_value(token
     batch = custom.prepare_model_inputs(queries, responses)
     assert batch.model_inputs["input_ids"].shape[1] % 8 == 0 and "labels" not in batch.model_inputs
     with torch.no_grad():
-        lp_plain, v_plain, _ = plain._forward_batch(plain.model, plain.prepare_model_inputs(queries, responses))
-        lp_custom, v_custom, _ = custom._forward_batch(custom.model, batch)
+        out = plain._forward_batch(plain.model, plain.prepare_model_inputs(queries, responses))
+        lp_plain, v_plain = out.logprobs, out.values
+        out = custom._forward_batch(custom.model, batch)
+        lp_custom, v_custom = out.logprobs, out.values
     real = batch.response_mask.bool()  # padding slots of short responses hold no value
     assert torch.equal(real, plain.prepare_model_inputs(queries, responses).response_mask.bool())
     assert torch.allclose(lp_plain[real], lp_custom[real], atol=1e-5)

@@ -98,8 +98,11 @@ def plan() -> list[Row]:
         Row("qwen2-0.5b grpo", "online", "ours", s["qwen"], 120, 50, "grpo"),
         Row("qwen2-0.5b grpo", "online", "trl116", s["qwen"], 120, 50, "grpo"),
         Row("qwen2-0.5b ppo", "ppo_loop", "ours", s["loop"], 120, 50),
+        # issue 23: the trainers' own precision (PPOConfig(bf16_weights=None): bf16 weights, fp32 masters on a GPU)
+        Row("qwen2-0.5b ppo default", "ppo_loop", "ours", {**s["loop"], "bf16_weights": "default"}, 120, 50),
         Row("ppo fp32", "step", "trl", s["step"], 100, 45),
         Row("ppo fp32", "step", "ours", s["step"], 100, 45),
+        Row("ppo default", "step", "ours", {**s["step"], "bf16_weights": "default"}, 90, 40),  # vs TRL's "ppo bf16"
         Row("grpo", "online", "ours", s["online"], 90, 35, "grpo"),
         Row("grpo", "online", "trl116", s["online"], 90, 35, "grpo"),
         Row("rloo", "online", "trl116", s["online"], 90, 35, "rloo"),
@@ -107,6 +110,11 @@ def plan() -> list[Row]:
         Row("ppo bf16", "step", "ours", bf16, 90, 40),
         Row("ppo bf16", "step", "trl", bf16, 90, 40),
         Row("ppo bf16 weights", "step", "ours", {**bf16, "bf16_weights": True}, 90, 40),
+        # GRPO and RLOO in bf16: what both libraries pick on a GPU by default (TRL 1.16: bf16 unless fp16)
+        Row("grpo bf16", "online", "ours", {**s["online"], "bf16": True}, 90, 35, "grpo"),
+        Row("grpo bf16", "online", "trl116", {**s["online"], "bf16": True}, 90, 35, "grpo"),
+        Row("rloo bf16", "online", "trl116", {**s["online"], "bf16": True}, 90, 35, "rloo"),
+        Row("rloo bf16", "online", "ours", {**s["online"], "bf16": True}, 90, 35, "rloo"),
         Row("parity", "parity", "ours", s["parity"], 60, 20),
         Row("parity", "parity", "trl", s["parity"], 60, 20),
         # second pass: the same pairs in the other order, and ours' fp32 generate

@@ -109,10 +109,11 @@ def step_table(rows: list[dict]) -> list[str]:
     out = ["| workload | ours s/step | peer s/step | ours / peer | peer | peak GPU memory ours / peer (GB) | device |",
            "|---|---|---|---|---|---|---|"]
     for label, peer_label, peer in (("ppo fp32", "ppo fp32", "trl"), ("ppo bf16", "ppo bf16", "trl"),
-                                    ("ppo bf16 weights", "ppo bf16", "trl"), ("grpo", "grpo", "trl116"),
-                                    ("rloo", "rloo", "trl116")):
+                                    ("ppo bf16 weights", "ppo bf16", "trl"), ("ppo default", "ppo bf16", "trl"),
+                                    ("grpo", "grpo", "trl116"), ("rloo", "rloo", "trl116"),
+                                    ("grpo bf16", "grpo bf16", "trl116"), ("rloo bf16", "rloo bf16", "trl116")):
         ours, theirs = ran(rows, label, "ours"), ran(rows, peer_label, peer)
-        skip = 1 if label in ("grpo", "rloo") else 0  # the online workload's first step is its warm-up
+        skip = 1 if label.split()[0] in ("grpo", "rloo") else 0  # the online workload's first step is its warm-up
         o, p = (median([s for r in rs for s in r["step_seconds"][skip:]]) for rs in (ours, theirs))
         if o is None and p is None:
             continue
@@ -149,7 +150,7 @@ def phase_rows(result: dict, kind: str) -> tuple[dict, float, tuple[float, float
 def real_size_table(rows: list[dict]) -> list[str]:
     out = ["| run | phase | seconds | share | tokens/s | MFU (bf16 peak) |", "|---|---|---|---|---|---|"]
     for label, lib, kind in (("qwen2-0.5b grpo", "ours", "online"), ("qwen2-0.5b grpo", "trl116", "online"),
-                             ("qwen2-0.5b ppo", "ours", "ppo")):
+                             ("qwen2-0.5b ppo", "ours", "ppo"), ("qwen2-0.5b ppo default", "ours", "ppo")):
         results = ran(rows, label, lib)
         if not results:
             continue
@@ -171,7 +172,7 @@ def real_size_table(rows: list[dict]) -> list[str]:
         mfu = total / step / (peak * 1e12) if peak else None
         out.append(f"| {name} | **step** | {fmt(step)} | 100% | {fmt((prompt + completion) / step)} | "
                    f"{fmt(100 * mfu, 2) + '%' if mfu else '-'} |")
-    out.append(f"Device(s): {devices(rows, 'qwen2-0.5b grpo', 'qwen2-0.5b ppo')}. tokens/s: "
+    out.append(f"Device(s): {devices(rows, 'qwen2-0.5b grpo', 'qwen2-0.5b ppo', 'qwen2-0.5b ppo default')}. tokens/s: "
                "completion tokens for generation, prompt + completion tokens otherwise. MFU: model FLOPs "
                "(bench/gpu/roofline.py) over the card's datasheet bf16 peak (bench/gpu/peaks.py).")
     return out

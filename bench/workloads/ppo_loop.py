@@ -48,7 +48,7 @@ def main():
                        ppo_epochs=args["ppo_epochs"], learning_rate=args["learning_rate"], seed=0,
                        model_name=f"bench-{args['arch']}",
                        accelerator_kwargs={"mixed_precision": args["mixed_precision"]} if args["mixed_precision"] else {},
-                       **({"bf16_weights": True} if args["bf16_weights"] else {}))
+                       **common.bf16_weights_kwargs(lib, args))
     trainer = PPOTrainer(config, policy, None, tokenizer)
     clock = common.PhaseClock()
     for name, phase in PHASES.items():

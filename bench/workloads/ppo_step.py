@@ -30,7 +30,7 @@ def main():
         # "bf16": accelerate's CPU/GPU autocast around both models' forward passes (same kwargs in both libraries)
         accelerator_kwargs={"mixed_precision": args["mixed_precision"]} if args.get("mixed_precision") else {},
         **({"torch_compile": True} if args.get("torch_compile") and lib == "ours" else {}),  # rlhf_core's opt-in
-        **({"bf16_weights": True} if args.get("bf16_weights") and lib == "ours" else {}),  # bf16 + fp32 masters
+        **common.bf16_weights_kwargs(lib, args),  # rlhf_core: bf16 weights + fp32 masters, fp32, or its default
     )
     trainer = PPOTrainer(config, policy, None, tokenizer)
     vocab = min(len(tokenizer), common.SIZES[size]["vocab_size"])

@@ -39,9 +39,11 @@ def sparse_tied_embedding_grad(model: Any) -> Iterator[None]:
 
     The flag is read when the lookup runs, so the backward may happen after the block; it is restored after.
     The forward must use the LM head (it does whenever log-probs are computed), so the sum stays dense.
+    CPU weights only: what it saves is freshly faulted host pages; a GPU's dense lookup gradient is one kernel into
+    memory its caching allocator already holds, and the sparse tensor's extra operations would only add launches.
     """
     embedding = tied_input_embedding(model)
-    if embedding is None:
+    if embedding is None or embedding.weight.device.type != "cpu":
         yield
         return
     previous, embedding.sparse = embedding.sparse, True

@@ -341,16 +341,22 @@ class PreTrainedModelWrapper(nn.Module):
         past_key_values: Any = None,
         attention_mask: torch.Tensor | None = None,
         return_past_key_values: bool = False,
+        *,
+        upcast_logits: bool = True,
         **kwargs: Any,
     ) -> tuple:
-        """Logits (B, T, V) fp32, loss (or None), values (B, T) fp32; plus past_key_values if asked."""
+        """Logits (B, T, V) fp32, loss (or None), values (B, T) fp32; plus past_key_values if asked.
+
+        ``upcast_logits=False`` (not in classic TRL): the logits stay in the transformer's dtype, for a caller that
+        upcasts them chunk by chunk (``rlhf_core.trainers.forward``) instead of holding an fp32 copy of them all.
+        """
         kwargs["output_hidden_states"] = True
         if past_key_values is not None and not self._uses_prefix_tuning():
             kwargs["past_key_values"] = past_key_values
         outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = self._last_hidden_state(outputs).to(self.v_head.summary.weight.device)  # (B, T, H)
         value = self.v_head(hidden).squeeze(-1).float()  # (B, T)
-        lm_logits = outputs.logits.float()  # (B, T, V)
+        lm_logits = outputs.logits.float() if upcast_logits else outputs.logits  # (B, T, V)
         if return_past_key_values:
             return lm_logits, outputs.loss, value, outputs.past_key_values
         return lm_logits, outputs.loss, value

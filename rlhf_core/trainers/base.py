@@ -53,6 +53,18 @@ def portable_training_args(args: TrainingArguments) -> dict[str, Any]:
     return {key: value for key, value in args.to_dict().items() if key not in RUN_ENVIRONMENT_ARGS}
 
 
+def resolve_bf16(args: TrainingArguments) -> None:
+    """``bf16=None`` (the default of every config here) becomes True on a CUDA GPU with bf16 support, unless
+    ``fp16`` or ``use_cpu`` is set, and False elsewhere; call it before ``TrainingArguments.__post_init__``.
+
+    bf16 here is accelerate's autocast: the weights stay fp32 (the optimizer's master copies), the matmuls run in
+    bf16. On a CPU bf16 autocast is slow and changes results, so a CPU run stays fp32 and unchanged.
+    """
+    if args.bf16 is None:
+        args.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+                         and not args.fp16 and not args.use_cpu)
+
+
 def resolve_processing_class(tokenizer: Any = None, processing_class: Any = None) -> Any:
     """Accept the spec's ``tokenizer=`` as transformers 5's ``processing_class=`` (not both, unless equal)."""
     if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
@@ -519,6 +531,7 @@ class RlhfTrainerMixin:
 __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
     "default_training_args", "keyword_defaults", "merge_config_fields",
-    "disable_dropout", "load_model", "load_tokenizer_for", "portable_training_args", "resolve_processing_class",
+    "disable_dropout", "load_model", "load_tokenizer_for", "portable_training_args", "resolve_bf16",
+    "resolve_processing_class",
     "without_eval_strategy", "wrap_peft",
 ]

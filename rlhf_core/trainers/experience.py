@@ -10,11 +10,50 @@ padded model sequence, ``A`` padded response length, ``V`` vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from rlhf_core.core import position_ids_from_attention_mask
+
+
+@dataclass(kw_only=True)
+class HostLayout:
+    """Where a batch's real tokens and scored positions are, held on the host (numpy).
+
+    The forward's shape decisions (which padding columns to drop, whether to pack, which positions get
+    logits) read these, never the device tensors: on a GPU a Python decision on a tensor value would wait for
+    every queued kernel, once per mini-batch.
+    """
+
+    masks: dict[str, np.ndarray]
+    """The batch's attention masks by model-input name (``attention_mask``, ``decoder_attention_mask``): (B, T) bool."""
+    response_index: np.ndarray
+    """(B, A) int64: ``ModelBatch.response_index`` on the host."""
+
+    @classmethod
+    def of(cls, model_inputs: dict[str, torch.Tensor], response_index: torch.Tensor) -> "HostLayout":
+        """Copy the masks and the index to the host (one device read; done when a batch is built)."""
+        masks = {key: model_inputs[key].bool().cpu().numpy() for key in _PADDED_GROUPS if key in model_inputs}
+        return cls(masks=masks, response_index=response_index.cpu().numpy().astype(np.int64))
+
+    def rows(self, index: np.ndarray) -> "HostLayout":
+        return HostLayout(masks={key: mask[index] for key, mask in self.masks.items()},
+                          response_index=self.response_index[index])
+
+
+def host_rows(index: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Row numbers held on the host (a CPU tensor, a list or an array) as an int64 array."""
+    if isinstance(index, torch.Tensor):
+        index = index.cpu().numpy()
+    return np.asarray(index, dtype=np.int64)
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device``, copied without waiting for the device's queued work."""
+    return torch.from_numpy(np.ascontiguousarray(values)).to(device, non_blocking=True)
 
 
 @dataclass(kw_only=True)  # built by keyword only: same-shape tensors cannot be swapped silently
@@ -24,19 +63,34 @@ class ModelBatch:
     model_inputs: dict[str, torch.Tensor]
     """Keyword arguments of the model's forward: ids, attention masks, position ids; each (B, T)."""
     response_index: torch.Tensor
-    """(B, A) long: column of the shifted log-prob array (B, T-1) that scores response token a."""
+    """(B, A) long: the position whose logits score response slot a. For a causal LM the position before the
+    token (column t scores token t+1: a column of the shifted log-prob array (B, T-1))."""
+    response_tokens: torch.Tensor
+    """(B, A) long: the token of response slot a (any valid id on padding slots)."""
     response_mask: torch.Tensor
     """(B, A) float: 1 on a real (and not user-masked) response token, 0 on padding."""
     token_ids_key: str
     """Which model input holds the scored tokens: ``input_ids`` or ``decoder_input_ids``."""
+    host: HostLayout | None = None
+    """The masks and ``response_index`` on the host; None: copied from the device when first needed."""
 
-    def rows(self, index: torch.Tensor) -> "ModelBatch":
-        """The sub-batch of the given rows."""
+    def layout(self) -> HostLayout:
+        """``host``, copied from the device tensors the first time if the batch was built without it."""
+        if self.host is None:
+            self.host = HostLayout.of(self.model_inputs, self.response_index)
+        return self.host
+
+    def rows(self, index: torch.Tensor | np.ndarray) -> "ModelBatch":
+        """The sub-batch of the given rows (``index``: a host array or tensor of row numbers)."""
+        host_index = host_rows(index)
+        device_index = to_device(host_index, self.response_index.device)
         return replace(
             self,
-            model_inputs={key: value[index] for key, value in self.model_inputs.items()},
-            response_index=self.response_index[index],
-            response_mask=self.response_mask[index],
+            model_inputs={key: value[device_index] for key, value in self.model_inputs.items()},
+            response_index=self.response_index[device_index],
+            response_tokens=self.response_tokens[device_index],
+            response_mask=self.response_mask[device_index],
+            host=self.layout().rows(host_index),
         )
 
     def trimmed(self) -> "ModelBatch":
@@ -44,23 +98,28 @@ class ModelBatch:
 
         A sub-batch is padded to the width of the whole batch; a forward pass over columns that no row
         attends to is wasted work. Real tokens keep their position ids, so their outputs are unchanged.
+        Decided on the host layout: no device read.
         """
-        inputs = dict(self.model_inputs)
-        index = self.response_index
+        layout = self.layout()
+        inputs, masks = dict(self.model_inputs), dict(layout.masks)
+        index, host_index = self.response_index, layout.response_index
         for mask_key, keys in _PADDED_GROUPS.items():
-            if mask_key not in inputs:
+            if mask_key not in masks:
                 continue
-            real = inputs[mask_key].bool().any(0)  # (T,) columns some row attends to
-            if bool(real.all()):
+            real = masks[mask_key].any(0)  # (T,) columns some row attends to
+            if real.all():
                 continue
-            first, last = int(real.int().argmax()), len(real) - int(real.flip(0).int().argmax())
+            first, last = int(real.argmax()), len(real) - int(real[::-1].argmax())
             for key in keys:
                 if key in inputs:
                     inputs[key] = inputs[key][:, first:last]
+            masks[mask_key] = masks[mask_key][:, first:last]
             if self.token_ids_key in keys:
                 # Padded response slots are clamped to the last scorable column, as when the batch was built.
-                index = (index - first).clamp(0, max(last - first - 2, 0))
-        return replace(self, model_inputs=inputs, response_index=index)
+                top = max(last - first - 2, 0)
+                index, host_index = (index - first).clamp(0, top), np.clip(host_index - first, 0, top)
+        return replace(self, model_inputs=inputs, response_index=index,
+                       host=HostLayout(masks=masks, response_index=host_index))
 
     def scatter_to_sequence(self, values: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """Response-token values (B, A) or (B, A, V) placed in classic TRL's padded layout (B, T-1[, V]).
@@ -114,11 +173,11 @@ class FirstMinibatch:
     """(B,) long: the first epoch's row order, a permutation of the batch's rows."""
     rows: torch.Tensor
     """(b,) long: the first mini-batch's rows, the head of ``order``."""
-    forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    """Those rows' policy forward with gradients: log-probs (b, A), values (b, A), logits (b, A, V). Set by the
-    rollout; None before, and again once the first update has taken it (``take_forward``)."""
+    forward: Any = None
+    """Those rows' policy forward with gradients (a ``forward.ResponseForward``: log-probs, values and entropy
+    (b, A)). Set by the rollout; None before, and again once the first update has taken it (``take_forward``)."""
 
-    def take_forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def take_forward(self) -> Any:
         """Hand the kept forward over, once: afterwards this object holds no graph."""
         forward, self.forward = self.forward, None
         return forward
@@ -145,8 +204,9 @@ class Experience:
     returns: torch.Tensor
     """advantages (before whitening) + values: the value-head targets."""
 
-    def rows(self, index: torch.Tensor) -> "Experience":
-        """The sub-batch of the given rows."""
+    def rows(self, index: torch.Tensor | np.ndarray) -> "Experience":
+        """The sub-batch of the given rows (``index``: a host array or tensor of row numbers)."""
+        index = to_device(host_rows(index), self.logprobs.device)
         return Experience(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
@@ -237,8 +297,8 @@ def build_causal_batch(
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_attention_mask(attention_mask),
     }
-    return ModelBatch(model_inputs=model_inputs, response_index=index,
-                      response_mask=_apply_user_masks(mask, response_masks), token_ids_key="input_ids")
+    return _model_batch(model_inputs, index, torch.gather(input_ids[:, 1:], 1, index),
+                        _apply_user_masks(mask, response_masks), "input_ids")
 
 
 def build_seq2seq_batch(
@@ -263,5 +323,12 @@ def build_seq2seq_batch(
         "decoder_attention_mask": decoder_attention_mask,
     }
     user = None if response_masks is None else [m[1:] for m in response_masks]
-    return ModelBatch(model_inputs=model_inputs, response_index=index, response_mask=_apply_user_masks(mask, user),
-                      token_ids_key="decoder_input_ids")
+    tokens = torch.gather(decoder_input_ids[:, 1:], 1, index)  # (B, A)
+    return _model_batch(model_inputs, index, tokens, _apply_user_masks(mask, user), "decoder_input_ids")
+
+
+def _model_batch(model_inputs: dict[str, torch.Tensor], index: torch.Tensor, tokens: torch.Tensor,
+                 mask: torch.Tensor, token_ids_key: str) -> ModelBatch:
+    """A ``ModelBatch`` with its host layout (one device read, here rather than in every forward)."""
+    return ModelBatch(model_inputs=model_inputs, response_index=index, response_tokens=tokens, response_mask=mask,
+                      token_ids_key=token_ids_key, host=HostLayout.of(model_inputs, index))

@@ -69,6 +69,14 @@ class MasterWeights:
         self.masters_to_params()
 
 
+def bf16_by_default(device: torch.device, mixed_precision: str, optimizer: torch.optim.Optimizer) -> bool:
+    """What ``bf16_weights=None`` means: bf16 weights on a CUDA device that supports bf16, when the optimizer is
+    fresh, its parameters are fp32 and no fp16 loss scaling runs; fp32 everywhere else (a CPU among them)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return (device.type == "cuda" and mixed_precision != "fp16" and not optimizer.state
+            and all(p.dtype == torch.float32 for p in params) and torch.cuda.is_bf16_supported())
+
+
 def _check_can_take_over(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
     """The masters are copies of fp32 weights, made before the optimizer has any state keyed by them."""
     if optimizer.state:

@@ -10,13 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from transformers import TrainingArguments
 
-
-def _bf16_available() -> bool:
-    """bf16 mixed precision pays off only on a CUDA device that supports it."""
-    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+from rlhf_core.trainers.base import resolve_bf16
 
 
 @dataclass
@@ -32,8 +28,9 @@ class OnlineRLConfig(TrainingArguments):
     gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Recompute activations in backward."})
     """Trade compute for memory. TRL 1.16: True (GPU memory); ours: None, off (on a CPU it only costs ~20% time)."""
     bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; None: only where useful."})
-    """bf16 mixed precision. TRL 1.16: None means True unless fp16; ours: None means True only on a CUDA GPU
-    with bf16 support (fp32 on a CPU, where bf16 autocast is slow and changes results)."""
+    """bf16 mixed precision (autocast; the weights, and so the optimizer's masters, stay fp32). TRL 1.16: None
+    means True unless fp16; ours: None means True only on a CUDA GPU with bf16 support (``base.resolve_bf16``;
+    fp32 on a CPU, where bf16 autocast is slow and changes results)."""
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Keep only the prompt column."})
     """Keep only the ``prompt`` column. False (TRL 1.16) keeps every column for the reward functions' kwargs."""
 
@@ -154,8 +151,7 @@ class OnlineRLConfig(TrainingArguments):
     """Print each distinct prompt once (not once per completion of its group) when ``log_completions``."""
 
     def __post_init__(self) -> None:
-        if self.bf16 is None:
-            self.bf16 = _bf16_available() and not self.fp16
+        resolve_bf16(self)
         super().__post_init__()
         self._reject_unsupported()
         if self.auto_find_batch_size:

@@ -31,10 +31,8 @@ from transformers import (
     TrainerCallback,
 )
 
-from rlhf_core.core import entropy_from_logits, logprobs_from_logits
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.reference import create_reference_model
-from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     TrackingOptions,
@@ -44,9 +42,8 @@ from rlhf_core.trainers.base import (
     wrap_peft,
 )
 from rlhf_core.trainers.experience import ModelBatch, Rollout, build_causal_batch
-from rlhf_core.trainers.forward import dropout_off, reference_model
+from rlhf_core.trainers.forward import dropout_off, reference_model, response_forward
 from rlhf_core.trainers.generation import generate_batched
-from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
 from rlhf_core.trainers.online.config import OnlineRLConfig
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
 
@@ -102,34 +99,12 @@ def token_logprobs_and_entropy(model: Any, batch: ModelBatch, with_entropy: bool
                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (B, A) of every response token under ``model``, and (optionally) the entropy there (B, A).
 
-    The forward gets ``batch.model_inputs``, position ids included, so left padding changes nothing. Packed
-    into one sequence where that saves FLOPs (``packing``; padding slots then hold 0), else padded with the LM
-    head only on the positions from the first to the last scored one.
+    The shared ``forward.response_forward`` with the LM head on the span of scored positions: the forward gets
+    ``batch.model_inputs``, position ids included, so left padding changes nothing; the rows are packed into one
+    sequence where that saves FLOPs (padding slots then hold 0).
     """
-    if should_pack(model, batch):
-        packed = pack_rows(batch)
-        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                       use_cache=False, logits_to_keep=packed.score_positions).logits[0]  # (M, V)
-        tokens = packed.input_ids[0, packed.score_positions + 1]  # (M,)
-        shape = tuple(batch.response_index.shape)  # (B, A)
-        logprobs = unpack_slots(logprobs_from_logits(logits.float(), tokens), packed, shape)
-        entropy = unpack_slots(entropy_from_logits(logits.detach()), packed, shape) if with_entropy else None
-        return logprobs, entropy
-    ids, index = batch.model_inputs["input_ids"], batch.response_index  # (B, T), (B, A)
-    first, last = int(index.min()), int(index.max())  # every scored position lies in [first, last]
-    if language_model(model) is not None:  # the LM head on those positions only
-        positions = torch.arange(first, last + 1, device=ids.device)
-        logits = model(**batch.model_inputs, logits_to_keep=positions).logits  # (B, K, V)
-    else:
-        logits = model(**batch.model_inputs).logits[:, first:last + 1]  # (B, K, V)
-    # Position t predicts token t+1. Score all K kept positions, then pick each row's A slots (K is about A:
-    # a row's response ends at the last column): gathering the (B, A, V) slot logits first would copy them
-    # once more in the forward and once in the backward.
-    slots = index - first  # (B, A) into K
-    logprobs = torch.gather(logprobs_from_logits(logits.float(), ids[:, first + 1:last + 2]), 1, slots)  # (B, A)
-    entropy = torch.gather(entropy_from_logits(logits.detach()), 1, slots) if with_entropy else None
-    return logprobs, entropy
-
+    forward = response_forward(model, batch, positions="span", entropy=with_entropy)
+    return forward.logprobs, forward.entropy
 
 
 # ---- the trainer -----------------------------------------------------------------------------

@@ -130,14 +130,17 @@ class PPOConfig:
     (b)). Not exact: the products are summed in another order (~1e-6 relative in the logits), so a sampled
     token can differ where two candidates are that close; it holds a packed copy of the weights meanwhile.
     """
-    bf16_weights: bool = False
+    bf16_weights: Optional[bool] = None
     """Hold the policy and the reference in bf16; the optimizer updates fp32 master copies of the trainable weights.
 
     Instead of autocast's per-forward casts of fp32 weights: every matmul reads bf16 weights as stored, and the
     gradients are added into fp32 master gradients after each backward, then clipped, stepped and rounded back
-    (``rlhf_core.trainers.master_weights``). Not exact against fp32 (bf16 arithmetic, 8 bits of mantissa): for
-    GPUs and CPUs with bf16 matmul units. ``save_state`` checkpoints the masters; ``save_pretrained`` writes
-    the bf16 weights. Not with fp16 mixed precision, DeepSpeed or FSDP (they keep their own master weights).
+    (``rlhf_core.trainers.master_weights``). Not exact against fp32 (bf16 arithmetic, 8 bits of mantissa).
+    ``save_state`` checkpoints the masters; ``save_pretrained`` writes the bf16 weights. Not with fp16 mixed
+    precision, DeepSpeed or FSDP (they keep their own master weights). ``None`` (the default): True when the
+    trainer's device is a CUDA GPU with bf16 support, the trainable weights are fp32, the optimizer is fresh and
+    none of those three is in use; False otherwise (every CPU run: its results do not change). The trainer writes
+    the value it chose back here (so it is logged and in the model card). ``False`` keeps fp32 on a GPU.
     """
     is_encoder_decoder: Optional[bool] = None
     """Set by the trainer from the model: whether the policy is an encoder-decoder."""

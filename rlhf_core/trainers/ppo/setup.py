@@ -1,6 +1,5 @@
 """What building a ``PPOTrainer`` needs: the accelerator's project configuration, the tracker, the default
-optimizer and collator, the ``torch_compile`` opt-in, and two device helpers (the ``logits_to_keep`` probe, the
-device-cache release).
+optimizer and collator, the ``torch_compile`` opt-in, and the device-cache release.
 
 Functions only; ``PPOTrainer.__init__`` calls them. Nothing here holds trainer state.
 """
@@ -18,7 +17,6 @@ from torch.utils.data import default_collate
 
 from rlhf_core.kl_control import AdaptiveKLController, FixedKLController
 from rlhf_core.tracking import Tracker, make_tracker
-from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.ppo.config import PPOConfig
 
 
@@ -28,12 +26,6 @@ def list_collator(rows: list[Any]) -> Any:
     if isinstance(rows[0], Mapping):
         return {key: [row[key] for row in rows] for key in rows[0]}
     return default_collate(rows)
-
-
-def accepts_logits_to_keep(model) -> bool:
-    """True when the causal LM under the value head computes logits only for the positions it is asked for
-    (``rlhf_core.models.unwrap.language_model``: encoder-decoders and prompt-learning adapters keep the full-logits path)."""
-    return language_model(model) is not None
 
 
 def compile_transformers(*wrappers) -> None:

@@ -62,7 +62,7 @@ def trainer_state(trainer, extra: dict[str, Any] | None = None) -> dict[str, Any
     return {
         "format": ckpt.CHECKPOINT_FORMAT, "kind": "ppo", "step": trainer.current_step,
         "kl_ctl": {"class": type(trainer.kl_ctl).__name__, **trainer.kl_ctl.state_dict()},
-        "running": trainer.running.state_dict(), "nonfinite_in_a_row": trainer._nonfinite_in_a_row,
+        "running": trainer.running.state_dict(), "nonfinite_in_a_row": trainer.guard.in_a_row,
         "accelerator_step": int(getattr(trainer.accelerator, "step", 0)),
         "data": loader.state_dict() if isinstance(loader, ckpt.PositionTrackingLoader) else None,
         "config": _jsonable_config(trainer.config), "extra": extra or {},
@@ -122,7 +122,7 @@ def load_state(trainer, path: str) -> dict[str, Any]:
         trainer.lr_scheduler.load_state_dict(ckpt.load_torch(path / "scheduler.pt"))
     trainer.kl_ctl.load_state_dict(kl_state)
     trainer.running.load_state_dict(state["running"])
-    trainer.current_step, trainer._nonfinite_in_a_row = int(state["step"]), int(state["nonfinite_in_a_row"])
+    trainer.current_step, trainer.guard.in_a_row = int(state["step"]), int(state["nonfinite_in_a_row"])
     if hasattr(accelerator, "step"):
         accelerator.step = int(state["accelerator_step"])
     if state["data"] is not None and isinstance(trainer.dataloader, ckpt.PositionTrackingLoader):

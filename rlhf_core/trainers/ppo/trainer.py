@@ -42,6 +42,7 @@ from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.tracking import Tracker, make_tracker
 from rlhf_core.trainers.ppo import hub as ppo_hub, setup as ppo_setup, state as ppo_state, stats as ppo_stats
+from rlhf_core.trainers.ppo.guards import UpdateGuard
 from rlhf_core.trainers.generation import (
     DEFAULT_GENERATION_BATCH_SIZE,
     generate_batched,
@@ -55,10 +56,10 @@ from rlhf_core.trainers.experience import (
     RolloutForward,
     build_causal_batch,
     build_seq2seq_batch,
+    to_device,
 )
-from rlhf_core.trainers.forward import reference_model
-from rlhf_core.trainers.master_weights import MasterWeights
-from rlhf_core.trainers.packing import pack_rows, should_pack, unpack_slots
+from rlhf_core.trainers.forward import ResponseForward, reference_model, response_forward
+from rlhf_core.trainers.master_weights import MasterWeights, bf16_by_default
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo.config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
@@ -130,8 +131,7 @@ class PPOTrainer:
         self.tracker = self._setup_tracker(tracker)
         self.push_if_best = ppo_hub.PushIfBest(config)
         self.current_step = 0
-        self._nonfinite_in_a_row = 0  # updates skipped in a row for a non-finite loss/gradient
-        self._nonfinite_this_step = 0
+        self.guard = UpdateGuard(config.max_nonfinite_updates, config.ratio_threshold)  # skipped updates, ratio limit
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -155,7 +155,11 @@ class PPOTrainer:
 
     def _bf16_weights(self, model, optimizer) -> MasterWeights | None:
         """``bf16_weights``: cast policy and reference to bf16, fp32 masters into the optimizer (before
-        ``accelerate`` wraps the model, so DDP buckets the bf16 gradients)."""
+        ``accelerate`` wraps the model, so DDP buckets the bf16 gradients). ``None`` is decided here
+        (``master_weights.bf16_by_default``) and the decision written back into the config."""
+        if self.config.bf16_weights is None:
+            self.config.bf16_weights = self.accelerator.distributed_type in _PLAIN_GRADIENTS and bf16_by_default(
+                self.accelerator.device, self.accelerator.mixed_precision, optimizer)
         if not self.config.bf16_weights:
             return None
         if self.accelerator.mixed_precision == "fp16":
@@ -312,8 +316,9 @@ class PPOTrainer:
                 non_score_rewards=non_score, kls=kls, advantages=advantages, returns=returns)
             with phase_timer(timing, "optimize_step"):
                 train_stats = self._optimise(batch, experience, first)
+                skipped = self.guard.finish_step()  # the loop's guard flags, read once
             with phase_timer(timing, "calc_stats"):
-                stats = self._step_stats(batch, experience, scores, queries, responses, train_stats)
+                stats = self._step_stats(batch, experience, scores, queries, responses, train_stats, skipped)
             self.kl_ctl.update(stats["objective/kl"], self.config.batch_size * self.accelerator.num_processes)
             self._advance_schedule()
         stats.update(timing)
@@ -329,15 +334,16 @@ class PPOTrainer:
         if self.ref_model is not None:
             self.ref_model.eval()
 
-    def _step_stats(self, batch: ModelBatch, experience: Experience, scores, queries, responses, train_stats):
-        """The step's stats as numpy: ``record_step_stats`` gathered over processes, plus lr and skip count."""
+    def _step_stats(self, batch: ModelBatch, experience: Experience, scores, queries, responses, train_stats,
+                    skipped: int):
+        """The step's stats as numpy: ``record_step_stats`` gathered over processes, plus lr and ``skipped``."""
         stats = self.record_step_stats(
             kl_coef=self.kl_ctl.value, scores=scores, logprobs=experience.logprobs,
             ref_logprobs=experience.ref_logprobs, non_score_reward=experience.non_score_rewards,
             train_stats=train_stats, masks=batch.response_mask, queries=queries, responses=responses,
             kls=experience.kls)
         stats = self.gather_stats(ppo_stats.with_sequence_logprobs(stats, batch, experience))
-        return ppo_stats.finish_step_stats(stats, self.optimizer.param_groups[0]["lr"], self._nonfinite_this_step)
+        return ppo_stats.finish_step_stats(stats, self.optimizer.param_groups[0]["lr"], skipped)
 
     def _advance_schedule(self) -> None:
         """After a step: the lr scheduler steps once and the step counter moves on."""
@@ -400,7 +406,7 @@ class PPOTrainer:
         order = torch.from_numpy(np.random.permutation(self.config.batch_size))
         return FirstMinibatch(order=order, rows=order[: self.config.mini_batch_size])
 
-    def _policy_rollout(self, batch: ModelBatch, full: bool, first: FirstMinibatch | None):
+    def _policy_rollout(self, batch: ModelBatch, full: bool, first: FirstMinibatch | None) -> ResponseForward:
         """The policy's (B, A) log-probs and values (and (B, A, V) logits when ``full``), without gradients.
 
         With ``first``: its rows are forwarded with gradients and their outputs kept in ``first.forward``
@@ -408,34 +414,37 @@ class PPOTrainer:
         """
         if first is None:
             with torch.no_grad():
-                return self._forward_batch(self.model, batch, return_logits=full)
-        rows = first.rows
-        rest = torch.from_numpy(np.setdiff1d(np.arange(len(batch)), rows.numpy()))
+                return self._forward_batch(self.model, batch, logits=full)
+        rows = first.rows.numpy()
+        rest = np.setdiff1d(np.arange(len(batch)), rows)
         with self._embedding_grad_context():
-            first.forward = self._forward_batch(self.model, batch.rows(rows), return_logits=True)
+            first.forward = self._forward_batch(self.model, batch.rows(rows), entropy=True, logits=full)
         with torch.no_grad():
-            others = self._forward_batch(self.model, batch.rows(rest), return_logits=full) if len(rest) else None
-        outputs = []
-        for i, kept in enumerate(first.forward[: 3 if full else 2]):  # logprobs, values[, logits]
+            others = self._forward_batch(self.model, batch.rows(rest), logits=full) if len(rest) else None
+        device = self.accelerator.device
+        kept_rows, rest_rows = to_device(rows, device), to_device(rest, device)
+        merged = {}
+        for name in ("logprobs", "values", "logits") if full else ("logprobs", "values"):
+            kept = getattr(first.forward, name)
             out = kept.new_empty((len(batch), *kept.shape[1:]))
-            out[rows] = kept.detach()
+            out[kept_rows] = kept.detach()
             if others is not None:
-                out[rest] = others[i]
-            outputs.append(out)
-        return (*outputs, None) if not full else tuple(outputs)
+                out[rest_rows] = getattr(others, name)
+            merged[name] = out
+        return ResponseForward(**merged)
 
     def _rollout_forward(self, batch: ModelBatch, first: FirstMinibatch | None = None) -> RolloutForward:
         """Old log-probs and values from the policy, reference log-probs from the reference (no gradients,
         except the first mini-batch's policy forward when ``first`` is given: ``_policy_rollout``)."""
         full = self.config.kl_penalty == "full"
-        logprobs, values, logits = self._policy_rollout(batch, full, first)
+        policy = self._policy_rollout(batch, full, first)
         with torch.no_grad(), self._reference() as ref_model:
-            ref_logprobs, _, ref_logits = self._forward_batch(ref_model, batch, return_logits=full)
+            ref = self._forward_batch(ref_model, batch, logits=full)
         if not full:
-            return RolloutForward(logprobs=logprobs, values=values, ref_logprobs=ref_logprobs)
-        return RolloutForward(logprobs=logprobs, values=values, ref_logprobs=ref_logprobs,
-                              full_logprobs=logprobs_from_logits(logits, None, gather=False),  # (B, A, V)
-                              ref_full_logprobs=logprobs_from_logits(ref_logits, None, gather=False))  # (B, A, V)
+            return RolloutForward(logprobs=policy.logprobs, values=policy.values, ref_logprobs=ref.logprobs)
+        return RolloutForward(logprobs=policy.logprobs, values=policy.values, ref_logprobs=ref.logprobs,
+                              full_logprobs=logprobs_from_logits(policy.logits, None, gather=False),  # (B, A, V)
+                              ref_full_logprobs=logprobs_from_logits(ref.logits, None, gather=False))  # (B, A, V)
 
     def batched_forward_pass(self, model, queries, responses, model_inputs=None, return_logits: bool = False,
                              response_masks=None):
@@ -451,59 +460,29 @@ class PPOTrainer:
         batch = model_inputs if isinstance(model_inputs, ModelBatch) else \
             self.prepare_model_inputs(list(queries), list(responses), response_masks)
         model.eval()  # classic TRL semantics: no dropout in PPO forward passes
-        logprobs, values, logits = self._forward_batch(model, batch, return_logits=return_logits)
+        forward = self._forward_batch(model, batch, logits=return_logits)
         width = batch.model_inputs[batch.token_ids_key].shape[1] - 1  # T-1
         scatter = batch.scatter_to_sequence
-        padded_logits = scatter(logits, width) if return_logits else None
-        return scatter(logprobs, width), padded_logits, scatter(values, width), scatter(batch.response_mask, width)
+        padded_logits = scatter(forward.logits, width) if return_logits else None
+        return (scatter(forward.logprobs, width), padded_logits, scatter(forward.values, width),
+                scatter(batch.response_mask, width))
 
-    def _forward_batch(self, model, batch: ModelBatch, return_logits: bool = False):
-        """Log-probs (B, A), values (B, A) and optionally logits (B, A, V) in ``mini_batch_size`` chunks."""
+    def _forward_batch(self, model, batch: ModelBatch, *, entropy: bool = False, logits: bool = False
+                       ) -> ResponseForward:
+        """Log-probs and values (B, A), and the entropy (B, A) and logits (B, A, V) when asked, in
+        ``mini_batch_size`` chunks of rows (``forward.response_forward``; the LM head from the first scored
+        position on, ``positions="suffix"``: the rows PPO has always used, so its results stay byte-identical)."""
         chunk = self.config.mini_batch_size
         if model.training:  # put in eval mode by the caller (``_dropout_off``); a train() since is undone
             model.eval()
-        parts = [self._forward_rows(model, batch.rows(torch.arange(i, min(i + chunk, len(batch)))).trimmed(), return_logits)
+        parts = [response_forward(model, batch.rows(np.arange(i, min(i + chunk, len(batch)))).trimmed(),
+                                  positions="suffix", entropy=entropy, logits=logits)
                  for i in range(0, len(batch), chunk)]
-        if len(parts) == 1:  # a PPO mini-batch: no copy (its logits are (b, A, V), 52 MB at mid size)
+        if len(parts) == 1:  # a PPO mini-batch: no copy
             return parts[0]
-        logprobs = torch.cat([p[0] for p in parts])
-        values = torch.cat([p[1] for p in parts])
-        logits = torch.cat([p[2] for p in parts]) if return_logits else None
-        return logprobs, values, logits
-
-    @staticmethod
-    def _forward_rows(model, batch: ModelBatch, return_logits: bool):
-        if should_pack(model, batch):
-            return PPOTrainer._forward_packed(model, batch, return_logits)
-        tokens = batch.model_inputs[batch.token_ids_key]
-        index = batch.response_index  # (b, A)
-        kwargs = {}
-        if ppo_setup.accepts_logits_to_keep(model):
-            # Speed: only positions from the first scored one on need the LM head (H x V matmul, forward
-            # and backward); the query prefix never does. Same per-position logits, fewer positions.
-            kwargs["logits_to_keep"] = tokens.shape[1] - int(index.min())
-        lm_logits, _, values = model(**batch.model_inputs, **kwargs)  # (b, K, V) with K <= T, (b, T)
-        offset = tokens.shape[1] - lm_logits.shape[1]  # position of the first kept logit (0 without the option)
-        logits = torch.gather(lm_logits, 1, (index - offset)[..., None].expand(-1, -1, lm_logits.shape[-1]))  # (b, A, V)
-        next_tokens = torch.gather(tokens[:, 1:], 1, index)  # (b, A)
-        logprobs = logprobs_from_logits(logits, next_tokens)  # (b, A)
-        values = torch.gather(values[:, :-1].float(), 1, index) * batch.response_mask  # (b, A)
-        return logprobs, values, (logits if return_logits else None)
-
-    @staticmethod
-    def _forward_packed(model, batch: ModelBatch, return_logits: bool):
-        """``_forward_rows`` on the rows packed into one sequence (``packing``): no padding columns in any
-        layer, the LM head only where a response token is scored. Padding slots hold 0."""
-        packed = pack_rows(batch)
-        lm_logits, _, values = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                     attention_mask=None, use_cache=False,  # a cache turns the packed mask off
-                                     logits_to_keep=packed.score_positions)  # (1, M, V), (1, N)
-        logits = lm_logits[0]  # (M, V)
-        next_tokens = packed.input_ids[0, packed.score_positions + 1]  # (M,)
-        shape = tuple(batch.response_index.shape)  # (b, A)
-        logprobs = unpack_slots(logprobs_from_logits(logits, next_tokens), packed, shape)  # (b, A)
-        values = unpack_slots(values[0, packed.score_positions].float(), packed, shape) * batch.response_mask  # (b, A)
-        return logprobs, values, (unpack_slots(logits, packed, shape) if return_logits else None)
+        return ResponseForward(**{name: None if getattr(parts[0], name) is None else
+                                  torch.cat([getattr(p, name) for p in parts])
+                                  for name in ("logprobs", "values", "entropy", "logits")})
 
     # ------------------------------------------------------------------ rewards and advantages
 
@@ -534,14 +513,13 @@ class PPOTrainer:
         """``ppo_epochs`` passes of shuffled mini-batches; returns the stacked mini-batch stats.
 
         ``first`` (``_first_minibatch``): the first epoch's row order, and the first mini-batch's forward kept
-        from the rollout.
+        from the rollout. Nothing in the loop reads a tensor on the host (the guards are device flags,
+        ``ppo.guards``), except ``early_stopping``'s KL check once per epoch.
         """
-        self._nonfinite_this_step = 0
         all_stats: list[dict[str, torch.Tensor]] = []
         cfg = self.config
         for epoch in range(cfg.ppo_epochs):
-            order = first.order if first is not None and epoch == 0 else \
-                torch.from_numpy(np.random.permutation(cfg.batch_size))
+            order = first.order.numpy() if first is not None and epoch == 0 else np.random.permutation(cfg.batch_size)
             for start in range(0, cfg.batch_size, cfg.mini_batch_size):
                 rows = order[start:start + cfg.mini_batch_size]
                 kept = first.take_forward() if first is not None and epoch == 0 and start == 0 else None
@@ -553,16 +531,17 @@ class PPOTrainer:
             stacked[key] = torch.nan_to_num(torch.flatten(stacked[key]).unsqueeze(0), WANDB_PADDING)
         return stacked
 
-    def _minibatch_update(self, batch: ModelBatch, old: Experience, forward=None) -> dict[str, torch.Tensor]:
+    def _minibatch_update(self, batch: ModelBatch, old: Experience, forward: ResponseForward | None = None
+                          ) -> dict[str, torch.Tensor]:
         """Forward the mini-batch with gradients (unless ``forward`` holds it already), then ``train_minibatch``
         (inside gradient accumulation)."""
         with self.accelerator.accumulate(self.model):
             if forward is None:
                 with self._embedding_grad_context():
-                    forward = self._forward_batch(self.model, batch, return_logits=True)
-            logprobs, vpreds, logits = forward  # (b, A), (b, A), (b, A, V)
-            stats = self.train_minibatch(old.logprobs, old.values, logprobs, logits, vpreds, batch.response_mask,
-                                         old.advantages, old.returns)
+                    forward = self._forward_batch(self.model, batch, entropy=True)
+            # the (b, A) entropy stands where classic TRL passes the (b, A, V) logits (only the entropy stat reads them)
+            stats = self.train_minibatch(old.logprobs, old.values, forward.logprobs, forward.entropy, forward.values,
+                                         batch.response_mask, old.advantages, old.returns)
         for key in ("policy/advantages", "policy/ratio"):  # per-token stats in classic TRL's (b, T-1) layout
             stats[key] = batch.scatter_to_sequence(stats[key])
         return stats
@@ -577,28 +556,27 @@ class PPOTrainer:
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
         """Loss, backward and (at accumulation boundaries) an optimizer step for one mini-batch (classic signature).
 
-        ``logprobs``/``logits``/``vpreds`` come from a forward pass with gradients; every argument shares
-        one layout, (b, A) here or classic TRL's (b, T-1) (logits with a trailing V). A non-finite loss or
-        gradient norm skips the update (weights and optimizer state untouched) and is counted;
-        ``max_nonfinite_updates`` skips in a row stop the run with an error.
+        ``logprobs``/``vpreds`` come from a forward pass with gradients; every argument shares one layout,
+        (b, A) here or classic TRL's (b, T-1); ``logits`` is that forward's (b, A, V) logits or, as this trainer
+        passes it, its (b, A) entropy (only the entropy stat reads it). A non-finite loss or gradient norm skips
+        the optimizer step (weights and optimizer state as if it never ran; the stats' NaNs become 0) and is
+        counted; ``max_nonfinite_updates`` skips in a row stop the run with an error when the step ends. The
+        checks are device flags read once per step (``ppo.guards``).
         """
         loss_p, loss_v, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
         loss = loss_p + loss_v
-        if not torch.isfinite(loss):
-            return self._skip_update(stats, f"non-finite loss ({float(loss.detach())})")
+        bad_loss = self.guard.observe_loss(loss)
         self.accelerator.backward(loss)
         if self._master is not None:
             self._master.grads_to_masters()  # fp32 accumulation; the norm, clipping and update act on the masters
         if self.accelerator.sync_gradients:
-            grad_norm = self._gradient_norm()
-            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
-                return self._skip_update(stats, f"non-finite gradient norm ({float(grad_norm)})")
-        self.optimizer.step()
-        if self._master is not None and self.accelerator.sync_gradients:
-            self._master.masters_to_params()
-        self.optimizer.zero_grad()  # the accelerator only really steps/zeroes at accumulation boundaries
-        self._nonfinite_in_a_row = 0
-        return stats
+            skip = self.guard.at_optimizer_step(self._gradient_norm())
+            self.guard.step_optimizer(self.optimizer, skip, self.accelerator.scaler)
+            if self._master is not None:
+                self._master.masters_to_params()  # a skipped step left the masters as they were
+            bad_loss = bad_loss | skip
+        self.optimizer.zero_grad()  # the accelerator only really zeroes at accumulation boundaries
+        return {key: torch.where(bad_loss, torch.nan_to_num(value), value) for key, value in stats.items()}
 
     def _gradient_norm(self):
         """The total gradient norm (the non-finite guard reads it), clipped to ``max_grad_norm`` when set.
@@ -616,43 +594,30 @@ class PPOTrainer:
         self.accelerator.unscale_gradients()  # fp16 loss scaling: measure the true gradients
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
-    def _skip_update(self, stats: dict[str, torch.Tensor], reason: str) -> dict[str, torch.Tensor]:
-        """Drop this mini-batch's gradients, count the skip, stop after too many in a row."""
-        self.optimizer.zero_grad()
-        self._nonfinite_in_a_row += 1
-        self._nonfinite_this_step += 1
-        warnings.warn(f"PPO update skipped: {reason}", stacklevel=3)
-        if self._nonfinite_in_a_row >= self.config.max_nonfinite_updates:
-            raise RuntimeError(
-                f"{self._nonfinite_in_a_row} PPO updates in a row were skipped ({reason}); stopping. Check the "
-                "scores, the learning rate and the model's numerics (max_nonfinite_updates sets this limit)."
-            )
-        return {key: torch.nan_to_num(value) for key, value in stats.items()}
-
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
-        """Clipped policy loss and ``vf_coef`` x clipped value loss; zeroed past ``ratio_threshold``."""
+        """Clipped policy loss and ``vf_coef`` x clipped value loss; zeroed past ``ratio_threshold``.
+
+        ``logits``: the (b, A, V) logits or the (b, A) entropy (the entropy stat's input, ``ppo_losses``). The
+        threshold is applied on the device (a 0/1 factor) and warned about when the step ends (``ppo.guards``).
+        """
         # logits feed only the entropy stat there: detached, it is computed without a graph (same values)
         pg_loss, vf_loss, stats = ppo_losses(
             old_logprobs, values, logits.detach(), vpreds, logprobs, mask, advantages, returns,
             self.config.cliprange, self.config.cliprange_value,
         )
-        ratio_mean = stats.pop("policy/ratio_mean")
-        if ratio_mean > self.config.ratio_threshold:
-            warnings.warn(
-                f"The average ratio of the batch ({float(ratio_mean):.2f}) exceeds ratio_threshold "
-                f"({self.config.ratio_threshold:.2f}); skipping this mini-batch (loss set to 0).", stacklevel=2,
-            )
-            pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
+        keep = self.guard.ratio_keep(stats.pop("policy/ratio_mean"))
+        pg_loss, vf_loss = pg_loss * keep, vf_loss * keep
         loss_v = self.config.vf_coef * vf_loss
         stats.update({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": (pg_loss + loss_v).detach()})
         return pg_loss, loss_v, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
-        """True when the policy KL of the last mini-batch exceeds 1.5 x ``target_kl`` (on any process)."""
-        exceeded = torch.tensor(float(policykl > 1.5 * self.config.target_kl), device=self.accelerator.device)
+        """True when the policy KL of the last mini-batch exceeds 1.5 x ``target_kl`` (on any process): one host
+        read per epoch, the only one of the loop (leaving it early needs the answer on the host)."""
+        exceeded = (policykl > 1.5 * self.config.target_kl).to(self.accelerator.device, torch.float32)
         if self.accelerator.num_processes > 1:
             exceeded = self.accelerator.reduce(exceeded, "max")
-        if exceeded > 0:
+        if bool(exceeded):
             self.optimizer.zero_grad()
             return True
         return False

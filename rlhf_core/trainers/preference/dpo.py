@@ -48,12 +48,14 @@ from rlhf_core.trainers.base import (
     load_model,
     keyword_defaults,
     merge_config_fields,
+    resolve_bf16,
     resolve_processing_class,
     wrap_peft,
     without_eval_strategy,
 )
 from rlhf_core.trainers.collators import IGNORE_INDEX, DPODataCollatorWithPadding, pad_to_length
-from rlhf_core.trainers.forward import reference_model
+from rlhf_core.trainers.experience import ModelBatch
+from rlhf_core.trainers.forward import ResponseForward, reference_model, response_forward
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,9 @@ UNSUPPORTED_DPO_FIELDS = {"model_adapter_name": None, "ref_adapter_name": None}
 class DPOConfig(TrainingArguments):
     """``TrainingArguments`` plus the DPO trainer's options (TRL 0.11 names and defaults)."""
 
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; None: only where useful."})
+    """bf16 mixed precision (autocast; fp32 weights). TRL 0.11: False; here None: True on a CUDA GPU with bf16
+    support, fp32 elsewhere (``base.resolve_bf16``: a CPU run is unchanged)."""
     beta: float = field(default=0.1, metadata={"help": "Temperature of the implicit reward."})
     """Temperature of the implicit reward ``beta * (log pi - log pi_ref)``."""
     label_smoothing: float = field(default=0.0, metadata={"help": "Conservative-DPO label noise in [0, 0.5)."})
@@ -166,6 +171,7 @@ class DPOConfig(TrainingArguments):
     log-likelihood of the chosen responses; None turns it off (the paper uses 1.0)."""
 
     def __post_init__(self) -> None:
+        resolve_bf16(self)
         if isinstance(self.f_divergence_type, str):
             self.f_divergence_type = FDivergenceType(self.f_divergence_type)
         for name, off in UNSUPPORTED_DPO_FIELDS.items():
@@ -378,6 +384,27 @@ def response_logprobs(
     """Summed (or mean) log-prob of the labelled tokens: logits (B, T, V), labels (B, T) -> (B,)."""
     token_logps, response_mask = response_token_logprobs(logits, labels, label_pad_token_id, is_encoder_decoder)
     return sequence_logprobs(token_logps, response_mask, average=average)  # (B,)
+
+
+def pair_batch(inputs: Mapping[str, torch.Tensor], label_pad_token_id: int = IGNORE_INDEX,
+               is_encoder_decoder: bool = False) -> ModelBatch:
+    """``concatenate_pairs``'s output as the shared forward's ``ModelBatch``: every labelled token scored.
+
+    Causal LM: slot t (t < T-1) is the token at t + 1, scored at position t (2B, T-1). Encoder-decoder: slot t
+    is label t, scored at decoder position t (2B, L); the model gets the labels and shifts them itself. The mask
+    is 1 where the label is not ``label_pad_token_id`` (prompt and padding are not scored).
+    """
+    labels = inputs["concatenated_labels"]  # (2B, T)
+    model_inputs = {"input_ids": inputs["concatenated_input_ids"],
+                    "attention_mask": inputs["concatenated_attention_mask"]}
+    if is_encoder_decoder:
+        model_inputs["labels"] = labels
+    scored = labels if is_encoder_decoder else labels[:, 1:]  # (2B, T') the label each scoring position predicts
+    index = torch.arange(scored.shape[1], device=labels.device).expand(scored.shape[0], -1)  # (2B, T')
+    return ModelBatch(model_inputs=model_inputs, response_index=index,
+                      response_tokens=scored.masked_fill(scored == label_pad_token_id, 0),  # any valid id there
+                      response_mask=(scored != label_pad_token_id).float(),
+                      token_ids_key="labels" if is_encoder_decoder else "input_ids")
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,26 +664,33 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
     def concatenated_forward(
         self, model: nn.Module, batch: Mapping[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One forward pass over chosen and rejected: their log-probs (B,) each, logits (B, T, V) each and the
+        """One forward pass over chosen and rejected: their log-probs (B,) each, logits (B, T', V) each and the
         chosen responses' token-mean negative log-likelihood () (RPO's term), as TRL 0.11.4's five outputs.
 
-        An encoder-decoder reads the prompt and gets the responses as ``labels`` (it shifts them into its decoder
-        inputs itself); its logits are then aligned with the labels, without the causal shift.
+        The logits are those of the positions that score a token, in the model's dtype: T' = T - 1 for a causal
+        LM (TRL 0.11.4 also returns the last position, which scores nothing), T' = L for an encoder-decoder,
+        which reads the prompt and gets the responses as ``labels`` (it shifts them into its decoder inputs
+        itself; its logits are aligned with the labels, without the causal shift). Training computes no logits
+        copy: ``get_batch_loss_metrics`` uses the shared forward directly.
         """
-        inputs = self.concatenated_inputs(batch)
-        labels = inputs["concatenated_labels"]  # (2B, T)
-        extra = {"labels": labels} if self.is_encoder_decoder else {}
-        logits = model(
-            input_ids=inputs["concatenated_input_ids"], attention_mask=inputs["concatenated_attention_mask"], **extra
-        ).logits  # (2B, T, V)
-        token_logps, response_mask = response_token_logprobs(
-            logits, labels, self.label_pad_token_id, self.is_encoder_decoder
-        )  # (2B, T') each
-        logps = sequence_logprobs(token_logps, response_mask, average=self.loss_type == "ipo")  # (2B,)
-        chosen_logps, rejected_logps = logps.chunk(2)
-        chosen_logits, rejected_logits = logits.chunk(2)
-        nll_loss = rpo_nll_loss(token_logps.chunk(2)[0], response_mask.chunk(2)[0])  # ()
+        forward, mask = self._pair_forward(model, batch, logits=True)
+        chosen_logps, rejected_logps, nll_loss = self._pair_logps(forward, mask)
+        chosen_logits, rejected_logits = forward.logits.chunk(2)
         return chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss
+
+    def _pair_forward(self, model: nn.Module, batch: Mapping[str, Any], **options: bool
+                      ) -> tuple[ResponseForward, torch.Tensor]:
+        """The shared response forward (``forward.response_forward``, every position: ``positions="all"``) over
+        ``[chosen; rejected]``: per-token outputs (2B, T') and the mask of the labelled tokens (2B, T')."""
+        pairs = pair_batch(self.concatenated_inputs(batch), self.label_pad_token_id, self.is_encoder_decoder)
+        return response_forward(model, pairs, positions="all", **options), pairs.response_mask
+
+    def _pair_logps(self, forward: ResponseForward, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Chosen and rejected log-probs (B,) each (token means for ``ipo``) and RPO's chosen NLL ()."""
+        logps = sequence_logprobs(forward.logprobs, mask, average=self.loss_type == "ipo")  # (2B,)
+        chosen_logps, rejected_logps = logps.chunk(2)
+        return chosen_logps, rejected_logps, rpo_nll_loss(forward.logprobs.chunk(2)[0], mask.chunk(2)[0])
 
     def _reference(self) -> contextlib.AbstractContextManager:
         """Context yielding the reference: the PEFT policy with its adapter disabled, else ``ref_model``."""
@@ -667,7 +701,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         if self.ref_model is None and not self.use_peft_reference:
             raise ValueError("no reference model: reference_free=True was set without ref_model")
         with torch.no_grad(), self._reference() as reference:
-            chosen, rejected = self.concatenated_forward(reference, batch)[:2]
+            chosen, rejected, _ = self._pair_logps(*self._pair_forward(reference, batch))
         return chosen, rejected
 
     def _precompute_all_reference_logps(self) -> None:
@@ -737,15 +771,14 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean DPO loss over the batch (plus ``rpo_alpha`` times the chosen NLL with RPO) and its metrics (prefixed
         ``eval_`` in evaluation; ``nll_loss`` with RPO)."""
-        chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss = self.concatenated_forward(model, batch)
+        forward, mask = self._pair_forward(model, batch, logit_mean=True)
+        chosen_logps, rejected_logps, nll_loss = self._pair_logps(forward, mask)
         ref_chosen, ref_rejected = self._reference_logps_for(batch, chosen_logps)
         losses, chosen_rewards, rejected_rewards = self.dpo_loss(chosen_logps, rejected_logps, ref_chosen, ref_rejected)
         if self.rpo_alpha is not None:
             losses = losses + self.rpo_alpha * nll_loss  # RPO (arXiv 2404.19733 v3): DPO + alpha * NLL(chosen)
         prefix = "eval_" if train_eval == "eval" else ""
-        labels = self.concatenated_inputs(batch)["concatenated_labels"]  # (2B, T)
-        logit_mask = labels if self.is_encoder_decoder else labels[:, 1:]  # the labels each logit position scores
-        chosen_mask, rejected_mask = (logit_mask != self.label_pad_token_id).chunk(2)  # (B, T') each
+        logit_means, masks = forward.logit_mean.chunk(2), mask.chunk(2)  # (B, T') each: chosen, rejected
         metrics = {
             "rewards/chosen": chosen_rewards.mean(),
             "rewards/rejected": rejected_rewards.mean(),
@@ -753,8 +786,8 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
             "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
             "logps/chosen": chosen_logps.detach().mean(),
             "logps/rejected": rejected_logps.detach().mean(),
-            "logits/chosen": _response_logit_mean(chosen_logits, chosen_mask),
-            "logits/rejected": _response_logit_mean(rejected_logits, rejected_mask),
+            "logits/chosen": masked_mean(logit_means[0], masks[0]),  # the mean logit over the response tokens
+            "logits/rejected": masked_mean(logit_means[1], masks[1]),
         }
         if self.rpo_alpha is not None:
             metrics["nll_loss"] = nll_loss.detach()
@@ -848,10 +881,3 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
             extra.update(ref_model_mixup_alpha=self.args.ref_model_mixup_alpha,
                          ref_model_sync_steps=self.args.ref_model_sync_steps)
         return {**super().card_hyperparameters(), **extra}
-
-
-def _response_logit_mean(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Mean logit over the scored response positions: logits (B, T, V), mask (B, T') -> scalar, where T' = T - 1
-    for a causal LM (its last position scores nothing) and T' = T for an encoder-decoder."""
-    per_position = logits[:, : response_mask.shape[1], :].detach().float().mean(-1)  # (B, T')
-    return masked_mean(per_position, response_mask)

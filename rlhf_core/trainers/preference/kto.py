@@ -28,15 +28,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Trainer, set_seed
 
-from rlhf_core.core import (
-    entropy_from_logits, position_ids_from_attention_mask, sequence_logprobs, shifted_token_logprobs,
-)
+from rlhf_core.core import position_ids_from_attention_mask, sequence_logprobs
 from rlhf_core.losses import kto_kl_estimate, kto_loss, kto_reference_point, kto_stat_sums, kto_stats_from_sums
 from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers import base
 from rlhf_core.trainers.base import TrackingOptions, check_tracking
 from rlhf_core.trainers.collators import pad_to_length
-from rlhf_core.trainers.forward import dropout_off, reference_model
+from rlhf_core.trainers.experience import ModelBatch
+from rlhf_core.trainers.forward import ResponseForward, dropout_off, reference_model, response_forward
 from rlhf_core.trainers.preference.kto_config import KTOConfig
 
 logger = logging.getLogger(__name__)
@@ -225,21 +224,29 @@ class DataCollatorForUnpairedPreference:
 # --------------------------------------------------------------------------------------------
 
 
-def completion_logps(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-prob of each row's completion tokens (B,) and the logits (B, T, V).
-
-    ``position_ids`` come from the attention mask, so left, right or no padding give every row the log-prob
-    it has alone. input_ids, attention_mask, completion_mask: (B, T).
-    """
-    position_ids = position_ids_from_attention_mask(attention_mask)  # (B, T)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits  # (B, T, V)
-    token_logps = shifted_token_logprobs(logits, input_ids)  # (B, T-1)
+def completion_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+                     ) -> ModelBatch:
+    """The shared forward's ``ModelBatch`` of KTO rows: every next-token position scored, the mask keeping the real
+    completion tokens. ``position_ids`` come from the attention mask, so left, right or no padding give every row
+    the log-prob it has alone. input_ids, attention_mask, completion_mask: (B, T) -> slots (B, T-1)."""
+    index = torch.arange(input_ids.shape[1] - 1, device=input_ids.device).expand(input_ids.shape[0], -1)  # (B, T-1)
+    model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                    "position_ids": position_ids_from_attention_mask(attention_mask)}
     scored = completion_mask[:, 1:] * attention_mask[:, 1:]  # (B, T-1): token t+1 is a real completion token
-    return sequence_logprobs(token_logps, scored), logits
+    return ModelBatch(model_inputs=model_inputs, response_index=index, response_tokens=input_ids[:, 1:],
+                      response_mask=scored, token_ids_key="input_ids")
+
+
+def completion_logps(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+    **options: bool,
+) -> tuple[torch.Tensor, ResponseForward, torch.Tensor]:
+    """Summed log-prob of each row's completion tokens (B,), the shared forward's per-token outputs (B, T-1)
+    (``forward.response_forward`` on every position; ``options``: its ``entropy``, ``logit_mean``), and the
+    (B, T-1) mask of the scored tokens."""
+    batch = completion_batch(input_ids, attention_mask, completion_mask)
+    forward = response_forward(model, batch, positions="all", **options)
+    return sequence_logprobs(forward.logprobs, batch.response_mask), forward, batch.response_mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,9 +385,9 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
         with (torch.no_grad(),
               reference_model(self.accelerator, self.model, reference, adapter_off=self.use_peft_reference) as reference,
               dropout_off(reference)):
-            logps, _ = completion_logps(
+            logps = completion_logps(
                 reference, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-            )
+            )[0]
             kl_logps = self._kl_logps(reference, batch)
         return logps, kl_logps
 
@@ -389,9 +396,9 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
         if not self.calculate_KL:
             return None
         with torch.no_grad():
-            logps, _ = completion_logps(
+            logps = completion_logps(
                 model, batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"]
-            )
+            )[0]
         return logps
 
     def _precompute_all_reference_logps(self) -> None:
@@ -443,29 +450,30 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean KTO loss over the batch's rows and its metrics (prefixed ``eval_`` in evaluation)."""
         labels = batch["label"].bool()  # (B,)
-        logps, logits = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        logps, forward, scored = completion_logps(model, batch["input_ids"], batch["attention_mask"],
+                                                  batch["completion_mask"], entropy=True, logit_mean=True)
         ref_logps, ref_kl_logps = self._reference_for(batch)  # (B,), (B,) or None
         kl = self.kl_reference_point(self._kl_logps(model, batch), ref_kl_logps)
         ref_logps = ref_logps.to(logps)
         losses, rewards = kto_loss(
             logps, ref_logps, labels, kl, self.beta, self.desirable_weight, self.undesirable_weight, self.loss_type
         )
-        metrics = self._metrics(batch, labels, logps, logits, rewards, kl)
+        metrics = self._metrics(labels, logps, forward, scored, rewards, kl)
         prefix = "eval_" if train_eval == "eval" else ""
         self._last_rewards = rewards
         return losses.mean(), {prefix + key: value for key, value in metrics.items()}
 
-    def _metrics(self, batch, labels, logps, logits, rewards, kl) -> dict[str, float]:
-        """TRL 1.16's KTO metrics, each averaged over the rows (or tokens) of every process."""
-        scored = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).float()  # (B, T-1)
-        detached = logits[:, :-1, :].detach().float()  # (B, T-1, V)
-        mean_logits = detached.mean(-1)  # (B, T-1)
+    def _metrics(self, labels, logps, forward: ResponseForward, scored, rewards, kl) -> dict[str, float]:
+        """TRL 1.16's KTO metrics, each averaged over the rows (or tokens) of every process. ``forward``: the policy's
+        per-token outputs (B, T-1) with entropy and mean logit; ``scored``: their (B, T-1) mask."""
+        scored = scored.float()
+        mean_logits = forward.logit_mean  # (B, T-1)
         chosen_tokens, rejected_tokens = scored * labels[:, None], scored * ~labels[:, None]  # (B, T-1) each
         sums = torch.cat([
             kto_stat_sums(rewards, logps, labels),  # (6,)
             torch.stack([(mean_logits * chosen_tokens).sum(), chosen_tokens.sum(),
                          (mean_logits * rejected_tokens).sum(), rejected_tokens.sum(),
-                         (entropy_from_logits(detached) * scored).sum(), scored.sum()]),  # (6,)
+                         (forward.entropy * scored).sum(), scored.sum()]),  # (6,)
         ])
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums, reduction="sum")  # every rank runs this once per step
@@ -510,6 +518,6 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
 
 
 __all__ = [
-    "DataCollatorForUnpairedPreference", "KTOTrainer", "add_kl_completions", "completion_logps",
+    "DataCollatorForUnpairedPreference", "KTOTrainer", "add_kl_completions", "completion_batch", "completion_logps",
     "prepare_kto_dataset", "tokenize_kto_row", "unpair_rows", "weight_advice",
 ]

@@ -1,7 +1,7 @@
 """KTOConfig: TRL 1.16.0's ``KTOConfig`` fields (names, defaults, meanings) on ``transformers.TrainingArguments``.
 
 A TRL 1.16 script that builds ``KTOConfig(...)`` runs unchanged. Three defaults differ from TRL's because
-TRL's assume a GPU (each is said in the field's docstring): ``bf16`` (off), ``gradient_checkpointing`` (off)
+TRL's assume a GPU (each is said in the field's docstring): ``bf16`` (only on a GPU), ``gradient_checkpointing`` (off)
 and ``learning_rate`` (5e-5 instead of 1e-6, which barely moves a small model in the few hundred CPU steps
 this project trains for). Options that need hardware or code paths this project does not have
 (``activation_offloading``, ``sync_ref_model``, a non-zero ``router_aux_loss_coef``) are accepted as fields and
@@ -16,6 +16,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from rlhf_core.losses import KTO_LOSS_TYPES
+from rlhf_core.trainers.base import resolve_bf16
 
 
 @dataclass
@@ -32,8 +33,9 @@ class KTOConfig(TrainingArguments):
     """Recompute activations in the backward pass to save memory. TRL 1.16: True (a GPU-memory default); here
     None, which is off: on a CPU with small models it only costs time. (None, not False: transformers 5 warns
     that any explicit value of this deprecated alias of ``activation_checkpointing`` is deprecated.)"""
-    bf16: bool | None = field(default=False, metadata={"help": "bfloat16 mixed precision."})
-    """bfloat16 mixed precision. TRL 1.16: True unless fp16 is set (assumes an Ampere GPU); here False (fp32)."""
+    bf16: bool | None = field(default=None, metadata={"help": "bfloat16 mixed precision; None: only where useful."})
+    """bfloat16 mixed precision (autocast; fp32 weights). TRL 1.16: True unless fp16 is set (assumes an Ampere GPU);
+    here None: True on a CUDA GPU with bf16 support, fp32 elsewhere (``base.resolve_bf16``: a CPU run is unchanged)."""
     train_sampling_strategy: str = field(
         default="sequential",
         metadata={"help": "Training sampler; KTO's KL term needs 'sequential'.",
@@ -92,6 +94,7 @@ class KTOConfig(TrainingArguments):
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
             text = self.pad_to_multiple_of.strip().lower()
             self.pad_to_multiple_of = None if text in ("none", "null", "") else int(text)
+        resolve_bf16(self)
         super().__post_init__()
         if self.pad_to_multiple_of == "auto":
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
