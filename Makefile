@@ -113,7 +113,7 @@ serve-retrain: setup ## serve the retraining flow on its cron schedule (needs ma
 # else the project's store). Uploaded spools are renamed *.uploaded, so running it twice sends nothing twice.
 .PHONY: tracking-upload
 tracking-upload: setup ## replay tracking data spooled while MLflow was unreachable
-	$(PY) -m rlhf_core.tracking upload tracking-spool --tracking-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}"
+	$(PY) -m flows.tracking upload tracking-spool --tracking-uri "$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}"
 
 # DVC's plot page loads vega from a CDN (blank offline): `make setup` writes .venv/vega/dvc-template.html with the
 # scripts inlined (tools/offline_plots.py), which .dvc/config names, so `.venv/bin/dvc plots show` works offline.

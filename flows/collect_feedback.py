@@ -12,15 +12,19 @@ marked on their traces. Running it again with nothing new judged adds nothing.
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+from flows.process import configure_logging, configure_process
 
-import flows  # noqa: F401  (environment defaults)
-from prefect import flow
+if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch
+    configure_process()
 
-from flows.intake import add_intake_options, intake_options, retrain_now, run_intake
-from tasks.feedback_intake import Collection, collect
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from prefect import flow  # noqa: E402
+
+from flows.intake import add_intake_options, intake_options, retrain_now, run_intake  # noqa: E402
+from tasks.feedback_intake import Collection, collect  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,9 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-@flow(name="rlhf-collect-feedback", log_prints=False)  # see flows/__init__.py
+@flow(name="rlhf-collect-feedback", log_prints=False)  # log_prints: see flows/process.py
 def collect_feedback(root: str = ".", push: bool = True) -> dict:
     """The scheduled collection (team mode): ingest new judgements; the intake's event starts the retraining."""
+    configure_logging()  # a deployed run's process was not started by ``main`` (prefect.yaml's entry point)
     args = _parser().parse_args(["--root", root] + ([] if push else ["--no-push"]))
     return summary(collect(Path(root).resolve(), **intake_options(args)))
 

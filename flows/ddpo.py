@@ -1,8 +1,13 @@
-"""DDPO on its own: ``python -m flows.ddpo`` runs the ``ddpo`` stage (``tasks/ddpo.py``, ``params.yaml:ddpo``)."""
+"""DDPO on its own: ``python -m flows.ddpo`` runs the ``ddpo`` stage (``tasks/stages/ddpo.py``, ``params.yaml:ddpo``)."""
 
-import sys
+from flows.process import configure_process
 
-from flows.stage import main
+if __name__ == "__main__":  # the entry point: configure the process before flows.stage loads torch
+    configure_process()
+
+import sys  # noqa: E402
+
+from flows.stage import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["ddpo", *sys.argv[1:]]))

@@ -14,17 +14,22 @@ evaluate, the registry's gate, the record landed on the branch). ``--no-retrain`
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
+from flows.process import configure_process
 
-import flows  # noqa: F401  (environment defaults)
-from rlhf_core.data import DataFormatError
-from rlhf_core.feedback import IntakeLimits
-from tasks.intake import IntakeError, ingest
-from tasks.params import PARAMS_FILE, load_params
+if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch (it retrains)
+    configure_process()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TypeVar  # noqa: E402
+
+from rlhf_core.data import DataFormatError  # noqa: E402
+from rlhf_core.feedback import IntakeLimits  # noqa: E402
+from tasks.intake import IntakeError, ingest  # noqa: E402
+from tasks.params import PARAMS_FILE  # noqa: E402
+from tasks.stages import load_params  # noqa: E402
 
 EXIT_BAD_INPUT = 65  # EX_DATAERR
 EXIT_NOT_VERSIONED = 74  # EX_IOERR
@@ -86,11 +91,11 @@ def retrain_now(root: Path, args: argparse.Namespace) -> int:
     """Local mode: retrain on what was just committed (team mode: the event starts the deployment instead; a
     retrain killed after an intake is run again with ``make retrain``). ``args``: the intake options
     (``no_retrain``, ``no_commit``, ``no_push``)."""
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL  # prefect: only when deciding whether to retrain here
 
     if args.no_retrain or args.no_commit or PREFECT_API_URL.value():
         return 0
-    from flows.retrain import main as retrain_main
+    from flows.retrain import main as retrain_main  # flows.retrain loads torch: only when the intake retrains here
 
     print("retraining on the new feedback (python -m flows.retrain; --no-retrain to skip)")
     return retrain_main(["--root", str(root)] + (["--no-push"] if args.no_push else []))

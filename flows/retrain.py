@@ -18,7 +18,12 @@ record stays on its own branch and ``make land-retrain REF=retrain/<stamp>`` lan
 
 from __future__ import annotations
 
-import argparse
+from flows.process import configure_logging, configure_process
+
+if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch
+    configure_process()
+
+import argparse  # noqa: E402
 import contextlib
 import datetime as dt
 import os
@@ -26,16 +31,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
 from prefect import flow
 
 from flows.pipeline import pipeline
-from rlhf_core.checkpointing import Preempted, install_stop_handlers
-from tasks.dvc_ops import StageInputsChanged, push_outputs
-from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock
+from flows.report import refresh_readme
+from tasks.dvc_ops import push_outputs
+from tasks.locking import add_wait_argument, checkout_lock
 from tasks.mlflow_runs import mlflow_setup, tracking_uri
 from tasks.orphans import detach_temporary_server
-from flows.report import refresh_readme
+from tasks.supervisor import exit_status, install_stop_handlers
 from tasks.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
                             restore_checkout_outputs)
 
@@ -57,11 +61,12 @@ def _tracking_of(root: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = previous
 
 
-@flow(name="rlhf-retrain", log_prints=False)  # see flows/__init__.py
+@flow(name="rlhf-retrain", log_prints=False)  # log_prints: see flows/process.py
 def retrain(root: str = ".", branch: str | None = None, push: bool = True, remote: str | None = None,
             record: bool = True, land: bool = True) -> dict:
     """Retrain ``branch`` (default: the one checked out in ``root``) from its last commit; record the result and
     (``land``) bring it to the branch."""
+    configure_logging()  # a deployed run's process was not started by ``main`` (prefect.yaml's entry point)
     root = str(Path(root).resolve())
     branch = branch or current_branch(root)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -103,7 +108,8 @@ def land(root: str, ref: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 75 (``EXIT_PREEMPTED``) when SIGTERM/SIGINT stopped a training stage after saving its state."""
+    """Exit status as ``python -m flows.pipeline``'s (``tasks.supervisor.exit_status``): 75 when SIGTERM/SIGINT
+    stopped a training stage after saving its state, 73 when another run holds the checkout."""
     parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--branch", default=None, help="branch to retrain (default: the one checked out)")
@@ -119,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.land:
         try:
             head = land(str(Path(args.root).resolve()), args.land)
-        except (GitError, CheckoutLocked) as error:
+        except Exception as error:  # noqa: BLE001 - a git failure or a held checkout: said, not a traceback
+            if not isinstance(error, GitError) and exit_status(error) is None:
+                raise
             print(f"land-retrain: {error}", file=sys.stderr)
-            return getattr(error, "exit_code", 1)
+            return exit_status(error) or 1
         print(f"Landed {args.land}: {current_branch(args.root)} is at {head[:12]}; outputs restored (dvc checkout)")
         return 0
     if args.serve:
@@ -135,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         with checkout_lock(args.root, "python -m flows.retrain"):  # refused here, before Prefect starts
             summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record,
                               land=not args.no_land)
-    except (Preempted, StageInputsChanged, CheckoutLocked) as stopped:
+    except Exception as stopped:  # noqa: BLE001 - mapped to an exit status, or re-raised
         # Preempted: the worktree (and a stage's saved state in it) is gone; the next run re-runs that stage.
+        if (status := exit_status(stopped)) is None:
+            raise
         print(f"retrain stopped: {stopped}", file=sys.stderr)
-        return stopped.exit_code
+        return status
     if "git" in summary:
         record = summary["git"]
         print(f"Recorded on {record['branch']} ({record['commit'][:12]})"

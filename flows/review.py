@@ -8,23 +8,27 @@ answers; ``make intake-feedback`` turns the judgements into versioned feedback b
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from pathlib import Path
+from flows.process import configure_process
 
-import flows  # noqa: F401  (environment defaults)
-from flows.serve import HOST
-from flows.serve_model import DEFAULT_PORT as MODEL_PORT
-from tasks.mlflow_runs import mlflow_setup
-from tasks.review_page import ReviewSettings, make_server
+if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch
+    configure_process()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlflow  # noqa: E402
+
+from flows.serve import HOST  # noqa: E402
+from flows.serve_model import DEFAULT_PORT as MODEL_PORT  # noqa: E402
+from tasks.mlflow_runs import mlflow_setup  # noqa: E402
+from tasks.review_page import ReviewSettings, make_server  # noqa: E402
 
 DEFAULT_PORT = 5002
 
 
 def main(argv: list[str] | None = None) -> int:
-    import mlflow
-
     parser = argparse.ArgumentParser(prog="python -m flows.review", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("REVIEW_PORT", DEFAULT_PORT)))

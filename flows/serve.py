@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from flows.process import configure_process
+
 HOST = "127.0.0.1"
 POOL = "local-process"
 STATE_DIR = ".serve"
@@ -164,4 +166,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # the environment defaults and CPU kernel pins go to the servers and the worker, hence to every deployed flow run
+    configure_process()
     sys.exit(main())

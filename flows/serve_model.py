@@ -12,18 +12,26 @@ restart), and records every generation as a trace in the project's MLflow experi
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from pathlib import Path
+from flows.process import configure_process
 
-import flows  # noqa: F401  (environment defaults)
-from flows.serve import HOST, STATE_DIR, _bin
-from rlhf_core.tracking import redact
-from tasks.mlflow_runs import mlflow_setup, tracking_uri
-from tasks.params import PARAMS_FILE, load_params
-from tasks.registry import CHAMPION, pinned_requirements
-from tasks.serving import ServerConfig, save_server
+if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch
+    configure_process()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+
+from flows.serve import HOST, STATE_DIR, _bin  # noqa: E402
+from rlhf_core.tracking import redact  # noqa: E402
+from tasks.mlflow_runs import mlflow_setup, tracking_uri  # noqa: E402
+from tasks.params import PARAMS_FILE  # noqa: E402
+from tasks.registry import CHAMPION, pinned_requirements  # noqa: E402
+from tasks.serving import ServerConfig, save_server  # noqa: E402
+from tasks.stages import load_params  # noqa: E402
 
 DEFAULT_PORT = 5001
 SERVER_DIR = "policy-server"
@@ -31,9 +39,6 @@ SERVER_DIR = "policy-server"
 
 def prepare(root: Path, alias: str, reload_s: float) -> tuple[Path, dict[str, str]]:
     """Check that ``alias`` names a version, write the served model; returns its folder and the server's environment."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
     model_name = load_params(root / PARAMS_FILE).registry.model_name
     experiment_id = mlflow_setup(root)  # the project's store (a vanished or locked one is named here)
     try:

@@ -1,45 +1,46 @@
 """One stage on its own: what ``dvc.yaml`` runs (``python -m flows.stage <name>``).
 
-Runs the same Prefect task as the pipeline flow. DVC itself records the stage in dvc.lock afterwards.
-SIGTERM/SIGINT make a training stage save its state at the next step boundary and exit with status 75;
-running the stage again (``dvc repro`` or this command) resumes from that state.
-The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (``make repro`` sets it), else it is
-a top-level run tagged ``rlhf.entry=dvc``.
+Runs the same stage as the pipeline flow (``tasks/stage_task.py``), supervised the same way (``tasks/supervisor.py``);
+DVC itself records the stage in dvc.lock afterwards. SIGTERM/SIGINT make a training stage save its state at the
+next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command) resumes from
+that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created), else it is
+a top-level run.
 
 Under a launcher (``accelerate launch ... -m flows.stage sft``, or ``torchrun``), one copy runs per process.
-Only the main process (global rank 0) runs the stage as a Prefect flow run; every other rank calls the task's
-function directly (``task.fn``), without Prefect. Two flow runs would record the same stage twice, and with no
-``PREFECT_API_URL`` each process would start its own temporary Prefect server on the same database. The ranks
-still train together (the trainers' DDP collectives), and only rank 0 writes (``tasks/distributed.py``).
-Non-training stages (prepare, evaluate) exit with status 2 and a message under a launcher with several processes.
+Only the main process (global rank 0) runs the stage as a Prefect flow run; every other rank runs the stage
+directly, without Prefect. Two flow runs would record the same stage twice, and with no ``PREFECT_API_URL`` each
+process would start its own temporary Prefect server on the same database. The ranks still train together (the
+trainers' DDP collectives), and only rank 0 writes (``tasks/distributed.py``). Stages that are not launchable in the
+stage table (prepare, evaluate, ...) exit with status 2 and a message under a launcher with several processes.
 """
 
-from __future__ import annotations
+from flows.process import configure_process
 
-import argparse
-import os
-import sys
+if __name__ == "__main__":  # the entry point: configure the process before the imports below load torch
+    configure_process()
 
-import flows  # noqa: F401  (environment defaults)
-from tasks.distributed import LauncherError, destroy_process_group, is_main_process, require_single_process
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from prefect import flow  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
 
-from flows.stages import LAUNCHABLE_STAGES, STAGE_TASKS  # noqa: E402
-from rlhf_core.checkpointing import Preempted, install_stop_handlers  # noqa: E402
-from tasks.dvc_ops import StageInputsChanged, inputs_unchanged  # noqa: E402
-from tasks.locking import CheckoutLocked, add_wait_argument, checkout_lock  # noqa: E402
-from tasks.paths import remove_stage_checkpoints  # noqa: E402
-from tasks.orphans import clean_after_dead_runs, detach_temporary_server  # noqa: E402
-from tasks.params import ALL_STAGES  # noqa: E402
-
-EXIT_USAGE = 2
-"""A non-training stage started by a launcher with several processes."""
-
+from tasks.distributed import destroy_process_group, is_main_process, require_single_process  # noqa: E402
+from tasks.locking import add_wait_argument  # noqa: E402
+from tasks.mlflow_runs import PARENT_ENV  # noqa: E402
+from tasks.params import PARAMS_FILE, as_dict  # noqa: E402
+from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
+from tasks.supervisor import PipelineRun, exit_status, pipeline_run  # noqa: E402
 
 NAME_KEYS = (("learning_rate", "lr"), ("beta", "beta"), ("total_steps", "steps"), ("num_train_epochs", "epochs"),
              ("source", "source"))
 """(params key, short label) shown in a stage's Prefect flow run name when its section has it."""
+
+
+def command(name: str) -> str:
+    return f"python -m flows.stage {name}"
 
 
 def stage_run_name(stage: str, section: dict) -> str:
@@ -50,12 +51,6 @@ def stage_run_name(stage: str, section: dict) -> str:
 
 def flow_run_name() -> str:
     """The Prefect flow run's name (``stage_run_name`` from params.yaml; ``stage <name>`` if it cannot be read)."""
-    from pathlib import Path
-
-    from prefect.runtime import flow_run
-
-    from tasks.params import PARAMS_FILE, as_dict, load_params
-
     args = flow_run.parameters or {}
     name = str(args.get("name", "?"))
     try:
@@ -65,51 +60,38 @@ def flow_run_name() -> str:
         return f"stage {name}"
 
 
-@flow(name="rlhf-stage", flow_run_name=flow_run_name, log_prints=False)  # see flows/__init__.py
+@flow(name="rlhf-stage", flow_run_name=flow_run_name, log_prints=False)  # log_prints: see flows/process.py
 def stage(name: str, root: str = ".") -> dict:
-    """Run the task of stage ``name`` in ``root``, holding the checkout lock (re-entrant for the run that started
-    this process), and fail with :class:`StageInputsChanged` if its params or deps changed while it ran (DVC
-    records the stage only when this command exits 0; it would record the edited values)."""
-    with checkout_lock(root, f"python -m flows.stage {name}"):
-        clean_after_dead_runs(root)  # MLflow runs and Prefect servers a killed run left behind
-        with inputs_unchanged(root, name):
-            result = STAGE_TASKS[name](root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
-        remove_stage_checkpoints(root, name)  # its resume states of earlier (abandoned) params
-        return result
+    """Run stage ``name`` in ``root``; fail with ``StageInputsChanged`` if its params or deps changed while it ran
+    (DVC records the stage only when this command exits 0: it would record the edited values)."""
+    with pipeline_run(root, command(name), records=False) as run:
+        return run.stage(name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 done, 1 failed, 2 a non-training stage under a multi-process launcher, 75
-    (``EXIT_PREEMPTED``) stopped by SIGTERM/SIGINT with its state saved, or its params/deps changed while it ran:
-    run it again (or ``dvc repro``) to resume; 73 (``EXIT_LOCKED``) another run holds the checkout.
-    DVC records the stage only on 0."""
-    install_stop_handlers()  # before anything else: a SIGTERM from now on is a stop request, not a kill
-    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
+    """Exit status: 0 done, 1 failed, 2 a non-launchable stage under a multi-process launcher, 75 stopped by
+    SIGTERM/SIGINT with its state saved, or its params/deps changed while it ran: run it again (or ``dvc repro``)
+    to resume; 73 (``EXIT_LOCKED``) another run holds the checkout. DVC records the stage only on 0."""
     parser = argparse.ArgumentParser(prog="python -m flows.stage", description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=ALL_STAGES)
+    parser.add_argument("name", choices=NAMES)
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     add_wait_argument(parser)
     args = parser.parse_args(argv)
     try:
-        if args.name not in LAUNCHABLE_STAGES:
-            require_single_process(args.name)  # before any Prefect or MLflow work
-        if is_main_process():
-            with checkout_lock(args.root, f"python -m flows.stage {args.name}"):  # refused before Prefect starts
+        if args.name not in LAUNCHABLE:
+            require_single_process(args.name, LAUNCHABLE)  # before any Prefect or MLflow work
+        with PipelineRun(args.root, command(args.name), records=False, parent_run_id=os.environ.get(PARENT_ENV)) as run:
+            if is_main_process():
                 stage(args.name, args.root)
-        else:  # a non-main rank of a launch: the same task body, no Prefect flow run (see the module docstring)
-            STAGE_TASKS[args.name].fn(args.root, os.environ.get("RLHF_PARENT_RUN_ID") or None)
-    except LauncherError as error:
+            else:  # a non-main rank of a launch: the same stage, no Prefect flow run (see the module docstring)
+                run.stage(args.name)
+    except Exception as error:  # noqa: BLE001 - mapped to an exit status, or re-raised
+        if (status := exit_status(error)) is None:
+            raise  # (a failed rank skips the teardown: the launcher stops the others)
         print(f"stage {args.name}: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except (CheckoutLocked, StageInputsChanged) as refused:
-        print(f"stage {args.name}: {refused}", file=sys.stderr)
-        destroy_process_group()
-        return refused.exit_code
-    except Preempted as stopped:
-        print(f"stage {args.name}: {stopped}", file=sys.stderr)
-        destroy_process_group()  # every rank stopped at the same step and met at a barrier
-        return stopped.exit_code
-    destroy_process_group()  # (a failed rank skips it: the launcher stops the others)
+        destroy_process_group()  # after a stop every rank stopped at the same step and met at a barrier
+        return status
+    destroy_process_group()
     return 0
 
 

@@ -1,14 +1,13 @@
 """The one block a pipeline run ends with: results table, the MLflow run's address, the next commands.
 
 ``results_table`` is the plain-text table of ``metrics/evaluate.json`` (one row per policy, the champion
-marked); ``end_block`` puts it together with the link and the commands. Both are pure: no I/O.
+marked); ``end_block`` puts it together with the link and the commands; ``report`` is the same story as the
+markdown of the flow run's Prefect artifact. All pure: no I/O.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 COLUMNS = (("gold_reward", "gold reward", 3), ("rm_reward", "RM score", 3), ("kl", "KL", 2),
            ("perplexity", "perplexity", 2), ("win_rate", "win rate", 3))
@@ -86,12 +85,20 @@ def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decisi
     return "\n".join(lines)
 
 
-def load_results(path: str | Path) -> dict:
-    """The evaluation results at ``path`` (``metrics/evaluate.json``), or ``{}`` when there are none yet."""
-    from tasks.evaluate import policy_results  # the per-policy rows, without the scored hashes
+def report(summary: Mapping[str, object], results: Mapping[str, Mapping[str, float]], run_url: str | None) -> str:
+    """The pipeline summary as markdown (the flow run's Prefect artifact): stages, registry, MLflow run, results."""
+    parent = summary["mlflow_run"]
+    link = (f"[{parent}]({run_url})" if parent
+            else "none (nothing ran, or the tracking server was unreachable: then `make tracking-upload`)")
+    lines = ["## RLHF pipeline", "", f"- stages run: {', '.join(summary['ran']) or 'none'}",
+             f"- skipped (up to date): {', '.join(summary['skipped']) or 'none'}",
+             f"- registry: {summary['registry'].get('reason')}",
+             f"- MLflow parent run: {link}", ""]
+    if results:
+        keys = list(next(iter(results.values())))
+        lines += ["| policy | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        lines += [f"| {p} | " + " | ".join(str(v[k]) for k in keys) + " |" for p, v in results.items()]
+    return "\n".join(lines)
 
-    path = Path(path)
-    return policy_results(json.loads(path.read_text())) if path.exists() else {}
 
-
-__all__ = ["COLUMNS", "NEXT_COMMANDS", "champion_of", "end_block", "load_results", "results_table"]
+__all__ = ["COLUMNS", "NEXT_COMMANDS", "champion_of", "end_block", "report", "results_table"]

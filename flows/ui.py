@@ -14,14 +14,14 @@ import os
 import sys
 from pathlib import Path
 
-import flows  # noqa: F401  (environment defaults)
+from flows.process import configure_process
 from tasks.mlflow_runs import mlflow_compare_link, mlflow_setup, tracking_uri
 
 
 def ui_links(root: Path) -> dict[str, str]:
     """``{"runs": ..., "compare": ...}``: the experiment's training view and, when an evaluation has run, the
     comparison of its per-policy runs."""
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # mlflow: only once the UI is asked for (the CLI then becomes `mlflow ui`)
 
     experiment_id = mlflow_setup(root)
     base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
@@ -62,4 +62,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    configure_process()
     sys.exit(main())

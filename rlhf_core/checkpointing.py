@@ -10,8 +10,9 @@
 - ``save_torch`` / ``load_torch``: ``torch.save`` and ``torch.load(weights_only=True)`` (no pickled code).
 - ``ResumableRandomSampler`` + ``PositionTrackingLoader``: an epoch-seeded shuffle whose position (epoch and
   samples delivered) is part of the checkpoint, so a resumed run sees the same batches as a straight one.
-- ``GracefulStop``: SIGTERM/SIGINT become a flag checked at step boundaries; the stage saves and exits with
-  ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``: "try again"), distinct from success (0) and failure (1).
+- ``GracefulStop``: SIGTERM/SIGINT become a stop request checked at step boundaries (``stop_requested``); the
+  training loop saves its state and raises ``Preempted``, which the caller's entry point maps to its exit status
+  (the pipeline's CLIs: 75, "try again").
 
 Only the standard library, numpy and torch are imported here, so ``rlhf_core`` stays importable anywhere.
 """
@@ -39,20 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-EXIT_PREEMPTED = 75
-"""Exit status of a stage stopped by SIGTERM/SIGINT after saving its state (``EX_TEMPFAIL``): re-run it to resume."""
-
-
-
 class Preempted(Exception):
-    """Raised by a training stage that saved its state on SIGTERM/SIGINT; the entry point exits ``EXIT_PREEMPTED``.
+    """Raised by a training loop that saved its state on a stop request (SIGTERM/SIGINT): run it again to resume.
 
-    An exception (not ``SystemExit``) so orchestrators (Prefect) see an ordinary task failure, and the CLI
-    (``python -m flows.stage``) can map it to exit status 75.
+    An exception (not ``SystemExit``) so orchestrators (Prefect) see an ordinary task failure, and a command-line
+    entry point can map it to its exit status (the pipeline's: 75, ``EX_TEMPFAIL``).
     """
-
-    exit_code = EXIT_PREEMPTED
-
     def __init__(self, checkpoint: str | os.PathLike, step: int | None = None, signal_name: str | None = None) -> None:
         self.checkpoint, self.step, self.signal_name = str(checkpoint), step, signal_name
         super().__init__(f"stopped by {signal_name or 'a stop request'} at step {step}; state saved in {checkpoint}; "
@@ -385,25 +378,16 @@ class PositionTrackingLoader:
 
 _STOP = threading.Event()
 _STOP_SIGNAL: list[str] = []
-_HANDLERS_INSTALLED = threading.Event()
 
 
-def _on_signal(signum: int, frame: Any) -> None:
+def on_stop_signal(signum: int, frame: Any) -> None:
+    """The signal handler that turns SIGTERM/SIGINT into a stop request (a second Ctrl-C stops at once). An entry
+    point whose training loop runs outside the main thread installs it for the whole process first."""
     name = signal.Signals(signum).name
     if _STOP.is_set() and signum == signal.SIGINT:
         raise KeyboardInterrupt  # a second Ctrl-C stops at once
     _STOP_SIGNAL.append(name)
     _STOP.set()
-
-
-def install_stop_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> bool:
-    """Turn ``signals`` into a stop request (main thread only; call it from the entry point). True if installed."""
-    if threading.current_thread() is not threading.main_thread():
-        return _HANDLERS_INSTALLED.is_set()
-    for sig in signals:
-        signal.signal(sig, _on_signal)
-    _HANDLERS_INSTALLED.set()
-    return True
 
 
 class GracefulStop:
@@ -416,34 +400,31 @@ class GracefulStop:
                 ...one training step...
                 if stop.requested:
                     trainer.save_state(ckpt)      # atomic
-                    raise SystemExit(EXIT_PREEMPTED)
+                    raise Preempted(ckpt, step + 1, stop.signal_name)
 
     Signal handlers can only be installed from the main thread; when the loop runs elsewhere (a worker
-    thread of an orchestrator), call ``install_stop_handlers()`` from the process entry point first.
+    thread of an orchestrator), the process entry point installs :func:`on_stop_signal` for SIGTERM/SIGINT first.
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = signals
         self._previous: dict[int, Any] = {}
-        self._installed_before = False
 
     def __enter__(self) -> GracefulStop:
         # A request that arrived earlier (handlers installed by the entry point) is kept: the loop stops at
         # its first step boundary. The request is consumed when the block exits.
-        self._installed_before = _HANDLERS_INSTALLED.is_set()
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.getsignal(sig) for sig in self.signals}
-            install_stop_handlers(self.signals)
-        elif not _HANDLERS_INSTALLED.is_set():
-            warnings.warn("GracefulStop outside the main thread and no stop handlers installed: "
-                          "call rlhf_core.checkpointing.install_stop_handlers() from the entry point", stacklevel=2)
+            for sig in self.signals:
+                signal.signal(sig, on_stop_signal)
+        elif any(signal.getsignal(sig) is not on_stop_signal for sig in self.signals):
+            warnings.warn("GracefulStop outside the main thread and no stop handlers installed: the entry point must "
+                          "install rlhf_core.checkpointing.on_stop_signal for SIGTERM/SIGINT first", stacklevel=2)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._previous and not self._installed_before:
-            _HANDLERS_INSTALLED.clear()
         _STOP.clear()
         _STOP_SIGNAL.clear()
 
@@ -462,7 +443,7 @@ class GracefulStop:
 
 
 def stop_requested() -> bool:
-    """True once SIGTERM/SIGINT arrived under an active ``GracefulStop``/``install_stop_handlers``."""
+    """True once SIGTERM/SIGINT arrived under an active ``GracefulStop`` or :func:`on_stop_signal` handler."""
     return _STOP.is_set()
 
 
@@ -542,9 +523,9 @@ def latest_checkpoint(directory: str | Path, prefix: str = "checkpoint-") -> Pat
 
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "EXIT_PREEMPTED", "GracefulStop", "Preempted", "PositionTrackingLoader",
+    "CHECKPOINT_FORMAT", "GracefulStop", "Preempted", "PositionTrackingLoader",
     "ResumableRandomSampler",
-    "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "install_stop_handlers",
+    "STATE_FILE", "atomic_directory", "capture_rng_state", "checkpoint_dir", "fingerprint", "on_stop_signal",
     "checkpoint_problem", "latest_checkpoint", "load_torch", "pid_alive", "quarantine", "read_json",
     "recover_directory", "restore_rng_state",
     "resumable_checkpoint",

@@ -9,14 +9,11 @@ tracking server is unreachable (at start or mid-run), warns once and appends eve
 (params, metrics with their steps, tables) to a local JSONL spool. Only a connection failure counts as an outage
 (:func:`is_connection_failure`); any other backend error is raised at start and reported (warning + log, naming the
 call) during the run. Tensor and numpy values in metrics and table cells are converted, never an error. Replay a
-spool afterwards with::
-
-    python -m rlhf_core.tracking upload <spool.jsonl> [--tracking-uri URI] [--run-id ID]
+spool afterwards with :func:`upload_spool` (the pipeline's command line: ``make tracking-upload``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -24,7 +21,6 @@ import numbers
 import os
 import re
 import socket
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -430,7 +426,7 @@ class SpoolingTracker(Tracker):
         """The one warning given when the backend is unreachable."""
         return (f"tracking backend unreachable ({type(error).__name__}: {str(error)[:200]}); training continues and "
                 f"everything is kept in {self.spool_path}. Upload it later with: "
-                f"python -m rlhf_core.tracking upload {self.spool_path}")
+                f"rlhf_core.tracking.upload_spool({str(self.spool_path)!r})")
 
     def _append(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
@@ -486,7 +482,7 @@ class SpoolingTracker(Tracker):
             if not self.remind_on_finish:
                 return
             warnings.warn(f"tracking data for this run is in {self.spool_path}: upload it with "
-                          f"python -m rlhf_core.tracking upload {self.spool_path}", RuntimeWarning, stacklevel=2)
+                          f"rlhf_core.tracking.upload_spool({str(self.spool_path)!r})", RuntimeWarning, stacklevel=2)
 
 
 def _safe_name(name: str) -> str:
@@ -560,24 +556,6 @@ def _run_exists(client: Any, run_id: str | None) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlhf_core.tracking upload <spool>...``: send spooled tracking data to MLflow."""
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.tracking", description="Upload spooled tracking data.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("upload", help="replay spool files (JSONL) written while MLflow was unreachable")
-    up.add_argument("spools", nargs="+", help="spool files, or directories holding them")
-    up.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
-    up.add_argument("--run-id", default=None, help="append to this run instead of the one recorded/a new one")
-    args = parser.parse_args(argv)
-    files = [f for s in args.spools for f in (sorted(Path(s).glob("*.jsonl")) if Path(s).is_dir() else [Path(s)])]
-    if not files:
-        print("nothing to upload", file=sys.stderr)
-        return 1
-    for file in files:
-        print(f"{file} -> run {upload_spool(file, args.tracking_uri, args.run_id)}")
-    return 0
-
-
 TRACKERS = {"mlflow": MLflowTracker, "tensorboard": TensorBoardTracker, "memory": MemoryTracker}
 
 
@@ -600,6 +578,3 @@ def _mlflow_key(key: str) -> str:
     """MLflow allows alphanumerics, ``_ - . / space`` and ``:`` in names; replace anything else."""
     return re.sub(r"[^0-9A-Za-z_\-. /:]", "_", key)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,24 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import statistics
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tasks.logs import get_logger
 from tasks.ranks import RANK_ENV, WORLD_SIZE_ENV, is_main_process, process_rank, world_size
 
-TRAINING_STAGES = ("sft", "reward_model", "ppo", "dpo")
-"""The stages that may run under a launcher (each rank trains; rank 0 writes)."""
-
-
 class LauncherError(RuntimeError):
     """A single-process stage (prepare, evaluate, registry, the pipeline flow) was started by a launcher."""
 
 
-def require_single_process(what: str, how: str | None = None) -> None:
+def require_single_process(what: str, launchable: Sequence[str], how: str | None = None) -> None:
     """Fail fast when ``what`` (a non-training stage or flow) was started by a launcher with several processes.
 
-    ``how``: the single-process command to suggest (default ``python -m flows.stage <what>``).
+    ``launchable``: the stages that may run under a launcher (the stage table's ``LAUNCHABLE``), named in the
+    message; ``how``: the single-process command to suggest (default ``python -m flows.stage <what>``).
 
     These stages have nothing to split over processes, and running them on rank 0 while the others exit 0 would
     hide a misrouted launch behind a success; a clear error costs one re-run without the launcher.
@@ -42,11 +40,11 @@ def require_single_process(what: str, how: str | None = None) -> None:
         raise LauncherError(
             f"{what}: started by a launcher with {n} processes (WORLD_SIZE={n}, this is rank {process_rank()}); "
             f"{what} runs in a single process. Run it without a launcher: {how}. Only the training stages "
-            f"({', '.join(TRAINING_STAGES)}) run under `accelerate launch` / `torchrun`.")
+            f"({', '.join(launchable)}) run under `accelerate launch` / `torchrun`.")
 
 
 def _state():
-    from accelerate import PartialState
+    from accelerate import PartialState  # accelerate: only under a launcher
 
     return PartialState()
 
@@ -71,7 +69,7 @@ def main_process_first() -> Iterator[None]:
 
 
 def _all_reduce(values: list[float], op: str, dtype: Any = None) -> list[float]:
-    import torch
+    import torch  # torch.distributed: only under a launcher
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=dtype or torch.float64, device=_state().device)
@@ -90,8 +88,6 @@ def any_process(flag: bool) -> bool:
 
 def mean_over_processes(values: Sequence[float]) -> float:
     """Mean of ``values`` pooled over all processes (a collective); ``statistics.fmean`` in a single process."""
-    import statistics
-
     if world_size() == 1:
         return statistics.fmean(values)
     total, count = _all_reduce([float(sum(values)), float(len(values))], "sum")
@@ -100,7 +96,7 @@ def mean_over_processes(values: Sequence[float]) -> float:
 
 def weights_fingerprint(model: Any) -> str:
     """sha256 of a module's state dict (names, dtypes, shapes and bytes, in name order)."""
-    import torch
+    import torch  # torch: only when weights are compared (the stage wrapper imports this module)
 
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -121,7 +117,7 @@ def check_replicas_identical(accelerator: Any, model: Any, stage: str) -> str | 
     kind = str(getattr(accelerator, "distributed_type", "")).upper()
     if any(sharded in kind for sharded in ("DEEPSPEED", "FSDP", "MEGATRON", "XLA")):
         return None
-    import torch
+    import torch  # (torch: only under a launcher)
 
     fingerprint = weights_fingerprint(model)
     head = int(fingerprint[:15], 16)  # 60 bits: fits an int64 with its negation
@@ -136,14 +132,14 @@ def check_replicas_identical(accelerator: Any, model: Any, stage: str) -> str | 
 def destroy_process_group() -> None:
     """Tear down the process group at the end of a launched stage (quiet exit; no-op if none)."""
     with contextlib.suppress(Exception):
-        import torch.distributed as dist
+        import torch.distributed as dist  # (torch: only under a launcher)
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
 __all__ = [
-    "LauncherError", "RANK_ENV", "TRAINING_STAGES", "WORLD_SIZE_ENV", "any_process", "barrier", "check_replicas_identical", "destroy_process_group",
+    "LauncherError", "RANK_ENV", "WORLD_SIZE_ENV", "any_process", "barrier", "check_replicas_identical", "destroy_process_group",
     "is_main_process", "main_process_first", "mean_over_processes", "process_rank", "require_single_process",
     "weights_fingerprint", "world_size",
 ]

@@ -69,7 +69,7 @@ def _umask() -> int:
 
 def atomic_dvc_writes() -> None:
     """Make DVC's file writes in this process atomic (idempotent): every serializer module's ``_dump_data``."""
-    from dvc.utils.serialize import _common, _json, _py, _toml, _yaml
+    from dvc.utils.serialize import _common, _json, _py, _toml, _yaml  # dvc: only when a lock file is written (this module is also a CLI)
 
     for module in (_common, _json, _py, _toml, _yaml):
         if not getattr(module._dump_data, "rlhf_atomic", False):
@@ -78,7 +78,7 @@ def atomic_dvc_writes() -> None:
 
 def lock_problem(path: Path) -> str | None:
     """Why ``path`` is not a complete lock file (unparsable YAML, or not DVC's lock schema), or None."""
-    from dvc.schema import COMPILED_LOCKFILE_SCHEMA
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA  # dvc: only when a lock file is checked
     from dvc.utils.serialize import load_yaml
 
     try:
@@ -132,7 +132,7 @@ def _remove_dead_temporaries(root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tasks.dvc_lockfile <dvc arguments>``: ``dvc`` with a torn lock repaired first and atomic writes."""
-    from dvc.cli import main as dvc_main
+    from dvc.cli import main as dvc_main  # dvc: only when the CLI runs it
 
     try:
         message = repair_lockfile(Path.cwd())

@@ -26,17 +26,15 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.logs import get_logger
+from tasks.dvc_lockfile import atomic_dvc_writes, repair_lockfile
+from tasks.logs import get_logger, single_dvc_output
 
 
 @contextlib.contextmanager
 def _repo(root: str | Path) -> Iterator:
     """Open the DVC repo at ``root`` with the working directory inside it (DVC resolves stage paths
     against the current directory; from outside the repo its outputs look foreign)."""
-    from dvc.repo import Repo
-
-    from tasks.dvc_lockfile import atomic_dvc_writes
-    from tasks.logs import single_dvc_output
+    from dvc.repo import Repo  # dvc: loads only when a stage asks DVC something (seconds at start otherwise)
 
     single_dvc_output()  # each DVC message printed once
     atomic_dvc_writes()  # dvc.lock and .dvc files by temporary file and rename: a kill never tears them
@@ -60,8 +58,6 @@ def stage_status(root: str, stage: str) -> dict:
 @task(name="dvc-commit", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def record_stage(root: str, stage: str) -> None:
     """Write ``stage``'s dvc.lock entry and cache its outputs (only after the stage succeeded)."""
-    from tasks.dvc_lockfile import repair_lockfile
-
     with _repo(root) as repo:
         repo.commit(stage, force=True)
     repair_lockfile(root)  # the complete lock, kept: a torn one later goes back to this
@@ -79,9 +75,7 @@ def push_outputs(root: str, remote: str | None = None) -> int:
 
 class StageInputsChanged(RuntimeError):
     """A stage's params or dependencies changed while it ran: its outputs match neither version, so it is not
-    recorded in dvc.lock (run it again)."""
-
-    exit_code = 75  # EX_TEMPFAIL: running again trains on the current inputs
+    recorded in dvc.lock (run it again: the CLIs exit 75, ``tasks.supervisor.EXIT_STOPPED``)."""
 
     def __init__(self, stage: str, changed: list[str]) -> None:
         self.stage, self.changed = stage, changed

@@ -31,13 +31,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlflow
+from mlflow.entities import AssessmentSourceType
+
 from rlhf_core.data import DataFormatError
 from rlhf_core.feedback import (IntakeLimits, canonical_bytes, canonical_row, read_manifest, read_stored_rows, row_key,
                                 stored_keys)
 from tasks.intake import ingest, recover_interrupted
 from tasks.intake_journal import intake_lock, scratch_dir, scratch_lock
 from tasks.logs import get_logger
-from tasks.review import CHOSEN_KEY, PREFERENCE, RATING, REJECTED_KEY, Generation, generation
+from tasks.mlflow_runs import mlflow_setup
+from tasks.review import CHOSEN_KEY, PREFERENCE, RATING, REJECTED_KEY, Generation, generation, load_generation
 from tasks.serving import SERVED_TAG
 
 MARK = "rlhf.intake."
@@ -105,8 +109,6 @@ def _reviewer(assessment) -> str:
 
 def _is_candidate(assessment, trace_tags: dict[str, str], done: set[str]) -> bool:
     """A valid human judgement of our two kinds, not collected and not refused before."""
-    from mlflow.entities import AssessmentSourceType
-
     return (assessment.name in (RATING, PREFERENCE) and assessment.valid is not False
             and assessment.source is not None and assessment.source.source_type == AssessmentSourceType.HUMAN
             and assessment.assessment_id not in done and MARK + assessment.assessment_id not in trace_tags
@@ -148,8 +150,6 @@ def find_judgements(client, experiment_id: str, done: set[str]) -> tuple[list[Ju
 
 
 def _judgement(client, assessment, judged: Generation | None, trace_id: str) -> Judgement:
-    from tasks.review import load_generation
-
     if judged is None:
         raise ValueError(f"trace {trace_id} is not a generation of the served policy")
     kind, rejected, value = "ratings", None, _value(assessment)
@@ -234,10 +234,6 @@ def collect(root: str | Path, store_dir: str = "incoming", push: bool = True, co
     """Ingest the judgements made since the last collection (see the module docstring); the options are
     :func:`tasks.intake.ingest`'s. Raises what ``ingest`` raises (nothing of this collection is then ingested, and
     the next collection takes the same judgements again)."""
-    import mlflow
-
-    from tasks.mlflow_runs import mlflow_setup
-
     root = Path(root).resolve()
     store = root / store_dir
     collection = Collection()

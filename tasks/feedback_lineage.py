@@ -21,7 +21,6 @@ import hashlib
 from pathlib import Path
 
 from rlhf_core.feedback import MANIFEST, PROVENANCE_FIELDS, read_manifest, read_stored_rows
-from tasks.params import stage_io
 from tasks.provenance import md5_file
 
 LINEAGE_FILE = "feedback_lineage.json"
@@ -32,13 +31,13 @@ TAG_LIMIT = 5000
 """Longest tag value written (MLflow model version tags hold 5000 characters)."""
 
 
-def training_inputs(paths, stage: str) -> set[str]:
-    """Every file a stage reads, directly or through the stages that produce its inputs (``stage_io``)."""
-    io = stage_io(paths)
-    producer = {out: name for name, spec in io.items() for out in spec.get("outs", [])}
+def training_inputs(io: dict, stage: str) -> set[str]:
+    """Every file a stage reads, directly or through the stages that produce its inputs; ``io``: every stage's
+    files by name (``tasks.stages.stage_files``)."""
+    producer = {out: name for name, spec in io.items() for out in spec.outs.values()}
     inputs, todo = set(), [stage]
     while todo:
-        for dep in io.get(todo.pop(), {}).get("deps", []):
+        for dep in io[todo.pop()].deps.values():
             if dep not in inputs:
                 inputs.add(dep)
                 if dep in producer:
@@ -46,17 +45,17 @@ def training_inputs(paths, stage: str) -> set[str]:
     return inputs
 
 
-def feedback_kinds(paths, stage: str) -> list[str]:
+def feedback_kinds(paths, io: dict, stage: str) -> list[str]:
     """The feedback kinds that reach ``stage``'s training."""
-    inputs = training_inputs(paths, stage)
+    inputs = training_inputs(io, stage)
     return [kind for kind, name in PREPARED_FILE.items() if f"{paths.data}/{name}" in inputs]
 
 
-def feedback_lineage(root: str | Path, paths, stage: str) -> dict:
+def feedback_lineage(root: str | Path, paths, io: dict, stage: str) -> dict:
     """The batches of the kinds that reach ``stage`` (manifest order) with their rows' provenance."""
     root = Path(root)
     store = root / paths.incoming
-    kinds = feedback_kinds(paths, stage)
+    kinds = feedback_kinds(paths, io, stage)
     manifest = store / MANIFEST
     batches = []
     for record in (r for r in read_manifest(store) if r["kind"] in kinds):

@@ -231,12 +231,12 @@ def _commit_message(records: list[dict]) -> str:
 def emit_ingested(records: list[dict]) -> int:
     """Emit ``rlhf.feedback.ingested`` per batch to the Prefect server of ``PREFECT_API_URL``; returns how many
     were sent. Without a server configured there is nobody to trigger: nothing is sent (the cron still runs)."""
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL  # prefect: only when an event is emitted
 
     if not PREFECT_API_URL.value():  # the environment variable or the active Prefect profile
         get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (retraining runs on its cron)", EVENT)
         return 0
-    from prefect.events import emit_event
+    from prefect.events import emit_event  # (prefect)
     from prefect.events.worker import EventsWorker
 
     sent = 0

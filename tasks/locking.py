@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlhf_core.tracking import env_seconds
+
 LOCK_NAME = "rlhf-run.lock"
 TOKEN_ENV = "RLHF_LOCK_TOKEN"
 """The holder's token, inherited by the processes it starts (re-entrancy across ``dvc repro``)."""
@@ -45,8 +47,6 @@ log = logging.getLogger("rlhf.lock")
 
 class CheckoutLocked(RuntimeError):
     """Another run holds this checkout's lock (the message names it: pid, host, command, since when)."""
-
-    exit_code = EXIT_LOCKED
 
 
 def lock_path(root: str | Path) -> Path:
@@ -72,8 +72,6 @@ def describe(holder: dict) -> str:
 
 def default_wait() -> float:
     """``$RLHF_LOCK_WAIT_S`` as seconds (0 when unset); a bad value is an error naming the variable."""
-    from rlhf_core.tracking import env_seconds
-
     return env_seconds(WAIT_ENV, 0.0)
 
 

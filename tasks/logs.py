@@ -9,6 +9,9 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from tasks.ranks import is_main_process
 
 
@@ -142,7 +145,7 @@ def get_logger() -> logging.Logger | logging.LoggerAdapter:
     (Also installs ``ExpectedLoadReportFilter``: stages get their logger before they load models.)"""
     install_load_report_filter()
     try:
-        from prefect import get_run_logger
+        from prefect import get_run_logger  # prefect: only when a stage logs (flows/process.py imports this module before torch)
         from prefect.exceptions import MissingContextError
 
         try:
@@ -178,8 +181,6 @@ def bar_safe_logging(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     with logging_redirect_tqdm(loggers=console_loggers()):
         yield
 
@@ -188,8 +189,6 @@ def bar_safe_logging(enabled: bool = True) -> Iterator[None]:
 def progress_bar(total: int, **kwargs) -> Iterator[Any]:
     """A ``tqdm`` bar of ``total`` steps (``bar.update(n)``), shown only on a terminal and on the main process;
     log lines written while it is open appear above the bar (``bar_safe_logging``)."""
-    from tqdm.auto import tqdm
-
     shown = on_terminal() and is_main_process()
     with bar_safe_logging(shown), tqdm(total=total, disable=not shown, dynamic_ncols=True, **kwargs) as bar:
         yield bar
@@ -230,7 +229,7 @@ def shows_progress(step: int, max_steps: int, logs: Mapping[str, Any]) -> bool:
 def quiet_trainer_output(trainer: Any, stage: str) -> None:
     """Replace transformers' log printers (``PrinterCallback`` prints raw dicts; ``ProgressCallback`` writes them
     under its bar) with ``StageProgressCallback``: one bar on a terminal, one log line per logging step."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback  # transformers: only when a Trainer-based stage runs
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
@@ -240,7 +239,7 @@ def quiet_trainer_output(trainer: Any, stage: str) -> None:
 def stage_progress_callback(stage: str) -> Any:
     """A ``TrainerCallback`` for one training stage: a tqdm bar named after it on a terminal (log records routed
     above it), and one short ``log_line`` per progress window through the stage's logger (no raw dicts)."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # transformers: only when a Trainer-based stage runs
 
     class StageProgressCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -248,8 +247,6 @@ def stage_progress_callback(stage: str) -> Any:
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero and on_terminal():
-                from tqdm.auto import tqdm
-
                 self.redirect.enter_context(bar_safe_logging())
                 self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=stage, unit="step",
                                 dynamic_ncols=True)

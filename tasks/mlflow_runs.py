@@ -9,7 +9,7 @@ another process past ``$RLHF_TRACKING_LOCK_WAIT_S`` (30 s) or was deleted while 
 stage warns once, naming the store, and keeps its params, metrics and tables in
 ``tracking-spool/<stage>-<time>-<pid>.jsonl`` in the project (``StageSpoolingTracker``). When the store answers again
 by the stage's end, the spool is replayed into the stage's run at once (``replay_spool``); otherwise ``make
-tracking-upload`` (``python -m rlhf_core.tracking upload tracking-spool``) replays it later.
+tracking-upload`` (``python -m flows.tracking upload tracking-spool``) replays it later.
 
 A SQLite store that vanished is never silently replaced by a new, empty one (which would also be a new, empty model
 registry): ``mlflow_setup`` records the store in ``mlartifacts/.rlhf-store.json``, and while that record names a
@@ -23,13 +23,16 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from urllib.parse import quote
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.tracking import SpoolingTracker, outage_reason, redact, server_reachable, sqlite_path
-from tasks.distributed import require_single_process
+from rlhf_core.tracking import (MLflowTracker, SpoolingTracker, is_connection_failure, outage_reason, redact,
+                                server_reachable, sqlite_path, upload_spool)
 from tasks.logs import get_logger
+from tasks.outputs import write_atomic
+from tasks.params import Params, as_dict
 from tasks.prefect_context import prefect_flow_run_id
 from tasks.provenance import git_commit, owner_tags
 
@@ -81,8 +84,6 @@ def _record_store(root: str | Path, database: Path) -> None:
     """Note that ``database`` exists and keeps its artifacts here (once per store)."""
     stores = _recorded_stores(root)
     if str(database) not in stores and database.is_file():
-        from tasks.outputs import write_atomic
-
         write_atomic(artifact_folder(root) / STORE_RECORD, json.dumps({"stores": stores + [str(database)]}))
 
 
@@ -130,7 +131,7 @@ def mlflow_setup(root: str | Path) -> str:
     """Point MLflow at the project store and return the experiment id (creating it if needed). A SQLite store that
     vanished, or stays locked past the wait, raises :class:`StoreUnavailable` (a vanished one is not replaced by a
     new, empty one; a locked one is not met with a raw ``database is locked`` after MLflow's 20 s busy wait)."""
-    import mlflow
+    import mlflow  # mlflow: only when a store is used (flows.ui imports this module)
 
     problem = store_problem(root) if sqlite_path(tracking_uri(root)) is not None else None
     if problem:
@@ -169,8 +170,6 @@ def mlflow_ui_link(experiment_id: str, run_id: str) -> str:
 
 def mlflow_compare_link(experiment_id: str, run_ids: list[str]) -> str:
     """The MLflow UI's run comparison of ``run_ids`` (metrics side by side, parallel coordinates, charts)."""
-    from urllib.parse import quote
-
     base = os.environ.get("RLHF_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
     runs, experiments = json.dumps(list(run_ids)), json.dumps([experiment_id])
     return (f"{base}/#/compare-runs?runs={quote(runs)}&experiments={quote(experiments)}"
@@ -184,16 +183,14 @@ NOOP_NAME = "no-op: up to date"
 """The name of a parent run that trained and registered nothing (it is then deleted: hidden in the UI)."""
 
 
-def flat_params(params: Any) -> dict[str, str]:
-    """Every resolved section of ``params`` (a ``tasks.params.Params``) as ``<section>.<key>`` -> str."""
-    from tasks.params import SECTIONS, as_dict
-
+def flat_params(params: Params) -> dict[str, str]:
+    """Every resolved section of ``params`` but ``paths`` as ``<section>.<key>`` -> str."""
     flat: dict[str, str] = {}
-    for section in SECTIONS:
-        if section == "paths":
+    for name, section in params.sections().items():
+        if name == "paths":
             continue
-        for key, value in as_dict(params.section(section)).items():
-            flat[f"{section}.{key}"] = str(value)[:6000]
+        for key, value in as_dict(section).items():
+            flat[f"{name}.{key}"] = str(value)[:6000]
     return flat
 
 
@@ -205,15 +202,14 @@ def changed_params(current: Mapping[str, str], previous: Mapping[str, str] | Non
 
 
 def pipeline_run_name(source: str, ran: list[str], changed: Mapping[str, str], dvc_exp: str | None = None,
-                      failed_stage: str | None = None) -> str:
+                      failed_stage: str | None = None, default_stages: Sequence[str] = ()) -> str:
     """What a pipeline run did, in the run list's name column, e.g. ``ppo,evaluate | ppo.learning_rate=1e-4 |
-    data=synthetic`` or ``[exp-1a2b3] ...`` under ``dvc exp run``; ``NOOP_NAME`` when nothing ran."""
+    data=synthetic`` or ``[exp-1a2b3] ...`` under ``dvc exp run``; ``NOOP_NAME`` when nothing ran. ``all stages``
+    when it ran every one of ``default_stages``."""
     if not ran and not failed_stage:
         return NOOP_NAME
-    from tasks.params import STAGES
-
-    what = ("all stages" if set(STAGES) <= set(ran) else ",".join(ran)) if not failed_stage else \
-        f"FAILED at {failed_stage}"
+    everything = bool(default_stages) and set(default_stages) <= set(ran)
+    what = ("all stages" if everything else ",".join(ran)) if not failed_stage else f"FAILED at {failed_stage}"
     parts = [what]
     if changed:
         shown = [f"{k}={v}" for k, v in list(changed.items())[:3]]
@@ -260,14 +256,9 @@ def previous_pipeline_params(client: Any, exp_id: str, exclude_run: str) -> dict
 
 
 def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None) -> str:
-    """Create the parent MLflow run of one pipeline run; returns its id (the run is not made active).
-
-    It is named ``RUNNING_NAME`` until ``end_pipeline_run`` names it for what it did.
-    The pipeline flow is single-process: under a launcher it fails here, before any stage runs."""
-    import mlflow
-
-    require_single_process("the pipeline flow", "`python -m flows.pipeline`; launch only the training stages, "
-                           "one at a time (`accelerate launch ... -m flows.stage sft`)")
+    """Create the parent MLflow run of one pipeline run; returns its id (the run is not made active; "" when the
+    tracking store is out). It is named ``RUNNING_NAME`` until ``end_pipeline_run`` names it for what it did."""
+    import mlflow  # mlflow: only when a run starts (flows.ui imports this module)
 
     if not tracking_reachable(root):  # (reported there, naming the store)
         get_logger().warning("no MLflow parent run for this pipeline run; stages spool to %s/", SPOOL_DIR)
@@ -284,16 +275,19 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
 
 
 def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED",
-                     summary: Mapping[str, Any] | None = None, *, params: Any = None, ran: list[str] | None = None,
-                     skipped: list[str] | None = None, registry: Mapping[str, Any] | None = None,
-                     failed_stage: str | None = None, error: BaseException | None = None) -> bool:
+                     summary: Mapping[str, Any] | None = None, *, params: Params | None = None,
+                     ran: list[str] | None = None, skipped: list[str] | None = None,
+                     registry: Mapping[str, Any] | None = None, failed_stage: str | None = None,
+                     error: BaseException | None = None, results: Mapping[str, Mapping[str, Any]] | None = None,
+                     default_stages: Sequence[str] = ()) -> bool:
     """End the parent run with ``status``: each ``summary`` entry as an ``rlhf.<key>`` tag; with ``params`` (the
     resolved ``Params``) also its name (``pipeline_run_name``), every stage's params, the headline metrics of
-    ``metrics/evaluate.json``, a description, and on failure the failing stage and error as tags.
+    ``results`` (the policies of ``metrics/evaluate.json``), a description, and on failure the failing stage and error
+    as tags.
 
     A finished run that ran nothing and registered nothing is tagged ``rlhf.noop=true`` and deleted (the UI hides
     deleted runs). Returns False when the run was deleted (or there is none), else True."""
-    import mlflow
+    import mlflow  # mlflow: only when a run ends (flows.ui imports this module)
     from mlflow.entities import Metric, Param
 
     if not run_id or not tracking_reachable(root):
@@ -312,10 +306,10 @@ def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED",
         changed = changed_params(flat, previous_pipeline_params(client, exp_id, run_id))
         noop = status == "FINISHED" and not ran and not (registry or {}).get("registered")
         source = params.prepare.source
-        name = pipeline_run_name(source, ran, changed, os.environ.get("DVC_EXP_NAME"), failed_stage)
+        name = pipeline_run_name(source, ran, changed, os.environ.get("DVC_EXP_NAME"), failed_stage, default_stages)
         if status == "KILLED":  # a stop request (SIGTERM/SIGINT), not a failure
             name = name.replace("FAILED at", "stopped at", 1)
-        results = _evaluation(Path(root), params)
+        results = dict(results or {})
         error_text = f"stage {failed_stage}: {type(error).__name__}: {error}" if error is not None else None
         client.set_tag(run_id, "mlflow.runName", name)
         client.set_tag(run_id, "mlflow.note.content",
@@ -338,16 +332,6 @@ def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED",
         return True
     client.set_terminated(run_id, status=status)
     return True
-
-
-def _evaluation(root: Path, params: Any) -> dict:
-    import json
-
-    path = root / params.paths.metrics / "evaluate.json"
-    try:
-        return json.loads(path.read_text()) if path.exists() else {}
-    except ValueError:
-        return {}
 
 
 class StageSpoolingTracker(SpoolingTracker):
@@ -374,7 +358,7 @@ class StageSpoolingTracker(SpoolingTracker):
         return (f"stage {self.run_name}: {outage_reason(self.tracking_uri, error)}; the stage continues and its params, "
                 f"metrics and tables are kept in {self.spool_path} (replayed at the stage's end if the store answers "
                 f"again by then). Upload them later with: make tracking-upload "
-                f"(python -m rlhf_core.tracking upload {self.spool_dir})")
+                f"(python -m flows.tracking upload {self.spool_dir})")
 
     def on_offline(self, error: BaseException) -> None:
         get_logger().warning(redact(self.offline_message(error)))  # credentials in the URI redacted
@@ -385,8 +369,6 @@ class StageSpoolingTracker(SpoolingTracker):
 
 def stage_tracker(root: Path, stage: str) -> StageSpoolingTracker:
     """The stage's tracker, attached to the active MLflow run (started by ``stage_run``; not owned by it)."""
-    from rlhf_core.tracking import MLflowTracker
-
     def attach(project_name: str, run_name: str | None) -> MLflowTracker:
         gone = vanished_store(root)
         if gone:  # MLflow would create a new, empty store in its place
@@ -401,9 +383,7 @@ def replay_spool(root: Path, tracker: StageSpoolingTracker, status: str) -> str 
     """A stage that went offline, at its end: if the store answers again, replay its spool into its run (a new run
     when it never had one) and end that run with ``status``; returns the run id (None: still out, or nothing
     spooled; the spool stays for ``make tracking-upload``)."""
-    import mlflow
-
-    from rlhf_core.tracking import is_connection_failure, upload_spool
+    import mlflow  # mlflow: only when a stage ends offline (flows.ui imports this module)
 
     spool = tracker.spool_path
     if spool is None or not spool.is_file() or not tracking_reachable(root):

@@ -24,6 +24,9 @@ import types
 from pathlib import Path
 
 from rlhf_core.checkpointing import pid_alive
+from tasks.dvc_lockfile import repair_lockfile
+from tasks.logs import get_logger
+from tasks.mlflow_runs import mlflow_setup, tracking_reachable
 from tasks.provenance import RUN_OWNER_TAGS, owner_tags  # noqa: F401  (owner_tags re-exported)
 
 OWNER_ENV = "RLHF_PREFECT_OWNER"
@@ -32,7 +35,7 @@ SERVER_MARK = "prefect.server.api.server:create_app"
 
 def detach_temporary_server() -> None:
     """Make Prefect start its temporary server in a new session with ``RLHF_PREFECT_OWNER`` set (idempotent)."""
-    from prefect.server.api import server as prefect_server
+    from prefect.server.api import server as prefect_server  # prefect: only when a flow will start its server
 
     if getattr(prefect_server.subprocess, "_rlhf_detached", False):
         return
@@ -57,7 +60,7 @@ def stop_temporary_server(grace_s: float = 2.0) -> list[int]:
     """
     stopped = []
     try:
-        from prefect.server.api.server import SubprocessASGIServer
+        from prefect.server.api.server import SubprocessASGIServer  # prefect: only on the way out of a stopped run
 
         servers = list(SubprocessASGIServer._instances.values())  # Prefect's registry: one server per port
     except (ImportError, AttributeError):
@@ -120,9 +123,7 @@ def stop_orphaned_servers() -> list[int]:
 def end_orphaned_runs(root: str | Path) -> list[str]:
     """End as KILLED the RUNNING MLflow runs of this project's experiment whose owning process on this host is
     gone (``kill -9``, power loss); returns their run ids. Nothing when the tracking server is unreachable."""
-    import mlflow
-
-    from tasks.mlflow_runs import mlflow_setup, tracking_reachable
+    import mlflow  # mlflow: only when a run starts (flows/process.py imports this module on the way out)
 
     if not tracking_reachable(root):
         return []
@@ -144,9 +145,6 @@ def clean_after_dead_runs(root: str | Path) -> None:
     """The start-of-run sweep (inside the checkout lock): a torn dvc.lock repaired (``tasks/dvc_lockfile.py``: or
     :class:`~tasks.dvc_lockfile.LockfileTorn` naming the command that repairs it), orphaned servers stopped, orphaned
     runs ended."""
-    from tasks.dvc_lockfile import repair_lockfile
-    from tasks.logs import get_logger
-
     log = get_logger()
     repaired = repair_lockfile(root)
     if repaired:

@@ -13,7 +13,7 @@ requirements: ``mlflow.pyfunc.load_model("models:/rlhf-policy@champion")`` works
   the one ``evaluate`` scored (``metrics/evaluate.json`` -> ``scored``) are refused.
 - **Same data only.** ``champion`` moves only when :func:`decide` says so, on numbers measured on the same
   evaluation set: a champion scored on another set is re-scored on this one first (its weights loaded from the
-  registry, scored by ``tasks.evaluate.rescore``). The decision and the numbers behind it are tags on the version.
+  registry, scored by ``tasks.scoring.rescore``). The decision and the numbers behind it are tags on the version.
 - **Larger than the noise.** A win must also pass a paired bootstrap test over the evaluation prompts
   (``registry.significance``): the challenger's and the champion's per-prompt values of ``registry.metric``
   on the same prompts (``data/evaluate_prompts.csv``, or the champion re-scored when its weights are not among
@@ -34,15 +34,18 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
 from tasks.distributed import require_single_process
 from tasks.feedback_lineage import LINEAGE_FILE, feedback_lineage, feedback_tags
-from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
-from tasks.evaluate import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, policy_results,
-                            read_prompt_scores, rescore)
 from tasks.logs import get_logger
-from tasks.params import METRIC_KEYS, PARAMS_FILE, RegistryParams, as_dict, load_params, stage_io
+from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
+from tasks.params import METRIC_KEYS, PARAMS_FILE, Params, PathsParams, RegistryParams, as_dict
 from tasks.provenance import git_commit, input_hashes
+from tasks.scoring import (EVALUATE, SCORED_KEY, EvaluationSet, content_md5, evaluation_file, load_evaluation_set,
+                           load_policy, policy_results, read_prompt_scores, rescore)
 from tasks.stage_run import stage_run
+from tasks.stage_spec import metrics_file
+from tasks.stages import BY_NAME, LAUNCHABLE, load_params, stage_files
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 PENDING, COMPLETE = "pending", "complete"
@@ -129,7 +132,7 @@ def pinned_requirements() -> list[str]:
 
 
 def _alias_version(client, name: str, alias: str):
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: only when the registry step runs
 
     try:
         return client.get_model_version_by_alias(name, alias)
@@ -139,7 +142,7 @@ def _alias_version(client, name: str, alias: str):
 
 def _versions(client, name: str, tags: dict[str, str]) -> list:
     """Versions of ``name`` whose tags include ``tags``, oldest first."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: only when the registry step runs
 
     try:
         found = client.search_model_versions(f"name='{name}'")
@@ -167,11 +170,20 @@ def _run_link(experiment_id: str, lineage: dict[str, str]) -> str:
     return f"[{run_id[:8]}](#/experiments/{experiment_id}/runs/{run_id})" if run_id != "unknown" else "unknown"
 
 
-def _data_hashes(root: Path, paths, policy: str) -> dict[str, str]:
+def _data_hashes(root: Path, paths: PathsParams, policy: str) -> dict[str, str]:
     """DVC hash (dvc.lock's, else computed) of every input of the policy's stage and of the evaluation."""
-    io = stage_io(paths)
-    deps = [*io.get(policy, {}).get("deps", []), *io["evaluate"]["deps"]]
+    deps = [*BY_NAME[policy].io(paths).deps.values(), *BY_NAME[EVALUATE].io(paths).deps.values()]
     return input_hashes(root, list(dict.fromkeys(deps)))
+
+
+def current_evaluation_set(root: Path, params: Params) -> EvaluationSet:
+    """The evaluation set of the project in ``root`` as its evaluate stage would score against it now."""
+    return load_evaluation_set(root, params.evaluate, BY_NAME[EVALUATE].io(params.paths).deps)
+
+
+def _model_dir(root: Path, paths: PathsParams, policy: str) -> Path:
+    """The weights directory of ``policy`` (``models/<policy>``: its stage's output)."""
+    return root / BY_NAME[policy].io(paths).outs["model"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,9 +205,10 @@ class Champion:
     """Whether it was scored now (else its scores come from this evaluation, which scored the same weights)."""
 
 
-def _champion_on(client, rule: RegistryParams, root: Path, challenger: "Challenger") -> Champion | None:
+def _champion_on(client, params: Params, root: Path, challenger: "Challenger") -> Champion | None:
     """The champion (None when there is none yet) with its metrics and per-prompt scores on the challenger's
     evaluation set: read from this evaluation when it scored the champion's weights, else re-scored now."""
+    rule = params.registry
     champion = _alias_version(client, rule.model_name, CHAMPION)
     if champion is None:
         return None
@@ -205,7 +218,7 @@ def _champion_on(client, rule: RegistryParams, root: Path, challenger: "Challeng
         same = [n for n, md5 in challenger.evaluated.items() if md5 == champion.tags.get("lineage.weights_md5")]
         if rule.metric in metrics and "kl" in metrics and same and same[0] in challenger.prompt_scores:
             return Champion(champion, metrics, challenger.prompt_scores[same[0]], False)
-    import mlflow
+    import mlflow  # mlflow: only when the registry step runs
 
     get_logger().info("registry: champion v%s (scored on evaluation set %s) is not among the policies this evaluation "
                       "scored: re-scoring it on set %s", champion.version,
@@ -216,7 +229,7 @@ def _champion_on(client, rule: RegistryParams, root: Path, challenger: "Challeng
     except Exception as error:  # noqa: BLE001 - named and re-raised: never compared blindly
         raise RuntimeError(f"registry: champion {uri} cannot be loaded to re-score it on the current evaluation "
                            f"set ({error}); move or delete the alias `{CHAMPION}` of {rule.model_name}") from error
-    evaluation = load_evaluation_set(root)
+    evaluation = current_evaluation_set(root, params)
     if evaluation.md5 != evaluation_md5:
         raise RuntimeError(f"the evaluation set changed since evaluate ran ({evaluation_md5[:8]} in evaluate.json, "
                            f"{evaluation.md5[:8]} now): run the evaluate stage again")
@@ -232,7 +245,7 @@ def _champion_on(client, rule: RegistryParams, root: Path, challenger: "Challeng
 def _model_card(policy: str, weights: Path, lineage: dict[str, str]):
     """The Hugging Face ``ModelCard`` logged with the model: the stage's README.md plus where the weights come
     from (per-evaluation decisions live on the registered versions: one model may be registered several times)."""
-    from huggingface_hub import ModelCard
+    from huggingface_hub import ModelCard  # huggingface_hub: only when a model is logged
 
     card_file = weights / "README.md"
     text = card_file.read_text(encoding="utf-8") if card_file.exists() else (
@@ -245,7 +258,7 @@ def _model_card(policy: str, weights: Path, lineage: dict[str, str]):
 
 def _log_model(root: Path, policy: str, weights: Path, card) -> tuple[str, str]:
     """Log the policy (plain causal LM + tokenizer) with the transformers flavour; (model uri, model id)."""
-    import mlflow
+    import mlflow  # mlflow and transformers: only when a model is logged
     from mlflow.models import infer_signature
     from transformers import AutoTokenizer
 
@@ -262,7 +275,7 @@ def _log_model(root: Path, policy: str, weights: Path, card) -> tuple[str, str]:
 def _link_logged_model(client, version) -> None:
     """Record the version on its MLflow Model (what ``mlflow.register_model`` does: the UI then shows the
     model as registered, with a link to the version). Safe to repeat."""
-    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS  # mlflow: only when the registry step runs
 
     model_id = version.source.removeprefix("models:/")
     links = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
@@ -344,10 +357,10 @@ class Challenger:
     """Their per-prompt scores (``data/evaluate_prompts.csv``)."""
 
 
-def _load_challenger(root: Path, rule: RegistryParams, paths) -> Challenger:
+def _load_challenger(root: Path, rule: RegistryParams, paths: PathsParams) -> Challenger:
     """Read ``metrics/evaluate.json`` and the per-prompt scores, pick the challenger and check its weights are
     the ones evaluate scored."""
-    evaluation_path = root / paths.metrics / "evaluate.json"
+    evaluation_path = evaluation_file(root, paths)
     if not evaluation_path.exists():
         raise FileNotFoundError(f"{evaluation_path}: run the evaluate stage before the registry step")
     evaluation = json.loads(evaluation_path.read_text())
@@ -357,13 +370,13 @@ def _load_challenger(root: Path, rule: RegistryParams, paths) -> Challenger:
                          "evaluate stage again before the registry step")
     results = policy_results(evaluation)
     name = pick_challenger(results, rule)
-    weights = root / paths.models / name
+    weights = _model_dir(root, paths, name)
     weights_md5 = content_md5(weights)
     if weights_md5 != scored["policies"].get(name):
         raise WeightsMismatchError(
             f"{weights}: its content hash {weights_md5} is not the {scored['policies'].get(name)} that evaluate "
             f"scored ({evaluation_path}); nothing registered. Run the evaluate stage again (`python -m flows.pipeline`)")
-    prompts_path = root / stage_io(paths)["evaluate"]["outs"][0]
+    prompts_path = root / BY_NAME[EVALUATE].io(paths).outs["prompt_scores"]
     prompt_scores = read_prompt_scores(prompts_path)
     if not {name, "sft"} <= set(prompt_scores):
         raise ValueError(f"{prompts_path}: no per-prompt scores of {name} and sft (missing, or written by an older "
@@ -394,7 +407,7 @@ def _finish_earlier_attempt(client, rule: RegistryParams, challenger: Challenger
 
 def _holds_champion(client, rule: RegistryParams, version) -> bool:
     """Whether ``version`` holds the ``champion`` alias now."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: only when the registry step runs
 
     try:
         return client.get_model_version_by_alias(rule.model_name, "champion").version == version.version
@@ -443,7 +456,7 @@ def _model_source(client, rule: RegistryParams, root: Path, challenger: Challeng
 def _register_version(client, rule: RegistryParams, run_id: str | None, source: str, model_id: str,
                       tags: dict[str, str], description: str):
     """Create the registered model if needed and a new ``pending`` version; set its aliases; mark it complete."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow: only when the registry step runs
 
     try:
         client.create_registered_model(rule.model_name, description="RLHF policies evaluated by the pipeline; "
@@ -470,10 +483,9 @@ def _tag_run(client, run, decision_tags: dict[str, str], decision: Decision, ver
 @task(name="registry", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     """Register the evaluated challenger; move ``champion`` if it wins. Returns the decision record."""
-    require_single_process("registry", "`python -m flows.pipeline` (it runs the registry step after evaluate)")
-    from mlflow import MlflowClient
-
-    from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
+    require_single_process("registry", LAUNCHABLE, "`python -m flows.pipeline` (it runs the registry step after "
+                           "evaluate)")
+    from mlflow import MlflowClient  # mlflow: only when the step runs
 
     root = Path(root).resolve()
     params = load_params(root / PARAMS_FILE)
@@ -488,14 +500,14 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     done = _finish_earlier_attempt(client, rule, challenger)
     if done is not None:
         return done
-    champion = _champion_on(client, rule, root, challenger)
+    champion = _champion_on(client, params, root, challenger)
     test = None if champion is None else paired_test(challenger.prompt_scores[challenger.name], champion.scores,
                                                      challenger.prompt_scores["sft"].gold, rule)
     decision = decide(challenger.metrics, champion.metrics if champion else None, rule, test)
     lineage = _lineage(client, root, paths, experiment_id, challenger)
-    feedback = feedback_lineage(root, paths, challenger.name)  # the batches, traces and judgements that taught it
+    feedback = feedback_lineage(root, paths, stage_files(paths), challenger.name)  # the batches, traces and judgements that taught it
     decision_tags = _decision_tags(challenger, decision, rule, champion, test)
-    deps = [f"{paths.metrics}/evaluate.json", f"{paths.models}/{challenger.name}"]
+    deps = [metrics_file(paths, EVALUATE), BY_NAME[challenger.name].io(paths).outs["model"]]
     with stage_run("registry", root, rule, deps, parent_run_id) as run:
         source, model_id = _model_source(client, rule, root, challenger, lineage)
         description = describe(challenger.name, decision, rule, challenger.metrics, champion, test, lineage,

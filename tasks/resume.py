@@ -1,8 +1,9 @@
 """Training plumbing shared by the Trainer-based stages (sft, reward_model, dpo): ``TrainingArguments`` from a
 params section, resumable checkpoints with a graceful stop agreed by every rank, and the loss curve for plots.
 
-Importing it imports transformers (the stop callback is a ``TrainerCallback``): the stage tasks import it inside
-their task function, so a non-training stage (``python -m flows.stage prepare``) starts without transformers.
+Importing it imports transformers (the stop callback is a ``TrainerCallback``): the stage bodies import it inside
+their body (the stage table imports every body), so a non-training stage (``python -m flows.stage prepare``) starts
+without transformers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint
+from transformers import TrainingArguments
+
 from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.distributed import any_process, check_replicas_identical, is_main_process
 from tasks.logs import get_logger, on_terminal, quiet_trainer_output
@@ -31,8 +34,6 @@ def training_arguments(output_dir: str | Path, section: Any, logging_steps: int 
     through rlhf_core's tracker, the stage run's). Hardware comes from the environment / accelerate
     config, never from params.yaml. No checkpoints unless ``overrides`` ask (see ``checkpointing_arguments``);
     any keyword overrides the defaults here."""
-    from transformers import TrainingArguments
-
     names = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "warmup_steps", "weight_decay", "seed")
     kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
     kwargs.update(output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,

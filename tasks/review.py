@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlflow
+from mlflow.entities import AssessmentSource, AssessmentSourceType
+from mlflow.exceptions import MlflowException
+
 from tasks.serving import MODEL_VERSION_TAG, SERVED_TAG
 
 RATING = "good"
@@ -78,8 +82,6 @@ def generation(trace) -> Generation | None:
 
 def load_generation(client, trace_id: str) -> Generation:
     """The served generation of ``trace_id`` (:class:`JudgementError` when there is none)."""
-    from mlflow.exceptions import MlflowException
-
     try:
         trace = client.get_trace(trace_id)
     except MlflowException:
@@ -98,15 +100,11 @@ def recent_generations(client, experiment_id: str, limit: int = 20) -> list[Gene
 
 
 def _human(reviewer: str):
-    from mlflow.entities import AssessmentSource, AssessmentSourceType
-
     return AssessmentSource(source_type=AssessmentSourceType.HUMAN, source_id=check_reviewer(reviewer))
 
 
 def record_rating(client, trace_id: str, good: bool, reviewer: str, rationale: str | None = None):
     """Record ``reviewer``'s rating of a served generation; returns the MLflow assessment."""
-    import mlflow
-
     if not isinstance(good, bool):
         raise JudgementError(f"{RATING}: true or false, got {good!r}")
     source = _human(reviewer)
@@ -118,8 +116,6 @@ def record_preference(client, chosen_trace_id: str, rejected_trace_id: str, revi
                       rationale: str | None = None):
     """Record that ``reviewer`` prefers the chosen generation to the rejected one (same prompt); returns the
     assessment on the chosen trace (the one the intake reads: it holds the whole judgement)."""
-    import mlflow
-
     source = _human(reviewer)
     if chosen_trace_id == rejected_trace_id:
         raise JudgementError("a preference needs two different traces")

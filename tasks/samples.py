@@ -7,11 +7,12 @@ sampling, ``rlhf_core.evaluation``), only on fewer prompts. Each window:
 
 - logs a table through the stage's tracker, under PPO's ``game_log`` scheme (``tables/<name>_step000040.json``,
   columns query / response / reward; here the reward is the gold judge's score);
-- adds a point ``{step, kl, gold_reward}`` to ``plots/<stage>_windows.csv`` (a DVC plot output of the stage).
+- adds a point ``{step, kl, gold_reward}`` to the stage's ``plots/<stage>_windows.csv`` (a DVC plot output, written
+  by ``tasks/stage_task.py`` from the points the body returns).
 
-``evaluate`` (``tasks.evaluate.frontier_rows``) joins those window files with its own final scores into
-``plots/frontier.csv`` (gold reward against KL
-to SFT, the DPO paper's frontier figure) and logs the figure to MLflow as an image.
+``evaluate`` (``tasks/stages/evaluate.py``: ``frontier_rows``) joins those window files with its own final scores
+into ``plots/frontier.csv`` (gold reward against KL to SFT, the DPO paper's frontier figure) and logs the figure to
+MLflow as an image.
 
 The points found so far are kept beside the stage's checkpoints, so a resumed stage keeps the windows it scored
 before it stopped (those after the checkpoint it resumes from are scored again).
@@ -25,14 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rlhf_core.data import read_jsonl
+from rlhf_core.evaluation import kl_to_reference, mean, sample_responses
+from rlhf_core.rewards import GoldJudge
+from rlhf_core.trainers.ppo.stats import game_log_rows
+from tasks.distributed import is_main_process
 from tasks.logs import get_logger
-from tasks.outputs import write_atomic, write_csv
-from tasks.params import WINDOW_STAGES
+from tasks.outputs import write_atomic
+from tasks.scoring import load_policy, load_tokenizer
+from tasks.stage_spec import StageContext
 
 SAMPLE_COLUMNS = ("query", "response", "reward")
 """Columns of a window's table: the same as PPO's ``game_log`` (the reward is the gold judge's score here)."""
-WINDOW_COLUMNS = ("step", "kl", "gold_reward")
-"""plots/<stage>_windows.csv: one row per window (``kl``: mean sequence KL to SFT of the window's samples)."""
 
 
 def is_window_step(step: int, every: int, last_step: int) -> bool:
@@ -60,10 +67,6 @@ class WindowScorer:
 
     def __call__(self, policy) -> tuple[list[str], list[float], dict[str, float]]:
         """(responses, per-sample gold scores, ``{"kl", "gold_reward"}``) of ``policy`` (a plain causal LM)."""
-        import torch
-
-        from rlhf_core.evaluation import kl_to_reference, mean, sample_responses
-
         was_training = policy.training
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         try:
@@ -77,30 +80,22 @@ class WindowScorer:
         return samples.responses, gold, {"kl": kl, "gold_reward": mean(gold)}
 
 
-def load_window_scorer(root: Path, prompts_path: str, sft_dir: str, num_prompts: int, evaluate_params) -> WindowScorer:
-    """The scorer of a stage: the first ``num_prompts`` evaluation prompts, the SFT policy as reference."""
-    from transformers import AutoTokenizer
-
-    from rlhf_core.data import read_jsonl
-    from rlhf_core.rewards import GoldJudge
-    from tasks.evaluate import load_policy
-
-    prompts = [r["query"] for r in read_jsonl(root / prompts_path)][:num_prompts]
+def load_window_scorer(ctx: StageContext, num_prompts: int) -> WindowScorer:
+    """The scorer of a stage: the first ``num_prompts`` evaluation prompts, the SFT policy as reference, evaluate's
+    sampling length and seed (``Stage.reads``)."""
+    prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_eval"))][:num_prompts]
     if not prompts:
-        raise ValueError(f"{prompts_path}: no held-out prompts to sample from (sample_prompts={num_prompts})")
-    tokenizer = AutoTokenizer.from_pretrained(root / sft_dir, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    reference = load_policy(root / sft_dir).eval()
-    return WindowScorer(prompts, reference, tokenizer, GoldJudge(), evaluate_params.max_new_tokens,
-                        evaluate_params.seed)
+        raise ValueError(f"{ctx.io.deps['prompts_eval']}: no held-out prompts to sample from "
+                         f"(sample_prompts={num_prompts})")
+    reference = load_policy(ctx.dep("sft")).eval()
+    evaluate = ctx.params.evaluate
+    return WindowScorer(prompts, reference, load_tokenizer(ctx.dep("sft")), GoldJudge(), evaluate.max_new_tokens,
+                        evaluate.seed)
 
 
 def log_sample_table(tracker, name: str, step: int, queries: Sequence[str], responses: Sequence[str],
                      rewards: Sequence[float]) -> None:
     """One window's table through ``tracker`` under PPO's scheme (``tables/<name>_step<6 digits>.json``)."""
-    from rlhf_core.trainers.ppo.stats import game_log_rows
-
     rows = game_log_rows({"query": list(queries), "response": list(responses)}, SAMPLE_COLUMNS[:2],
                          [round(float(r), 4) for r in rewards])
     tracker.log_table(name, list(SAMPLE_COLUMNS), rows, step=step)
@@ -132,36 +127,19 @@ class WindowLog:
                           row["kl"])
         return row
 
-    def write(self, path: Path) -> None:
-        """The points as ``plots/<stage>_windows.csv``."""
-        write_csv(path, self.points, list(WINDOW_COLUMNS))
-
-
-def sample_windows(stage: str, root: Path, params, run, state_file: str | Path, prompts_path: str, sft_dir: str,
-                   table: str = "game_log") -> tuple[WindowLog, Any]:
+def sample_windows(ctx: StageContext, state_file: str | Path, table: str = "game_log") -> tuple[WindowLog, Any]:
     """A stage's ``WindowLog`` (points kept in ``state_file``, beside the stage's checkpoints) and the
     ``TrainerCallback`` that fills it. Only the main process of a launch scores (the others get an idle log)."""
-    from tasks.distributed import is_main_process
-
-    section = getattr(params, stage)
+    section = ctx.section
     active = section.sample_every > 0 and is_main_process()
-    scorer = (load_window_scorer(root, prompts_path, sft_dir, section.sample_prompts, params.evaluate)
-              if active else None)
-    window_log = WindowLog(stage, scorer, run.tracker, Path(state_file), table)
+    scorer = load_window_scorer(ctx, section.sample_prompts) if active else None
+    window_log = WindowLog(ctx.stage.name, scorer, ctx.run.tracker, Path(state_file), table)
     return window_log, window_callback(window_log, section.sample_every)
-
-
-def write_empty_windows(root: str | Path, stage: str) -> None:
-    """The header-only windows file of a disabled stage (a DVC output must exist)."""
-    from tasks.params import load_stage
-
-    root, _, _, io = load_stage(root, stage)
-    write_csv(root / io["plots"][1], [], list(WINDOW_COLUMNS))
 
 
 def window_callback(window_log: WindowLog, every: int):
     """A ``TrainerCallback`` scoring the trainer's policy every ``every`` optimizer steps and at the last one."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # transformers: only when a Trainer-based stage runs
 
     class SampleWindows(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -193,5 +171,5 @@ def _unwrapped(model):
     return model
 
 
-__all__ = ["SAMPLE_COLUMNS", "WINDOW_COLUMNS", "WINDOW_STAGES", "is_window_step", "WindowScorer", "load_window_scorer",
-           "log_sample_table", "WindowLog", "sample_windows", "write_empty_windows", "window_callback", "step_hook"]
+__all__ = ["SAMPLE_COLUMNS", "is_window_step", "WindowScorer", "load_window_scorer",
+           "log_sample_table", "WindowLog", "sample_windows", "window_callback", "step_hook"]

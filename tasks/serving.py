@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import threading
 import time
 import warnings
@@ -36,7 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.entities import SpanType
+from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
+from mlflow.models import ModelSignature
 from mlflow.pyfunc import PythonModel
+from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
 SERVED_TAG = "rlhf.served"
 MODEL_NAME_TAG = "rlhf.model_name"
@@ -160,8 +165,6 @@ class PolicyServer(PythonModel):
 
     def _lookup(self, alias: str, known: str | None) -> str:
         """The version holding ``alias`` in the registry; on a registry error, the one known (if any)."""
-        from mlflow.exceptions import MlflowException
-
         try:
             found = self._client.get_model_version_by_alias(self.config.model_name, alias).version
         except MlflowException as error:
@@ -191,8 +194,6 @@ class PolicyServer(PythonModel):
             del self._loaded[version]
 
     def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[dict[str, str]]:
-        from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
-
         prompts = _prompts(model_input)
         try:
             tokens, seed, alias = check_request(prompts, params or {})
@@ -205,7 +206,7 @@ class PolicyServer(PythonModel):
     def _answer(self, loaded: LoadedVersion, alias: str, prompt: str, max_new_tokens: int,
                 seed: int | None) -> dict[str, str]:
         """One generation, recorded as one trace."""
-        from rlhf_core.evaluation import sample_responses
+        from rlhf_core.evaluation import sample_responses  # torch: in the scoring server only, once the model loads
 
         def generate(text: str, tokens: int, seed: int) -> str:
             return sample_responses(loaded.model, loaded.tokenizer, [text], max_new_tokens=tokens, batch_size=1,
@@ -223,8 +224,6 @@ def traced_generation(prompt: str, max_new_tokens: int, seed: int, generate, tag
     """``generate(prompt, max_new_tokens, seed) -> completion`` inside one trace of the active experiment, in the
     served format (root span ``generate``: inputs prompt, max_new_tokens, seed; output completion; ``tags``; linked to
     the MLflow Model ``model_id``). Returns (completion, trace id)."""
-    from mlflow.entities import SpanType
-
     with mlflow.start_span(name=SPAN_NAME, span_type=SpanType.LLM) as span:
         span.set_inputs({"prompt": prompt, "max_new_tokens": max_new_tokens, "seed": seed})
         completion = generate(prompt, max_new_tokens, seed)
@@ -251,11 +250,6 @@ def _prompts(model_input) -> list[str]:
 
 def save_server(path, config: ServerConfig, requirements: list[str]) -> None:
     """Write the served model (code and settings, no weights) to ``path``, replacing what was there."""
-    import shutil
-
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
-
     signature = ModelSignature(inputs=Schema([ColSpec("string")]),
                                params=ParamSchema([ParamSpec(k, _param_type(v), v) for k, v in PARAMS.items()]))
     shutil.rmtree(path, ignore_errors=True)

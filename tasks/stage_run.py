@@ -13,19 +13,19 @@ rank 0 has written.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.checkpointing import Preempted
+from rlhf_core.model_card import write_model_card
 from rlhf_core.tracking import NullTracker, public_params
 from tasks.distributed import barrier, is_main_process
 from tasks.logs import get_logger
 from tasks.mlflow_runs import (
-    PARENT_ENV,
     mlflow_setup,
     mlflow_ui_link,
     replay_spool,
@@ -56,7 +56,7 @@ class StageRun:
     summary: dict[str, Any] = field(default_factory=dict)
     input_hashes: dict[str, str] = field(default_factory=dict)
     reads: dict[str, Any] = field(default_factory=dict)
-    """The params the stage reads outside its own section (``tasks.params.CROSS_SECTION_PARAMS``), dotted."""
+    """The params the stage reads outside its own section (its row's ``Stage.reads``), dotted."""
     tracker: Any = None
     main: bool = True
 
@@ -98,7 +98,7 @@ class StageRun:
             self.tracker.log_table(name, columns, [[r[c] for c in columns] for r in rows])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        import mlflow
+        import mlflow  # mlflow: only when a stage runs (tasks/stage_task.py imports this module)
 
         self._direct(f"artifact {Path(path).name}",
                      lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
@@ -111,7 +111,7 @@ class StageRun:
         created: dict[str, str] = {}
 
         def log() -> None:
-            from mlflow import MlflowClient
+            from mlflow import MlflowClient  # mlflow: only when a stage runs
             from mlflow.entities import Metric, Param
             from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
@@ -138,16 +138,14 @@ class StageRun:
             return
 
         def log() -> None:
-            import warnings
-
-            import mlflow
+            import mlflow  # mlflow, pandas: only when a run logs a dataset
             import pandas as pd
 
             df = pd.read_json(path, lines=True) if path.stat().st_size else pd.DataFrame()
             with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local files
                 warnings.simplefilter("ignore", UserWarning)
                 ds = mlflow.data.from_pandas(df, source=str(path.resolve()), name=name)
-            from mlflow.entities import DatasetInput, InputTag
+            from mlflow.entities import DatasetInput, InputTag  # (mlflow)
             from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
             # the client call names the run (mlflow.log_input would use, or start, this thread's active run)
@@ -164,13 +162,10 @@ class StageRun:
         MLflow run id (different on every run) go into the MLflow copy only (a retrained stage with unchanged
         weights must keep its hash, or every later stage retrains).
         """
-        import mlflow
+        import mlflow  # mlflow: only when a stage runs
 
         if not self.main:
             return
-
-        from rlhf_core.model_card import write_model_card
-
         notes = "\n".join(
             [f"Stage `{self.stage}` of the rlhf pipeline.", "", "Inputs (DVC hashes):", ""]
             + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
@@ -189,8 +184,10 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
               parent_run_id: str | None = None, reads: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
     """A child MLflow run for one stage, tagged with provenance; leaves a Prefect artifact when done.
 
-    ``reads``: the params the stage reads outside its own section (``tasks.params.cross_section_values``), logged
-    with its section's and kept on the handle for the resume key (``tasks/resume.py:resume_key``).
+    ``parent_run_id``: the pipeline's MLflow run the stage's run hangs under (``tasks/supervisor.py`` gives it);
+    None: a top-level run. ``reads``: the params the stage reads outside its own section
+    (``tasks.params.cross_section_values``), logged with its section's and kept on the handle for the resume key
+    (``tasks/resume.py:resume_key``).
 
     If the tracking store is out (a server that refuses connections, a SQLite store locked or deleted) the stage still
     runs: one warning, and everything the run would have logged goes to a spool file under ``<root>/tracking-spool/``,
@@ -202,7 +199,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     its run, so no rank exits (and no launcher tears the group down) while rank 0 still writes. A rank that
     fails with any other error does not wait: the launcher stops the others.
     """
-    import mlflow
+    import mlflow  # mlflow: only when a stage runs
 
     root = Path(root).resolve()
     if not is_main_process():
@@ -214,7 +211,6 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
             raise
         barrier()
         return
-    parent_run_id = parent_run_id or os.environ.get(PARENT_ENV) or None
     tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
             "prefect.flow_run_id": prefect_flow_run_id()}
     tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
@@ -290,7 +286,7 @@ def create_stage_artifact(handle: StageRun) -> None:
     """A Prefect table artifact (the stage summary) and a markdown link to the MLflow run."""
     if not in_prefect_run():
         return
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact  # prefect: only inside a flow run
 
     key = handle.stage.replace("_", "-")
     rows = [{"key": k, "value": (round(v, 4) if isinstance(v, float) else v)} for k, v in handle.summary.items()]

@@ -31,6 +31,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.checkpointing import pid_alive
+from tasks.dvc_ops import _repo
 from tasks.logs import get_logger
 
 RECORDED = ("dvc.lock", "metrics", "plots", "README.md")
@@ -64,7 +65,7 @@ def current_branch(root: str | Path) -> str:
 def _share_dvc(root: Path, worktree: Path) -> None:
     """The worktree uses the checkout's DVC cache and its remotes (relative URLs resolved from the checkout;
     per-user URLs in .dvc/config.local included)."""
-    from dvc.repo import Repo
+    from dvc.repo import Repo  # dvc: only when a worktree opens
 
     with Repo(str(root)) as main:
         cache_dir = main.cache.local_cache_dir
@@ -114,8 +115,6 @@ def previous_result(root: Path, branch: str) -> str | None:
 
 def _restore_outputs(worktree: Path) -> None:
     """``dvc pull`` what the lock names; whatever cannot be restored is simply re-run by the pipeline."""
-    from tasks.dvc_ops import _repo
-
     log = get_logger()
     try:
         with _repo(worktree) as repo:
@@ -163,8 +162,6 @@ def _checked_out_branch(root: str | Path) -> str | None:
 def restore_checkout_outputs(root: str | Path) -> None:
     """``dvc checkout``: the outputs the landed lock names, from the shared cache (so ``dvc status`` is clean);
     an output someone changed by hand is left alone, with the command to run named."""
-    from tasks.dvc_ops import _repo
-
     try:
         with _repo(root) as repo:
             repo.checkout()

@@ -100,8 +100,9 @@ class ImportGraph:
 
     # ------------------------------------------------------------------ the closure
 
-    def closure(self, module: str) -> set[str]:
-        """``module`` and every project module it reaches through imports."""
+    def closure(self, module: str, stop: frozenset[str] = frozenset()) -> set[str]:
+        """``module`` and every project module it reaches through imports; the modules in ``stop`` are reached
+        but not followed (a table that names every stage's body: one stage's code is not another's)."""
         seen, todo = set(), [module]
         while todo:
             current = todo.pop()
@@ -109,7 +110,7 @@ class ImportGraph:
                 continue
             seen.add(current)
             path = self.file_of(current)
-            if path is not None:
+            if path is not None and current not in stop:
                 todo.extend(self.imports_of(path) - seen)
         return seen
 

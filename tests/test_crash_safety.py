@@ -236,17 +236,19 @@ def ppo_stage(tokenizer, root: Path, total_steps: int, signal_at: int | None = N
 
 def stage_main(tokenizer, root: Path, total_steps: int, signal_at: int | None = None) -> tuple[int, list[int]]:
     """What the entry point (``python -m flows.stage``) does: Preempted -> exit status 75."""
+    from tasks.supervisor import exit_status
+
     try:
         return 0, ppo_stage(tokenizer, root, total_steps, signal_at)
     except ckpt.Preempted as stopped:
         assert stopped.signal_name == "SIGTERM" and "resume" in str(stopped)
-        return stopped.exit_code, []
+        return exit_status(stopped), []
 
 
 def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes(tokenizer, tmp_path):
     previous = signal.getsignal(signal.SIGTERM)
     code, _ = stage_main(tokenizer, tmp_path, total_steps=4, signal_at=1)
-    assert code == ckpt.EXIT_PREEMPTED == 75
+    assert code == 75
     assert ckpt.read_json(tmp_path / "state" / ckpt.STATE_FILE)["step"] == 2  # saved after step index 1
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored after the block
     code, done = stage_main(tokenizer, tmp_path, total_steps=4)
@@ -326,16 +328,45 @@ def test_too_many_nonfinite_trainer_steps_in_a_row_stop_the_run(tokenizer, tmp_p
 def test_a_stop_request_before_the_loop_is_honoured_then_consumed():
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        assert ckpt.install_stop_handlers()  # what the entry point does, before loading models
+        for sig in previous:  # what an entry point does before loading models (tasks/supervisor.py)
+            signal.signal(sig, ckpt.on_stop_signal)
         os.kill(os.getpid(), signal.SIGTERM)
         assert ckpt.stop_requested()
         with ckpt.GracefulStop() as stop:
             assert stop.requested and stop.signal_name == "SIGTERM"  # the loop stops at its first boundary
         assert not ckpt.stop_requested()
+        assert signal.getsignal(signal.SIGTERM) is ckpt.on_stop_signal  # the entry point's handler is back
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        ckpt._HANDLERS_INSTALLED.clear()
+
+
+def test_a_loop_off_the_main_thread_warns_unless_the_entry_point_installed_the_handler():
+    import threading
+    import warnings
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    caught: list[list] = []
+
+    def loop() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with ckpt.GracefulStop():
+                pass
+        caught.append([str(w.message) for w in seen])
+
+    try:
+        for installed in (False, True):
+            for sig, handler in previous.items():
+                signal.signal(sig, ckpt.on_stop_signal if installed else handler)
+            worker = threading.Thread(target=loop)
+            worker.start()
+            worker.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert len(caught[0]) == 1 and "install rlhf_core.checkpointing.on_stop_signal" in caught[0][0]
+    assert caught[1] == []
 
 
 def test_stage_checkpoints_live_outside_dvc_outs_and_are_keyed_by_params(tmp_path):

@@ -115,12 +115,12 @@ def test_a_lock_torn_by_a_bare_dvc_repro_is_restored_at_the_next_start(project, 
 
     import logging
 
-    from tasks import logs
+    from tasks import orphans
 
     warnings: list[str] = []
     logger = logging.getLogger("rlhf-test-dvc-lockfile")
     monkeypatch.setattr(logger, "warning", lambda message, *args: warnings.append(message % args if args else message))
-    monkeypatch.setattr(logs, "get_logger", lambda: logger)  # (Prefect's log handlers vary with the tests run before)
+    monkeypatch.setattr(orphans, "get_logger", lambda: logger)  # (Prefect's log handlers vary with the tests run before)
     clean_after_dead_runs(project)  # the next pipeline, stage or retraining run
     warned = "\n".join(warnings)
     assert (project / "dvc.lock").read_bytes() == complete

@@ -11,7 +11,7 @@ from test_registry import project  # noqa: F401  (the fixture: a tiny evaluated 
 
 from rlhf_core.feedback import canonical_bytes
 from tasks.feedback_lineage import LINEAGE_FILE, TAG_LIMIT, feedback_kinds, feedback_lineage, feedback_tags
-from tasks.params import load_params
+from tasks.stages import load_params, stage_files
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = {"prompt": "The film", "chosen": " was great.", "rejected": " was dull.", "chosen_trace_id": "tr-1",
@@ -39,17 +39,17 @@ def _ingested(root: Path, batches: list[tuple[str, list[dict]]]) -> list[str]:
 
 def test_the_kinds_of_feedback_that_reach_each_stage():
     paths = load_params(ROOT / "params.yaml").paths
-    assert feedback_kinds(paths, "dpo") == ["pairs"]
-    assert feedback_kinds(paths, "kto") == ["ratings"]
+    assert feedback_kinds(paths, stage_files(paths), "dpo") == ["pairs"]
+    assert feedback_kinds(paths, stage_files(paths), "kto") == ["ratings"]
     for stage in ("ppo", "grpo", "rloo"):  # through the reward model, trained on the pairs
-        assert feedback_kinds(paths, stage) == ["pairs"]
-    assert feedback_kinds(paths, "sft") == []
+        assert feedback_kinds(paths, stage_files(paths), stage) == ["pairs"]
+    assert feedback_kinds(paths, stage_files(paths), "sft") == []
 
 
 def test_the_lineage_lists_the_batches_with_their_judgements(tmp_path):
     paths = load_params(ROOT / "params.yaml").paths
     pairs, ratings, plain = _ingested(tmp_path, [("pairs", [PAIR]), ("ratings", [RATING]), ("pairs", [FILE_PAIR])])
-    lineage = feedback_lineage(tmp_path, paths, "dpo")
+    lineage = feedback_lineage(tmp_path, paths, stage_files(paths), "dpo")
     assert [b["sha256"] for b in lineage["batches"]] == [pairs, plain]  # DPO trains on pairs, not ratings
     assert lineage["batches"][0]["judgements"] == [{k: PAIR[k] for k in ("chosen_trace_id", "rejected_trace_id",
                                                                          "assessment_id", "reviewer")}]
@@ -59,7 +59,7 @@ def test_the_lineage_lists_the_batches_with_their_judgements(tmp_path):
     tags = feedback_tags(lineage)
     assert tags["feedback.batches"] == f"{pairs},{plain}" and tags["feedback.judgements"] == "1"
     assert tags["feedback.reviewers"] == "carol" and tags["feedback.kinds"] == "pairs"
-    kto = feedback_tags(feedback_lineage(tmp_path, paths, "kto"))
+    kto = feedback_tags(feedback_lineage(tmp_path, paths, stage_files(paths), "kto"))
     assert kto["feedback.batches"] == ratings and kto["feedback.reviewers"] == "alice"
 
 
@@ -90,6 +90,6 @@ def test_a_registered_version_names_its_batches_and_their_traces(project):  # no
 @pytest.mark.parametrize("stage", ["dpo"])
 def test_no_feedback_is_said_plainly(tmp_path, stage):
     paths = load_params(ROOT / "params.yaml").paths
-    tags = feedback_tags(feedback_lineage(tmp_path, paths, stage))
+    tags = feedback_tags(feedback_lineage(tmp_path, paths, stage_files(paths), stage))
     assert tags["feedback.batches"] == "none" and tags["feedback.judgements"] == "0"
     assert tags["feedback.manifest_md5"] == "none"

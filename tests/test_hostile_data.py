@@ -76,7 +76,7 @@ def test_prepare_bounds_hostile_reviews_and_counts_them(project):
     """Hostile reviews in ``prepare.source`` are dropped and counted; none reaches a dataset."""
     import yaml
 
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
     hostile = [f"{LONG_WORD} movie was terrible and long", "y" * 1_000_000 + " was a film",
                "Unbelievably overcomplicated incomprehensibilities notwithstanding, fine"]
@@ -86,7 +86,7 @@ def test_prepare_bounds_hostile_reviews_and_counts_them(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["prepare"]["source"] = "reviews.txt"
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    metrics = prepare_task.fn(str(project))
+    metrics = run_stage("prepare", str(project))
     assert metrics["num_dropped_overlong"] == 3
     assert json.loads((project / "metrics" / "prepare.json").read_text())["num_dropped_overlong"] == 3
     for name in ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences"):

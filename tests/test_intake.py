@@ -188,7 +188,7 @@ def test_prepare_reads_schema_fields_only_ratings_included(tmp_path):
 
 
 def test_prepare_adds_ingested_ratings_the_judge_agrees_with(tmp_path, monkeypatch):
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
@@ -197,7 +197,7 @@ def test_prepare_adds_ingested_ratings_the_judge_agrees_with(tmp_path, monkeypat
               {**RATED, "completion": " was awful and boring.", "label": False, "assessment_id": "a-4"}]
     disagreed = {**RATED, "completion": " was terrible, the worst.", "label": True, "assessment_id": "a-5"}
     _store(root, [("ratings", agreed + [disagreed])])
-    metrics = prepare_task.fn(str(root))
+    metrics = run_stage("prepare", str(root))
     assert metrics["num_incoming_ratings"] == 3 and metrics["num_dropped_incoming_ratings"] == 1
     rows = [json.loads(line) for line in (root / "data" / "ratings.jsonl").read_text().splitlines()]
     assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in rows[-2:]] == [

@@ -3,6 +3,11 @@ loads no orchestration package, and the project's modules import one another wit
 library, the trainers' rooms: a family package (rlhf_core/trainers/ppo, online, preference) imports what the
 families share (the modules directly in rlhf_core/trainers/) and never another family; what is shared never
 imports a family; nothing below the trainers imports them (only the TRL mirror rlhf_core.trainer does).
+Inside the pipeline, the stages' rooms: a stage's body (tasks/stages/<stage>.py) imports plumbing and never another
+body nor the table (tasks/stages/__init__.py); the plumbing never imports a body, and only the runners (the wrapper,
+the supervisor, the registry step) import the table; the flows reach stages through the table, never a body. An
+import inside a function names a heavy library (one a light command line must not load at start), with its reason
+on the line, never one of the pipeline's own light modules.
 
 The import graph is read from the source with ``ast``: every ``import``/``from ... import`` statement counts,
 including those inside functions (a lazy import still ties the two modules together: it only delays the
@@ -183,7 +188,7 @@ def test_trainer_rooms_catch_upward_and_sideways_imports():
         "rlhf_core.trainers.online.rloo": {"rlhf_core.trainers.preference.dpo"},  # family -> family
         "rlhf_core.models.value_head": {"rlhf_core.trainers.base"},  # below the trainers -> trainers
         "rlhf_core.trainer.ppo_trainer": {"rlhf_core.trainers.ppo.trainer"},  # the TRL mirror: fine
-        "tasks.ppo": {"rlhf_core.trainers.ppo.loop"},  # the pipeline: fine
+        "tasks.stages.ppo": {"rlhf_core.trainers.ppo.loop"},  # the pipeline: fine
     }
     assert trainer_room_violations(graph) == {
         "rlhf_core.trainers.forward": ["rlhf_core.trainers.ppo.trainer"],
@@ -209,6 +214,104 @@ def test_tasks_never_import_flows():
 
 def test_no_import_cycles_among_project_modules():
     assert find_cycles(import_graph()) == []
+
+
+TABLE = "tasks.stages"
+"""The stage table: it names every stage's body."""
+RUNNERS = {"tasks.stage_task", "tasks.supervisor", "tasks.registry"}
+"""The pipeline modules that run stages, so read the table: the wrapper, the supervisor, the registry step."""
+
+
+def stage_room(name: str) -> str | None:
+    """``"table"``, ``"body"`` (tasks/stages/<stage>.py), ``"runner"``, ``"plumbing"`` (the rest of tasks/) or
+    ``"flows"``; None in the library."""
+    if name == TABLE:
+        return "table"
+    if name.startswith(TABLE + "."):
+        return "body"
+    if name in RUNNERS:
+        return "runner"
+    return {"tasks": "plumbing", "flows": "flows"}.get(top(name))
+
+
+def stage_room_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Imports that break the stages' rooms: a body importing another body or the table, plumbing importing a
+    body or the table, a runner or a flow importing a body directly (they go through the table)."""
+    allowed = {"body": {"plumbing"}, "plumbing": {"plumbing"}, "runner": {"plumbing", "table", "runner"},
+               "table": {"plumbing", "body"}, "flows": {"plumbing", "table", "runner", "flows"}}
+    bad: dict[str, list[str]] = {}
+    for module, targets in graph.items():
+        room = stage_room(module)
+        if room is None:
+            continue
+        wrong = sorted(t for t in targets if stage_room(t) is not None and stage_room(t) not in allowed[room])
+        if wrong:
+            bad[module] = wrong
+    return bad
+
+
+def test_stage_rooms_catch_sideways_and_upward_imports():
+    graph = {
+        "tasks.stages.kto": {"tasks.policy", "tasks.samples"},  # fine
+        "tasks.stages.grpo": {"tasks.stages.rloo"},  # body -> body
+        "tasks.stages.ppo": {"tasks.stages"},  # body -> table
+        "tasks.scoring": {"tasks.stages.evaluate"},  # plumbing -> body
+        "tasks.samples": {"tasks.stages", "tasks.stage_task"},  # plumbing -> table, plumbing -> runner
+        "tasks.stage_task": {"tasks.stages", "tasks.outputs"},  # fine
+        "flows.stage": {"tasks.stages.sft"},  # a flow -> a body
+        "flows.pipeline": {"tasks.stages", "tasks.supervisor"},  # fine
+    }
+    assert stage_room_violations(graph) == {
+        "tasks.stages.grpo": ["tasks.stages.rloo"], "tasks.stages.ppo": ["tasks.stages"],
+        "tasks.scoring": ["tasks.stages.evaluate"], "tasks.samples": ["tasks.stage_task", "tasks.stages"],
+        "flows.stage": ["tasks.stages.sft"],
+    }
+
+
+def test_stage_bodies_plumbing_and_flows_keep_their_rooms():
+    assert stage_room_violations(import_graph()) == {}
+
+
+HEAVY = {"torch", "transformers", "datasets", "accelerate", "diffusers", "huggingface_hub", "mlflow", "dvc",
+         "prefect", "matplotlib", "pandas", "rlhf_core", "tasks.resume", "tasks.orphans", "flows.retrain"}
+"""What a function may import (to keep a light command line light): heavy libraries, the library (its modules load
+torch or transformers, but :data:`LIGHT`), and the three pipeline modules that load one of those at import
+(tasks.resume: transformers; tasks.orphans: torch, for flows/process.py, which loads before torch; flows.retrain:
+torch, for the intake's retraining)."""
+LIGHT = {"rlhf_core.tracking", "rlhf_core.model_card", "rlhf_core.data", "rlhf_core.feedback"}
+"""Library modules that load no heavy library: imported at the top."""
+
+
+def lazy_imports(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, module, source line)`` of every import inside a function of ``path``."""
+    text = path.read_text(encoding="utf-8")
+    lines, found = text.splitlines(), []
+    for function in ast.walk(ast.parse(text)):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                found += [(node.lineno, alias.name, lines[node.lineno - 1]) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found.append((node.lineno, node.module or "", lines[node.lineno - 1]))
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_are_heavy_and_say_why():
+    """Issue 25: imports inside function bodies only where they must be lazy, each place with a short reason: the
+    first import of each run of them carries a comment on its line (or its function's docstring says why)."""
+    light, silent = [], []
+    for name, path in project_modules().items():
+        if top(name) not in ("tasks", "flows"):
+            continue
+        found = lazy_imports(path)
+        for line, module, source in found:
+            if module in LIGHT or not any(module == heavy or module.startswith(heavy + ".") for heavy in HEAVY):
+                light.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+        runs = [(line, source) for i, (line, _, source) in enumerate(found) if i == 0 or found[i - 1][0] < line - 3]
+        silent += [f"{path.relative_to(ROOT)}:{line}" for line, source in runs if "#" not in source]
+    assert light == [], "light modules imported inside functions (import them at the top): " + ", ".join(light)
+    assert silent == [], "lazy imports without a reason on the line: " + ", ".join(silent)
 
 
 IMPORT_ALL = """

@@ -16,7 +16,7 @@ import pytest
 from _pipeline_project import make_project, mlflow_client
 
 from tasks.mlflow_runs import start_pipeline_run, store_problem, tracking_reachable, vanished_store
-from tasks.params import load_params
+from tasks.stages import load_params
 from tasks.stage_run import stage_run
 
 HOLD_LOCK = ("import sqlite3, sys, time\n"
@@ -133,7 +133,7 @@ def test_a_store_deleted_mid_run_is_named_with_how_to_restore_and_not_replaced(p
     # process, as `make tracking-upload` is: this one's MLflow still holds the deleted file open)
     (project / "mlartifacts").rename(project / "mlartifacts.old")
     assert tracking_reachable(project)
-    out = subprocess.run([sys.executable, "-m", "rlhf_core.tracking", "upload", str(spool), "--tracking-uri",
+    out = subprocess.run([sys.executable, "-m", "flows.tracking", "upload", str(spool), "--tracking-uri",
                           f"sqlite:///{database}"], cwd=project, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert sqlite3.connect(database).execute("SELECT value FROM metrics WHERE key = 'loss'").fetchall() == [(0.5,)]

@@ -111,10 +111,10 @@ def test_a_stopped_run_kills_its_temporary_server_without_the_graceful_wait(monk
 
 
 def test_exit_promptly_flushes_output_and_skips_the_interpreter_teardown(tmp_path):
-    script = ("import atexit, sys, flows\n"
+    script = ("import atexit, sys\nfrom flows.process import exit_promptly\n"
               "atexit.register(lambda: print('teardown ran', flush=True))\n"
               "print('last words', end='')\n"  # still buffered when the exit starts
-              "flows.exit_promptly(75)\n"
+              "exit_promptly(75)\n"
               "print('not reached')\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

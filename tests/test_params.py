@@ -1,8 +1,9 @@
-"""params.yaml, the dataclasses of tasks/params.py and dvc.yaml agree; the loader rejects bad keys."""
+"""params.yaml, the stage table (tasks/stages/__init__.py) and dvc.yaml agree; the loader rejects bad keys."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from pathlib import Path
 
@@ -10,28 +11,25 @@ import pytest
 import yaml
 
 from tasks.params import (
-    ALL_STAGES,
-    DDPO_CONFIG_KEYS,
-    POLICIES,
-    POLICY_STAGES,
-    PPO_CONFIG_KEYS,
-    SECTIONS,
-    STAGES,
-    WINDOW_STAGES,
     ConfigSection,
     ParamsError,
-    PPOStageParams,
+    StageParams,
+    UndeclaredParam,
     apply_overrides,
-    load_params,
-    parse_params,
     read_raw,
     section_keys,
-    stage_io,
-    stage_param_keys,
 )
+from tasks.stage_spec import WINDOW_READS
+from tasks.stages import BY_NAME, NAMES, POLICIES, POLICY_STAGES, SECTIONS, STAGES, load_params, parse_params
+from tasks.stages.ddpo import DDPO_CONFIG_KEYS
+from tasks.stages.ppo import PPO_CONFIG_KEYS, PPOStageParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PPO_STAGE_ONLY = {"enabled", "total_steps", "max_new_tokens", "reward", "save_steps", "sample_every", "sample_prompts"}
+WRAPPER = "tasks/stage_task.py"
+"""The one wrapper that runs every stage (reads params, writes what the body returns): code of every stage."""
+TABLE = "tasks.stages"
+"""The stage table: it names every stage's body, so a walk of one stage's code stops there."""
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +50,7 @@ def _names(entries):
 def test_params_yaml_sections_mirror_dataclasses(raw):
     assert list(raw) == list(SECTIONS)
     for name in SECTIONS:
-        assert list(raw[name]) == list(section_keys(name)), name
+        assert list(raw[name]) == list(section_keys(SECTIONS[name])), name
     load_params(ROOT / "params.yaml")  # types and cross-field rules
 
 
@@ -64,86 +62,111 @@ def test_no_defaults_params_yaml_is_the_one_source_of_values():
         assert defaulted == [], f"{name}: {defaulted} have defaults (values belong in params.yaml)"
 
 
-def test_dvc_stages_in_order(dvc_stages):
-    assert tuple(dvc_stages) == ALL_STAGES == STAGES + ("ddpo",)
-    assert STAGES.index("evaluate") > max(STAGES.index(s) for s in POLICY_STAGES)
+def test_dvc_stages_are_the_table_in_order(dvc_stages):
+    assert tuple(dvc_stages) == NAMES
+    assert all(s.optional for s in STAGES[NAMES.index("evaluate") + 1:])  # ddpo: outside the default run
+    assert NAMES.index("evaluate") > max(NAMES.index(s) for s in POLICY_STAGES)
 
 
-def task_module_file(stage: str) -> str:
-    """``tasks/<module>.py`` that defines the stage's task (``tasks/online.py`` for grpo and rloo)."""
-    import inspect
-
-    from flows.stages import STAGE_TASKS
-
-    return Path(inspect.getsourcefile(STAGE_TASKS[stage].fn)).resolve().relative_to(ROOT).as_posix()
+def body_module_file(stage: str) -> str:
+    """``tasks/stages/<stage>.py``: the module of the stage's body, as its row names it."""
+    return Path(inspect.getsourcefile(BY_NAME[stage].body)).resolve().relative_to(ROOT).as_posix()
 
 
-@pytest.mark.parametrize("stage", ALL_STAGES)
-def test_dvc_stage_matches_params_and_io(stage, dvc_stages, raw):
-    entry = dvc_stages[stage]
-    io = stage_io(load_params(ROOT / "params.yaml").paths)[stage]
+@pytest.mark.parametrize("stage", NAMES)
+def test_dvc_stage_matches_its_row(stage, dvc_stages, raw):
+    entry, row = dvc_stages[stage], BY_NAME[stage]
+    io = row.io(load_params(ROOT / "params.yaml").paths)
     assert entry["cmd"] == f"python -m flows.stage {stage}"
-    # exactly the keys of its own section, nothing else
-    assert entry["params"] == stage_param_keys(stage)
+    # exactly the keys of its own section, then those it reads elsewhere
+    assert entry["params"] == row.param_keys()
     assert all(key.split(".", 1)[1] in raw[key.split(".", 1)[0]] for key in entry["params"])
     deps = _names(entry["deps"])
     data_deps = [d for d in deps if not d.endswith(".py")]
-    assert data_deps == io["deps"]
+    assert data_deps == list(io.deps.values())
     code_deps = [d for d in deps if d.endswith(".py")]
-    assert task_module_file(stage) in code_deps  # the module defining the stage's Prefect task
+    assert code_deps[:2] == [body_module_file(stage), WRAPPER]  # its body, then the wrapper every stage runs in
     for dep in code_deps:
         assert (ROOT / dep).is_file(), f"{stage}: code dep {dep} does not exist"
-    assert _names(entry.get("outs")) == io["outs"]
-    assert _names(entry["metrics"]) == io["metrics"] == [f"metrics/{stage}.json"]
-    extra = {**{s: [f"plots/{s}_windows.csv"] for s in WINDOW_STAGES}, "evaluate": ["plots/frontier.csv"]}
-    assert _names(entry["plots"]) == io["plots"] == [f"plots/{stage}.csv", *extra.get(stage, [])]
+    assert _names(entry.get("outs")) == list(io.outs.values())
+    assert _names(entry["metrics"]) == [io.metrics] == [f"metrics/{stage}.json"]
+    extra = [f"plots/{stage}_windows.csv"] * row.windows + [f"plots/{name}.csv" for name in row.extra_plots]
+    assert _names(entry["plots"]) == list(io.plots.values()) == [f"plots/{stage}.csv", *extra]
     for kind in ("metrics", "plots"):  # git-tracked, as DVC recommends for small metrics and plots
         assert all(e[next(iter(e))]["cache"] is False for e in entry[kind])
-    for out in io["outs"]:
+    for out in io.outs.values():
         assert out.startswith(("data/", "models/"))
 
 
-# Imported by the stage tasks but only report elsewhere (MLflow, Prefect, logs): they cannot change a stage's outputs
+# Imported by the stage code but only report elsewhere (MLflow, Prefect, logs): they cannot change a stage's outputs
 REPORTING_ONLY = {"rlhf_core/tracking.py", "rlhf_core/wandb_tracker.py", "tasks/logs.py", "tasks/mlflow_runs.py",
                   "tasks/prefect_context.py", "tasks/provenance.py", "tasks/stage_run.py"}
 
 
-@pytest.mark.parametrize("stage", ALL_STAGES)
-def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
-    """Every project module the stage's task imports (tests/import_closure.py), but the reporting ones, is a dep:
-    a change to any of them re-runs the stage, so no committed output is left behind its code. Deps beyond the
-    static imports stay allowed (names resolved at run time, e.g. ``getattr(rlhf_core, f"{name}Trainer")``)."""
+def _graph():
     from import_closure import ImportGraph
 
     from rlhf_core._lazy import PUBLIC
 
-    graph = ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
-    task_file = ROOT / task_module_file(stage)
-    imported = graph.files(graph.closure(graph.module_of(task_file)))
+    return ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
+
+
+def stage_code(stage: str) -> set[str]:
+    """The project files a stage runs: its body's imports (tests/import_closure.py) and the wrapper's, whose walk
+    stops at the table (it names every body, but runs only this one)."""
+    graph = _graph()
+    body = graph.closure(graph.module_of(ROOT / body_module_file(stage)))
+    wrapper = graph.closure(graph.module_of(ROOT / WRAPPER), stop=frozenset({TABLE}))
+    return graph.files(body | wrapper)
+
+
+def test_the_walk_of_a_stage_stops_at_the_table():
+    code = stage_code("sft")
+    assert "tasks/stages/__init__.py" in code and "tasks/stages/sft.py" in code
+    assert not code & {"tasks/stages/ppo.py", "tasks/stages/evaluate.py", "tasks/stages/kto.py"}
+
+
+@pytest.mark.parametrize("stage", NAMES)
+def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
+    """Every project module the stage runs (its body and the wrapper, tests/import_closure.py), but the reporting
+    ones, is a dep: a change to any of them re-runs the stage, so no committed output is left behind its code. Deps
+    beyond the static imports stay allowed (files a stage reads at run time)."""
+    imported = stage_code(stage)
     assert len(imported) > 10 and REPORTING_ONLY & imported  # the walk reached the stage's library code
     missing = sorted(imported - REPORTING_ONLY - set(_names(dvc_stages[stage]["deps"])))
     assert not missing, f"dvc.yaml stage {stage} lacks deps it imports: {missing}"
 
 
-PARAMS_LOADERS = {"load_params", "read_raw", "parse_params", "load_yaml", "PARAMS_FILE"}
-"""What reads params.yaml whole; a stage may only reach its params through ``load_stage`` (a ``StageParams`` view)."""
+TRAINERS = {"sft": "SFTTrainer", "reward_model": "RewardTrainer", "ppo": "PPOTrainer", "dpo": "DPOTrainer",
+            "grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "kto": "KTOTrainer", "ddpo": "DDPOTrainer"}
 
 
-@pytest.mark.parametrize("stage", ALL_STAGES)
+@pytest.mark.parametrize("stage", sorted(TRAINERS))
+def test_a_training_stage_depends_on_its_trainer_and_the_walk_sees_it(stage, dvc_stages):
+    """A change to the trainer a stage runs re-runs the stage: its module is a dep in dvc.yaml and among the code the
+    walk finds (a trainer looked up by a name built at run time, ``getattr(rlhf_core, ...)``, hid it from both)."""
+    import rlhf_core
+
+    module = Path(inspect.getsourcefile(getattr(rlhf_core, TRAINERS[stage]))).resolve().relative_to(ROOT).as_posix()
+    assert module in _names(dvc_stages[stage]["deps"]) and module in stage_code(stage), module
+
+
+PARAMS_LOADERS = {"load_params", "read_raw", "parse_params", "load_yaml", "PARAMS_FILE", "load_paths"}
+"""What reads params.yaml whole; a stage's body may only reach its params through the ``StageParams`` view the
+wrapper hands it."""
+
+
+@pytest.mark.parametrize("stage", NAMES)
 def test_a_stage_reads_params_only_through_its_declared_view(stage, dvc_stages):
-    """Issue 24: every param a stage reads is a declared dependency. The walk: in the code the stage's task imports
-    (tests/import_closure.py), nothing but the loader reads params.yaml whole, so a stage reaches params only through
-    ``load_stage``, whose ``StageParams`` view hands out exactly what dvc.yaml lists (tested below); and ppo, dpo and
-    kto, which score their sample windows with evaluate's settings, list those keys."""
+    """Issue 24: every param a stage reads is a declared dependency. The walk: in the code the stage's body imports
+    (tests/import_closure.py), nothing reads params.yaml, so the body reaches params only through the ``StageParams``
+    view the wrapper (tasks/stage_task.py) gives it, which hands out exactly what dvc.yaml lists (tested below); and
+    ppo, dpo and kto, which score their sample windows with evaluate's settings, list those keys."""
     import ast
 
-    from import_closure import ImportGraph
-
-    from rlhf_core._lazy import PUBLIC
-
-    graph = ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
-    imported = graph.files(graph.closure(graph.module_of(ROOT / task_module_file(stage))))
-    assert "tasks/params.py" in imported
+    graph = _graph()
+    imported = graph.files(graph.closure(graph.module_of(ROOT / body_module_file(stage))))
+    assert "tasks/params.py" in imported and WRAPPER not in imported and "tasks/stages/__init__.py" not in imported
     readers = {}
     for rel in sorted(imported - REPORTING_ONLY - {"tasks/params.py", "tasks/param_rules.py"}):
         tree = ast.parse((ROOT / rel).read_text())
@@ -152,29 +175,28 @@ def test_a_stage_reads_params_only_through_its_declared_view(stage, dvc_stages):
         names |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for alias in n.names}
         if names & PARAMS_LOADERS:
             readers[rel] = sorted(names & PARAMS_LOADERS)
-    assert not readers, f"stage {stage}: these modules read params.yaml around load_stage's view: {readers}"
-    assert dvc_stages[stage]["params"] == stage_param_keys(stage)
-    if stage in WINDOW_STAGES:
+    assert not readers, f"stage {stage}: these modules read params.yaml around the wrapper's view: {readers}"
+    assert dvc_stages[stage]["params"] == BY_NAME[stage].param_keys()
+    if BY_NAME[stage].windows:
+        assert BY_NAME[stage].reads == WINDOW_READS
         assert {"evaluate.max_new_tokens", "evaluate.seed"} <= set(dvc_stages[stage]["params"])
 
 
-@pytest.mark.parametrize("stage", ALL_STAGES)
+@pytest.mark.parametrize("stage", NAMES)
 def test_the_stage_view_hands_out_exactly_the_declared_params(stage):
-    from tasks.params import CROSS_SECTION_PARAMS, StageParams, UndeclaredParam
-
     params = load_params(ROOT / "params.yaml")
-    view = StageParams(params, stage)
+    view = StageParams(params, stage, BY_NAME[stage].reads)
     assert view.section(stage) is params.section(stage) and view.paths is params.paths
-    declared = {tuple(d.split(".", 1)) for d in CROSS_SECTION_PARAMS.get(stage, ())}
+    declared = {tuple(d.split(".", 1)) for d in BY_NAME[stage].reads}
     for section in SECTIONS:
         if section in ("paths", stage):
             continue
-        for key in section_keys(section):
+        for key in section_keys(SECTIONS[section]):
             if (section, key) in declared:
                 assert getattr(view.section(section), key) == getattr(params.section(section), key)
             else:
                 with pytest.raises(UndeclaredParam, match=rf"stage {stage} reads {section}\.{key}, which it does not "
-                                                          rf"declare: add it to CROSS_SECTION_PARAMS\[{stage!r}\]"):
+                                                          rf"declare: add it to the reads of stage {stage!r}"):
                     getattr(view.section(section), key)
 
 
@@ -196,6 +218,8 @@ def test_import_closure_follows_lazy_exports_and_lazy_imports(tmp_path):
     graph = ImportGraph(tmp_path, ("pkg", "task"), {"Trainer": "pkg.trainer"})
     assert graph.files(graph.closure("task")) == {
         "task.py", "pkg/__init__.py", "pkg/_lazy.py", "pkg/trainer.py", "pkg/losses.py", "pkg/sub/impl.py"}
+    assert graph.files(graph.closure("task", stop=frozenset({"pkg.trainer"}))) == {
+        "task.py", "pkg/__init__.py", "pkg/_lazy.py", "pkg/trainer.py"}  # reached, not followed
 
 
 def test_outputs_feed_downstream_stages(dvc_stages):
@@ -247,10 +271,11 @@ def test_new_policy_sections_are_trl_config_fields_plus_stage_keys(raw, stage, c
 def test_every_policy_stage_has_an_enable_switch_and_is_a_candidate(raw):
     for stage in (*POLICY_STAGES, "ddpo"):
         assert isinstance(raw[stage]["enabled"], bool), stage
-    assert POLICIES == ("sft", *POLICY_STAGES)
+    assert POLICIES == ("sft", *POLICY_STAGES) == ("sft", "ppo", "dpo", "grpo", "rloo", "kto")
     assert raw["registry"]["candidates"] == list(POLICY_STAGES)
-    evaluate_deps = stage_io(load_params(ROOT / "params.yaml").paths)["evaluate"]["deps"]
-    assert [f"models/{s}" for s in POLICY_STAGES] == evaluate_deps[-len(POLICY_STAGES):]
+    evaluate = BY_NAME["evaluate"].io(load_params(ROOT / "params.yaml").paths)
+    assert evaluate.group("policy") == {s: f"models/{s}" for s in POLICIES}  # sft and every policy, scored
+    assert evaluate.group("windows") == {s.name: f"plots/{s.name}_windows.csv" for s in STAGES if s.windows}
 
 
 def test_online_reward_and_batch_rules(raw):

@@ -10,7 +10,8 @@ import pytest
 import yaml
 from _pipeline_project import ROOT, make_project, mlflow_client, run, write_params
 
-from tasks.params import ALL_STAGES, METRIC_KEYS, POLICIES, STAGES
+from tasks.params import METRIC_KEYS
+from tasks.stages import DEFAULT_STAGES, NAMES, POLICIES
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +44,18 @@ def test_pipeline_end_to_end(harness, project, monkeypatch):
 
     # 1. first run: every stage, then the registry
     first = pipeline(str(project))
-    assert first["ran"] == list(ALL_STAGES)  # ddpo too: disabled, it writes its placeholder
+    assert first["ran"] == list(NAMES)  # ddpo too: disabled, it writes its placeholder
     assert _dvc_status(project) == {}
     results = json.loads((project / "metrics" / "evaluate.json").read_text())
-    assert list(results) == [*POLICIES, "scored"]  # + the hashes evaluate scored (tasks/evaluate.py)
+    assert list(results) == [*POLICIES, "scored"]  # + the hashes evaluate scored (tasks/stages/evaluate.py)
     for policy in POLICIES:
         assert list(results[policy]) == list(METRIC_KEYS)
     assert results["sft"]["kl"] == 0.0 and results["sft"]["win_rate"] == 0.5
-    for stage in STAGES:
+    for stage in DEFAULT_STAGES:
         assert (project / "metrics" / f"{stage}.json").is_file()
         assert (project / "plots" / f"{stage}.csv").is_file()
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
-    assert set(lock) == set(ALL_STAGES)
+    assert set(lock) == set(NAMES)
     assert first["registry"]["registered"] and first["registry"]["decision"] == "promote"
 
     # MLflow: one parent, one child per stage (+ registry), tagged with provenance
@@ -64,7 +65,7 @@ def test_pipeline_end_to_end(harness, project, monkeypatch):
     parent = client.get_run(first["mlflow_run"])
     assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.kind"] == "pipeline"
     children = {r.data.tags["rlhf.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == set(STAGES) | {"registry"}
+    assert set(children) == set(DEFAULT_STAGES) | {"registry"}
     for stage, child in children.items():
         tags = child.data.tags
         assert len(tags["git.commit"]) == 40

@@ -210,9 +210,10 @@ def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_s
     from _pipeline_project import make_project, write_params
 
     from tasks.dvc_ops import StageInputsChanged, inputs_unchanged
-    from tasks.params import cross_section_values, load_stage
+    from tasks.params import cross_section_values
     from tasks.paths import stage_checkpoint_dir
     from tasks.resume import resume_key
+    from tasks.stages import BY_NAME, load_params
 
     root = make_project(tmp_path / "proj", git_dvc=False)
     with pytest.raises(StageInputsChanged, match=rf"stage {stage}: params\.yaml:evaluate\.seed \(0 -> 1\) changed"):
@@ -220,9 +221,10 @@ def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_s
             write_params(root, {"evaluate.seed": 1})
 
     def state_dir() -> Path:
-        _, params, section, _ = load_stage(root, stage)
-        run = StageRun(stage, root, "", "", input_hashes={"data": "abc"}, reads=cross_section_values(params, stage),
-                       tracker=NullTracker())
+        params = load_params(root / "params.yaml")
+        section = params.section(stage)
+        run = StageRun(stage, root, "", "", input_hashes={"data": "abc"},
+                       reads=cross_section_values(params, BY_NAME[stage].reads), tracker=NullTracker())
         assert run.reads == {"evaluate.max_new_tokens": params.evaluate.max_new_tokens, "evaluate.seed": 1}
         return stage_checkpoint_dir(root, stage, resume_key(run, section))
 
@@ -234,8 +236,9 @@ def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_s
 
 
 def test_a_stage_without_cross_section_reads_keeps_its_resume_key(tmp_path):
-    from tasks.params import as_dict, load_params
+    from tasks.params import as_dict
     from tasks.resume import resume_key
+    from tasks.stages import load_params
 
     section = load_params(ROOT / "params.yaml").sft
     run = StageRun("sft", tmp_path, "", "", input_hashes={"data": "abc"}, tracker=NullTracker())
@@ -265,7 +268,9 @@ def test_tracking_credentials_never_reach_spool_warnings_or_logs(tmp_path):
     import logging
     import warnings
 
-    import flows  # noqa: F401  (installs the log redaction)
+    from flows.process import configure_process
+
+    configure_process()  # what every entry point does first: installs the log redaction
     from rlhf_core.tracking import MLflowTracker, SpoolingTracker
     from tasks.logs import get_logger
 
@@ -299,14 +304,45 @@ def test_tracking_credentials_never_reach_spool_warnings_or_logs(tmp_path):
         assert all(f.filter(record) for f in logging.getLogger(name).filters) and "s3cret" not in record.getMessage()
 
 
-def test_mlflow_client_retries_are_bounded_for_pipeline_processes():
+DEPLOYED_FLOW = """
+import json, logging, sys
+from rlhf_core.tracking import RedactingFilter
+module = __import__("flows." + sys.argv[1], fromlist=["x"])
+try:
+    getattr(module, sys.argv[1]).fn(root=sys.argv[2])  # as Prefect's worker does: import, call (no ``main``)
+except Exception:
+    pass  # an empty folder is no project: the flow fails after its first line
+print(json.dumps({name: any(isinstance(f, RedactingFilter) for f in logging.getLogger(name).filters)
+                  for name in ("rlhf_core", "rlhf_pipeline", "prefect.flow_runs")}))
+"""
+
+
+@pytest.mark.parametrize("flow", ["pipeline", "retrain"])
+def test_a_deployed_flow_redacts_its_logs_though_main_never_ran(tmp_path, flow):
+    """prefect.yaml's entry points (``flows/pipeline.py:pipeline``, ``flows/retrain.py:retrain``) run in a process
+    that imports the module: the flow itself installs the log redaction (``flows.process.configure_logging``)."""
+    out = subprocess.run([sys.executable, "-c", DEPLOYED_FLOW, flow, str(tmp_path)], env=_env(), capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"rlhf_core": True, "rlhf_pipeline": True,
+                                                                "prefect.flow_runs": True}
+
+
+def test_mlflow_client_retries_are_bounded_for_pipeline_processes(monkeypatch):
     """A tracking server killed mid-PPO stalled training 4 min in client retries (7 retries, factor 2)."""
-    import flows  # noqa: F401
     from mlflow.environment_variables import (
         MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
         MLFLOW_HTTP_REQUEST_MAX_RETRIES,
         MLFLOW_HTTP_REQUEST_TIMEOUT,
     )
+
+    from flows.process import configure_process
+
+    variables = (MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR, MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT)
+    environ: dict[str, str] = {}
+    configure_process(environ)  # what every entry point does first, here into a copy
+    for variable in variables:
+        monkeypatch.setenv(variable.name, environ[variable.name])
 
     retries, factor, timeout = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get(),
                                 MLFLOW_HTTP_REQUEST_TIMEOUT.get())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.online import fill_reused_batches
+from tasks.group_policy import fill_reused_batches
 
 
 def drawn_columns(dvc_yaml: dict) -> dict[str, set[str]]:

@@ -30,15 +30,15 @@ def _saved_step(root: Path) -> int | None:
 
 
 def test_ppo_killed_by_sigkill_resumes_from_its_periodic_checkpoint(project):
-    from tasks.ppo import ppo_task
+    from tasks.stage_task import run_stage
 
     write_params(project, {"ppo.total_steps": 8, "ppo.save_steps": 2})
-    straight = ppo_task.fn(str(project))
+    straight = run_stage("ppo", str(project))
     straight_weights = _weights(project / "models" / "ppo")
     straight_curve = (project / "plots" / "ppo.csv").read_text()
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = f"from tasks.ppo import ppo_task; ppo_task.fn({str(project)!r})"
+    code = f"from tasks.stage_task import run_stage; run_stage('ppo', {str(project)!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=project, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -49,7 +49,7 @@ def test_ppo_killed_by_sigkill_resumes_from_its_periodic_checkpoint(project):
     saved = _saved_step(project)
     assert proc.returncode == -signal.SIGKILL and saved is not None and 2 <= saved < 8
 
-    resumed = ppo_task.fn(str(project))
+    resumed = run_stage("ppo", str(project))
     assert resumed == straight
     _assert_same_weights(project / "models" / "ppo", straight_weights)
     assert (project / "plots" / "ppo.csv").read_text() == straight_curve

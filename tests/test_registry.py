@@ -94,7 +94,7 @@ def _save_policy(root: Path, name: str, tokenizer, seed: int, value_head: bool =
 def project(tmp_path, monkeypatch, tokenizer):
     """A project with prompts, held-out text and tiny models (PPO saved with its value head), evaluated."""
     from rlhf_core.models.tiny import tiny_causal_lm, tiny_reward_model
-    from tasks.evaluate import evaluate_task
+    from tasks.stage_task import run_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
@@ -110,7 +110,7 @@ def project(tmp_path, monkeypatch, tokenizer):
     tokenizer.save_pretrained(root / "models" / "reward_model")
     _save_policy(root, "ppo", tokenizer, seed=1, value_head=True)
     _save_policy(root, "dpo", tokenizer, seed=2)
-    evaluate_task.fn(str(root))
+    run_stage("evaluate", str(root))
     return root
 
 
@@ -124,7 +124,7 @@ PROMPTS_FILE = Path("data") / "evaluate_prompts.csv"
 def _set_scores(root: Path, **gold: list[float]) -> None:
     """Pretend evaluate gave these per-prompt gold scores (and their mean) to the current weights (hashes
     recomputed from disk), in evaluate.json and data/evaluate_prompts.csv."""
-    from tasks.evaluate import content_md5, read_prompt_scores, write_prompt_scores
+    from tasks.scoring import content_md5, read_prompt_scores, write_prompt_scores
 
     evaluation, scores = _evaluation(root), read_prompt_scores(root / PROMPTS_FILE)
     for policy, values in gold.items():
@@ -150,7 +150,12 @@ def _rescored_as(monkeypatch, gold: list[float]) -> list[int]:
 
 
 def test_evaluate_records_what_it_scored(project):
-    from tasks.evaluate import content_md5, load_evaluation_set
+    from tasks.registry import current_evaluation_set
+    from tasks.scoring import content_md5
+    from tasks.stages import load_params
+
+    def load_evaluation_set(root):
+        return current_evaluation_set(root, load_params(root / "params.yaml"))
 
     scored = _evaluation(project)["scored"]
     assert scored["policies"] == {p: content_md5(project / "models" / p) for p in ("sft", "ppo", "dpo")}
@@ -166,7 +171,7 @@ def test_evaluate_records_what_it_scored(project):
 def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     import mlflow
 
-    from tasks.evaluate import content_md5
+    from tasks.scoring import content_md5
 
     client = mlflow_client(project)
     capfd.readouterr()
@@ -280,14 +285,14 @@ def test_a_champion_this_evaluation_scored_is_compared_on_its_own_scores(project
 
 
 def test_champion_scored_on_other_data_is_rescored_before_comparing(project):
-    from tasks.evaluate import evaluate_task
+    from tasks.stage_task import run_stage
 
     client = mlflow_client(project)
     first = registry_task.fn(str(project))
     old_set = _evaluation(project)["scored"]["evaluation_set"]
     _write_jsonl(project / "data" / "prompts_eval.jsonl", [{"query": q} for q in
                                                            ("Bad", "Good", "The plot", "Music", "Why", "So")])
-    evaluate_task.fn(str(project))  # same weights, new evaluation set
+    run_stage("evaluate", str(project))  # same weights, new evaluation set
     evaluation = _evaluation(project)
     assert evaluation["scored"]["evaluation_set"] != old_set
     second = registry_task.fn(str(project))

@@ -53,17 +53,19 @@ def test_saved_training_arguments_leave_out_where_and_how_the_process_ran(tmp_pa
     assert set(saved) == set(here.to_dict()) - set(RUN_ENVIRONMENT_ARGS)
 
 
-def run_in_two_environments(projects, tasks, monkeypatch) -> None:
-    """Run ``tasks`` in the first project offline (``HF_HUB_OFFLINE=1``, as ``make run`` sets it), then in the
+def run_in_two_environments(projects, stages, monkeypatch) -> None:
+    """Run ``stages`` in the first project offline (``HF_HUB_OFFLINE=1``, as ``make run`` sets it), then in the
     second as from a shell without it (a plain ``dvc repro``): transformers then loads tokenizers with
     ``local_files_only=False``. Only the tokenizer loader is told so: nothing here can reach a hub."""
+    from tasks.stage_task import run_stage
+
     first, second = projects
-    for task in tasks:
-        task.fn(str(first))
+    for stage in stages:
+        run_stage(stage, str(first))
     with monkeypatch.context() as patch:
         patch.setattr("transformers.tokenization_utils_base.is_offline_mode", lambda: False)
-        for task in tasks:
-            task.fn(str(second))
+        for stage in stages:
+            run_stage(stage, str(second))
 
 
 def test_drop_load_environment_rewrites_only_tokenizer_configs_that_hold_the_keys(tmp_path):
@@ -97,12 +99,7 @@ def test_differences_names_the_file_and_line():
 
 
 def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_directories(two_projects, monkeypatch):
-    from tasks.dpo import dpo_task
-    from tasks.prepare import prepare_task
-    from tasks.reward_model import reward_model_task
-    from tasks.sft import sft_task
-
-    run_in_two_environments(two_projects, (prepare_task, sft_task, reward_model_task, dpo_task), monkeypatch)
+    run_in_two_environments(two_projects, ("prepare", "sft", "reward_model", "dpo"), monkeypatch)
     a, b = (tracked_files(p) for p in two_projects)
     assert {"models/sft/model.safetensors", "models/sft/training_args.json", "models/reward_model/README.md",
             "models/dpo/model.safetensors", "metrics/dpo.json"} <= set(a)
@@ -119,10 +116,10 @@ def test_prepare_sft_reward_model_dpo_outputs_are_byte_identical_across_director
 
 @pytest.mark.slow
 def test_every_stage_gives_byte_identical_outputs_across_directories(two_projects, monkeypatch):
-    from flows.stages import STAGE_TASKS
+    from tasks.stages import NAMES
 
     # pipeline order: prepare, sft, reward_model, policies, evaluate, ddpo
-    run_in_two_environments(two_projects, STAGE_TASKS.values(), monkeypatch)
+    run_in_two_environments(two_projects, NAMES, monkeypatch)
     a, b = (tracked_files(p) for p in two_projects)
     for stage in ("ppo", "grpo", "rloo", "kto"):
         assert f"models/{stage}/model.safetensors" in a and f"metrics/{stage}.json" in a
@@ -130,59 +127,69 @@ def test_every_stage_gives_byte_identical_outputs_across_directories(two_project
     assert differences(a, b) == []
 
 
-def _torch_threads_after_importing_flows(env: dict[str, str]) -> int:
+ENTRY_POINT = """
+import os, runpy, sys
+sys.argv = [{module!r}, "--help"]
+try:
+    runpy.run_module({module!r}, run_name="__main__")  # the command line as `python -m` runs it, up to its help
+except SystemExit:
+    pass
+import torch
+print(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), os.environ.get("MKL_CBWR"),
+      "ONEDNN_MAX_CPU_ISA" in os.environ)
+"""
+
+
+def _after_an_entry_point(module: str, env: dict[str, str]) -> list[str]:
+    """What torch and the environment say after ``python -m <module> --help`` ran in a fresh process."""
     import subprocess
     import sys
 
-    code = "import flows, torch; print(torch.get_num_threads())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[1], check=True)
-    return int(out.stdout.strip().splitlines()[-1])
-
-
-def test_the_pipeline_entry_points_train_on_one_thread_unless_told_otherwise():
-    """torch's result bits depend on its thread count: a plain ``dvc repro`` (no ``OMP_NUM_THREADS``) must train
-    as ``make run`` does (one thread). On a one-core machine the first check cannot tell; CI has more."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    default, chosen = (_torch_threads_after_importing_flows(e) for e in (env, {**env, "OMP_NUM_THREADS": "2"}))
-    assert (default, chosen) == (1, 2)  # an explicit OMP_NUM_THREADS stays the user's choice
-
-
-def _after_importing_flows(env: dict[str, str], code: str) -> str:
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", f"import flows, os, torch; {code}"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", ENTRY_POINT.format(module=module)], env=env, capture_output=True,
                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
+    return out.stdout.strip().splitlines()[-1].split()
 
 
-def test_the_pipeline_entry_points_pin_portable_cpu_kernels():
-    """ATen's vectorised kernels at AVX2, MKL's CNR branch that Intel and AMD share, oneDNN capped at AVX2: the
-    same bytes on every x86-64 CPU with AVX2 (docs/pipeline.md). A machine's own setting is overridden (that is
-    what is pinned); ``RLHF_CPU_KERNELS=native`` keeps it."""
+ENTRY_POINTS = ("flows.pipeline", "flows.stage", "flows.retrain", "flows.ddpo", "flows.intake")
+"""The command lines that train (flows.intake retrains after an intake): each configures its process before torch."""
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_the_pipeline_entry_points_train_on_one_thread_with_portable_kernels(module):
+    """torch's result bits depend on its thread count and CPU kernels: a plain ``dvc repro`` (no ``OMP_NUM_THREADS``)
+    must train as ``make run`` does (one thread), and every x86-64 CPU with AVX2 the same way (ATen's kernels at
+    AVX2, MKL's CNR branch that Intel and AMD share, oneDNN capped at AVX2: docs/pipeline.md). A machine's own
+    kernel setting is overridden (that is what is pinned); an explicit ``OMP_NUM_THREADS`` stays the user's choice;
+    ``RLHF_CPU_KERNELS=native`` keeps the machine's kernels. On a one-core machine the thread check cannot tell."""
     import os
 
     import torch
 
-    code = "print(torch.backends.cpu.get_cpu_capability(), os.environ['MKL_CBWR'], os.environ['ONEDNN_MAX_CPU_ISA'])"
-    from flows import PORTABLE_CPU_KERNELS
+    from flows.process import PORTABLE_CPU_KERNELS
 
-    # (another test may have imported flows in this process: its pins are in os.environ)
-    env = {k: v for k, v in os.environ.items() if k not in ("RLHF_CPU_KERNELS", *PORTABLE_CPU_KERNELS)}
+    # (another test may have configured this process: its pins are in os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RLHF_CPU_KERNELS",
+                                                             *PORTABLE_CPU_KERNELS)}
     native = torch.backends.cpu.get_cpu_capability()  # this test process: nothing pinned
     expected = "AVX2" if native in ("AVX2", "AVX512") else native  # a CPU without AVX2 keeps its default kernels
-    assert _after_importing_flows({**env, "ATEN_CPU_CAPABILITY": "avx512"}, code) == f"{expected} COMPATIBLE AVX2"
-    kept = _after_importing_flows({**env, "RLHF_CPU_KERNELS": "native", "MKL_CBWR": "AUTO"},
-                                  "print(os.environ.get('MKL_CBWR'), 'ONEDNN_MAX_CPU_ISA' in os.environ)")
-    assert kept == "AUTO False"
+    assert _after_an_entry_point(module, {**env, "ATEN_CPU_CAPABILITY": "avx512"}) == ["1", expected, "COMPATIBLE",
+                                                                                       "True"]
+    threads, *_ = _after_an_entry_point(module, {**env, "OMP_NUM_THREADS": "2", "RLHF_CPU_KERNELS": "native",
+                                                 "MKL_CBWR": "AUTO"})
+    assert threads == "2"
+
+
+def test_native_kernels_leave_the_environment_alone():
+    from flows.process import configure_process
+
+    environ = {"RLHF_CPU_KERNELS": "native", "MKL_CBWR": "AUTO"}
+    configure_process(environ)
+    assert environ["MKL_CBWR"] == "AUTO" and "ONEDNN_MAX_CPU_ISA" not in environ and environ["OMP_NUM_THREADS"] == "1"
 
 
 def test_an_unknown_kernel_mode_is_refused_by_name():
-    from flows import pin_cpu_kernels
+    from flows.process import pin_cpu_kernels
 
     environ = {"RLHF_CPU_KERNELS": "fast"}
     with pytest.raises(ValueError, match="RLHF_CPU_KERNELS='fast'"):

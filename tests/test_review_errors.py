@@ -8,8 +8,10 @@ import json
 import pytest
 
 from rlhf_core.data import DataFormatError, read_text_records
-from tasks.params import PARAMS_FILE, load_params
-from tasks.prepare import RECOMMENDED_REVIEWS, check_source, load_source, size_warning
+from tasks.params import PARAMS_FILE
+from tasks.source import check_source, load_source
+from tasks.stages import load_params
+from tasks.stages.prepare import RECOMMENDED_REVIEWS, size_warning
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +65,19 @@ def test_pipeline_main_stops_on_a_bad_source_before_anything_starts(tmp_path, ca
     from pathlib import Path
 
     import flows.pipeline as fp
+    from tasks.supervisor import EXIT_USAGE
 
     root = Path(__file__).resolve().parents[1]
     shutil.copy(root / PARAMS_FILE, tmp_path / PARAMS_FILE)
     text = (tmp_path / PARAMS_FILE).read_text().replace("\n  source: synthetic\n", "\n  source: /nonexistent/x.jsonl\n", 1)
     (tmp_path / PARAMS_FILE).write_text(text)
     monkeypatch.setattr(fp, "pipeline", lambda *a, **k: pytest.fail("the flow must not start"))
-    assert fp.main(["--root", str(tmp_path)]) == fp.EXIT_CONFIG
+    assert fp.main(["--root", str(tmp_path)]) == EXIT_USAGE == 2
     assert "error: prepare.source: /nonexistent/x.jsonl: no such file" in capsys.readouterr().err
 
 
 def test_editing_the_source_file_makes_prepare_stale(prepare_params, tmp_path):
-    from tasks.prepare import SOURCE_FINGERPRINT, source_changed, source_fingerprint
+    from tasks.source import SOURCE_FINGERPRINT, source_changed, source_fingerprint
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -92,8 +95,8 @@ def test_editing_the_source_file_makes_prepare_stale(prepare_params, tmp_path):
 def test_prepare_task_records_the_source_fingerprint(tmp_path, monkeypatch):
     from _pipeline_project import make_project, write_params
 
-    from tasks.params import load_params
-    from tasks.prepare import SOURCE_FINGERPRINT, prepare_task, source_changed
+    from tasks.source import SOURCE_FINGERPRINT, source_changed
+    from tasks.stage_task import run_stage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     project = make_project(tmp_path / "proj", git_dvc=False)
@@ -102,7 +105,7 @@ def test_prepare_task_records_the_source_fingerprint(tmp_path, monkeypatch):
     source.write_text("".join(json.dumps({"text": f"the film was {w} and the cast was {v}"}) + "\n"
                               for w in words for v in words))
     write_params(project, {"prepare.source": str(source)})
-    prepare_task.fn(str(project))
+    run_stage("prepare", str(project))
     p = load_params(project / PARAMS_FILE).prepare
     assert json.loads((project / "data" / SOURCE_FINGERPRINT).read_text())["source"] == str(source)
     assert source_changed(p, project, project / "data") is None

@@ -137,16 +137,15 @@ def test_dvc_messages_are_printed_once(monkeypatch):
     assert dvc_logger.propagate  # the record still reaches the pipeline's handlers (once)
 
 
-def test_no_weight_loading_bars_under_the_flows(monkeypatch):
-    import importlib
+def test_no_weight_loading_bars_under_the_flows():
+    from flows.process import configure_process
 
-    import flows
-
-    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
-    importlib.reload(flows)
-    import os
-
-    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    environ = {"HF_HUB_DISABLE_PROGRESS_BARS": "0"}
+    configure_process(environ)  # what every entry point does first (here into a copy of the environment)
+    assert environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"  # a user's own setting stays
+    environ = {}
+    configure_process(environ)
+    assert environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
 
 
 def test_known_harmless_messages_are_dropped_and_nothing_else(caplog):

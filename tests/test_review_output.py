@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -67,9 +66,11 @@ def test_pipeline_run_name_says_what_it_did():
     assert pipeline_run_name("/data/reviews.jsonl", ["prepare"], {}, dvc_exp="exp-1a2b") == \
         "[exp-1a2b] prepare | data=reviews.jsonl"
     assert pipeline_run_name("synthetic", [], {}) == NOOP_NAME
-    from tasks.params import STAGES
+    from tasks.stages import DEFAULT_STAGES, NAMES
 
-    assert pipeline_run_name("synthetic", list(STAGES), {}) == "all stages | data=synthetic"
+    assert pipeline_run_name("synthetic", list(NAMES), {}, default_stages=DEFAULT_STAGES) == "all stages | data=synthetic"
+    assert pipeline_run_name("synthetic", list(DEFAULT_STAGES[1:]), {}, default_stages=DEFAULT_STAGES) == \
+        ",".join(DEFAULT_STAGES[1:]) + " | data=synthetic"  # not all: named one by one
     assert pipeline_run_name("synthetic", ["prepare"], {}, failed_stage="sft").startswith("FAILED at sft")
     many = {f"ppo.k{i}": str(i) for i in range(5)}
     assert "(+2)" in pipeline_run_name("synthetic", ["ppo"], many)
@@ -94,35 +95,33 @@ def store(tmp_path, monkeypatch):
 
 
 def _params(lr: float, source: str = "synthetic"):
-    from tasks.params import PARAMS_FILE, load_params
-
+    """The project's params with another ``ppo.learning_rate`` and ``prepare.source``."""
+    import dataclasses
     from pathlib import Path
 
+    from tasks.params import PARAMS_FILE, Params
+    from tasks.stages import load_params
+
     params = load_params(Path(__file__).resolve().parents[1] / PARAMS_FILE)
-    ppo = SimpleNamespace(as_dict=lambda: {**params.ppo.as_dict(), "learning_rate": lr})
-    sections = {name: getattr(params, name) for name in ("prepare", "sft", "reward_model", "dpo", "grpo", "rloo",
-                                                          "kto", "evaluate", "ddpo", "registry")}
-    sections["ppo"] = ppo
-    return SimpleNamespace(section=lambda name: sections[name], prepare=SimpleNamespace(source=source),
-                           paths=SimpleNamespace(metrics="metrics"))
+    sections = params.sections()
+    sections["ppo"] = dataclasses.replace(params.ppo, config={**params.ppo.config, "learning_rate": lr})
+    sections["prepare"] = dataclasses.replace(params.prepare, source=source)
+    return Params(sections)
 
 
 def test_parent_run_named_with_params_metrics_note_and_changes(store, monkeypatch):
     import mlflow
 
-    import tasks.params as tp
     from tasks import mlflow_runs
 
-    monkeypatch.setattr(tp, "as_dict", lambda section: section.as_dict() if hasattr(section, "as_dict")
-                        else __import__("dataclasses").asdict(section))
     first = mlflow_runs.start_pipeline_run(store, entry="test")
     assert mlflow.MlflowClient().get_run(first).data.tags["mlflow.runName"] == mlflow_runs.RUNNING_NAME
     assert mlflow_runs.end_pipeline_run(store, first, params=_params(1e-4), ran=["ppo", "evaluate"], skipped=[],
-                                        registry={"registered": True, "reason": "promoted"})
+                                        registry={"registered": True, "reason": "promoted"}, results=RESULTS)
     monkeypatch.setenv("DVC_EXP_NAME", "exp-abc")
     second = mlflow_runs.start_pipeline_run(store, entry="test")
     mlflow_runs.end_pipeline_run(store, second, params=_params(2e-4), ran=["ppo", "evaluate"], skipped=["sft"],
-                                 registry={"registered": True, "reason": "kept"})
+                                 registry={"registered": True, "reason": "kept"}, results=RESULTS)
     run = mlflow.MlflowClient().get_run(second)
     experiment = mlflow.MlflowClient().get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # UI: the training view
@@ -137,11 +136,8 @@ def test_parent_run_named_with_params_metrics_note_and_changes(store, monkeypatc
 def test_noop_run_is_marked_and_deleted_and_failed_run_carries_the_error(store, monkeypatch):
     import mlflow
 
-    import tasks.params as tp
     from tasks import mlflow_runs
 
-    monkeypatch.setattr(tp, "as_dict", lambda section: section.as_dict() if hasattr(section, "as_dict")
-                        else __import__("dataclasses").asdict(section))
     noop = mlflow_runs.start_pipeline_run(store, entry="test")
     assert mlflow_runs.end_pipeline_run(store, noop, params=_params(1e-4), ran=[], skipped=["sft"],
                                         registry={"registered": False, "reason": "already registered"}) is False

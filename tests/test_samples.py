@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf_core.tracking import MemoryTracker
-from tasks.evaluate import FRONTIER_COLUMNS, frontier_rows
+from tasks.stages.evaluate import FRONTIER_COLUMNS, frontier_rows
 from tasks.samples import WindowLog, WindowScorer, is_window_step, step_hook, window_callback
 
 PROMPTS = ["the movie was", "i think", "a truly", "what a"]
@@ -108,8 +108,14 @@ def test_window_log_logs_a_table_per_window_and_keeps_points_across_a_resume(tmp
     resumed = WindowLog("dpo", _FixedScorer(), MemoryTracker(), state, table="game_log")
     resumed.resume(3)  # continues from step 3: the point after it will be scored again
     assert resumed.points == [{"step": 2, "kl": 2.0, "gold_reward": 0.125}]
-    resumed.write(tmp_path / "dpo_windows.csv")
-    assert (tmp_path / "dpo_windows.csv").read_text() == "step,kl,gold_reward\n2,2.0,0.125\n"
+    from tasks.params import PathsParams
+    from tasks.stage_spec import StageResult
+    from tasks.stage_task import write_result
+    from tasks.stages import BY_NAME
+
+    paths = PathsParams("data", "models", "metrics", "plots", "incoming", allow_outside=False)
+    write_result(BY_NAME["dpo"], tmp_path, BY_NAME["dpo"].io(paths), StageResult({}, [], windows=resumed.points))
+    assert (tmp_path / "plots" / "dpo_windows.csv").read_text() == "step,kl,gold_reward\n2,2.0,0.125\n"
 
 
 def test_trainer_callback_and_ppo_hook_score_at_the_window_steps(tmp_path):
@@ -143,14 +149,8 @@ def test_stages_write_windows_and_evaluate_draws_the_frontier(tmp_path, monkeypa
     import mlflow
     from _pipeline_project import make_project, write_params
 
-    from tasks.dpo import dpo_task
-    from tasks.evaluate import evaluate_task
-    from tasks.kto import kto_task
+    from tasks.stage_task import run_stage
     from tasks.mlflow_runs import mlflow_setup
-    from tasks.ppo import ppo_task
-    from tasks.prepare import prepare_task
-    from tasks.reward_model import reward_model_task
-    from tasks.sft import sft_task
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
@@ -158,8 +158,8 @@ def test_stages_write_windows_and_evaluate_draws_the_frontier(tmp_path, monkeypa
     write_params(project, {"grpo.enabled": False, "rloo.enabled": False, "kto.enabled": False,
                            "dpo.sample_every": 3, "dpo.sample_prompts": 4, "ppo.sample_every": 1,
                            "ppo.sample_prompts": 4})
-    for stage_task in (prepare_task, sft_task, reward_model_task, ppo_task, dpo_task, kto_task):
-        stage_task.fn(str(project))
+    for stage in ("prepare", "sft", "reward_model", "ppo", "dpo", "kto"):
+        run_stage(stage, str(project))
     steps = json.loads((project / "metrics" / "dpo.json").read_text())["steps"]
     dpo_windows = list(csv.DictReader((project / "plots" / "dpo_windows.csv").open()))
     assert [int(r["step"]) for r in dpo_windows] == [s for s in range(1, steps + 1) if s % 3 == 0 or s == steps]
@@ -168,7 +168,7 @@ def test_stages_write_windows_and_evaluate_draws_the_frontier(tmp_path, monkeypa
     assert (project / "plots" / "kto_windows.csv").read_text() == "step,kl,gold_reward\n"
     assert not list((project / ".checkpoints").glob("*.samples.json"))  # the resumable copy is removed
 
-    results = evaluate_task.fn(str(project))
+    results = run_stage("evaluate", str(project))
     frontier = list(csv.DictReader((project / "plots" / "frontier.csv").open()))
     assert list(frontier[0]) == list(FRONTIER_COLUMNS)
     assert [(r["policy"], r["kind"]) for r in frontier] == [

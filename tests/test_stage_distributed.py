@@ -253,12 +253,16 @@ def two_ranks(monkeypatch):
 
 @pytest.mark.parametrize("stage", ["prepare", "evaluate"])
 def test_non_training_stage_under_a_launcher_exits_2_with_a_message(stage, two_ranks, monkeypatch, tmp_path, capsys):
-    import flows.stage as cli
+    import signal
 
-    monkeypatch.setattr(cli, "install_stop_handlers", lambda: True)  # keep pytest's own signal handlers
+    import flows.stage as cli
+    from tasks.supervisor import EXIT_USAGE
+
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(cli, "stage", lambda *a, **k: pytest.fail("no flow run may start"))
     two_ranks(0)
-    assert cli.main([stage, "--root", str(tmp_path)]) == cli.EXIT_USAGE == 2
+    assert cli.main([stage, "--root", str(tmp_path)]) == EXIT_USAGE == 2
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # refused before them
     err = capsys.readouterr().err
     assert f"{stage}: started by a launcher with 2 processes" in err and "without a launcher" in err
     assert list(tmp_path.iterdir()) == []
@@ -266,14 +270,15 @@ def test_non_training_stage_under_a_launcher_exits_2_with_a_message(stage, two_r
 
 def test_registry_and_pipeline_flow_refuse_a_launcher(two_ranks, tmp_path):
     from tasks.distributed import LauncherError
-    from tasks.mlflow_runs import start_pipeline_run
     from tasks.registry import registry_task
+    from tasks.supervisor import PipelineRun
 
     two_ranks(0)
     with pytest.raises(LauncherError, match="registry: started by a launcher"):
         registry_task.fn(str(tmp_path))
     with pytest.raises(LauncherError, match="the pipeline flow: started by a launcher"):
-        start_pipeline_run(tmp_path, entry="prefect")
+        with PipelineRun(tmp_path, "python -m flows.pipeline"):
+            pytest.fail("the pipeline must not start")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -321,4 +326,4 @@ def test_collectives_are_plain_values_in_one_process(monkeypatch):
     distributed.barrier()
     with distributed.main_process_first():
         pass
-    distributed.require_single_process("prepare")
+    distributed.require_single_process("prepare", ("sft",))

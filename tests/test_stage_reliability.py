@@ -16,21 +16,20 @@ import torch
 from _pipeline_project import make_project, mlflow_client, write_params
 from safetensors.torch import load_file
 
-from rlhf_core.checkpointing import EXIT_PREEMPTED, Preempted
+from rlhf_core.checkpointing import Preempted
+from tasks.supervisor import EXIT_STOPPED, exit_status
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     """A project where prepare, sft and reward_model have run (shared: they are inputs only)."""
-    from tasks.prepare import prepare_task
-    from tasks.reward_model import reward_model_task
-    from tasks.sft import sft_task
+    from tasks.stage_task import run_stage
 
     saved = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "RLHF_PARENT_RUN_ID")}
     root = make_project(tmp_path_factory.mktemp("rel") / "proj", git_dvc=False)
-    prepare_task.fn(str(root))
-    sft_task.fn(str(root))
-    reward_model_task.fn(str(root))
+    run_stage("prepare", str(root))
+    run_stage("sft", str(root))
+    run_stage("reward_model", str(root))
     yield root
     os.environ.update({k: v for k, v in saved.items() if v is not None})
 
@@ -77,10 +76,10 @@ def _checkpoints(root: Path, stage: str) -> list[Path]:
 
 def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch):
     from rlhf_core import PPOTrainer
-    from tasks.ppo import ppo_task
+    from tasks.stage_task import run_stage
 
     write_params(project, {"ppo.total_steps": 4})
-    straight = ppo_task.fn(str(project))
+    straight = run_stage("ppo", str(project))
     straight_weights = _weights(project / "models" / "ppo")
     straight_curve = (project / "plots" / "ppo.csv").read_text()
     assert not _checkpoints(project, "ppo")  # deleted once the outputs are written
@@ -88,15 +87,15 @@ def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch
     with monkeypatch.context() as patch:
         _sigterm_on_call(patch, PPOTrainer, "step", lambda n, args: n == 2)
         with pytest.raises(Preempted) as stopped:
-            ppo_task.fn(str(project))
-    assert stopped.value.exit_code == EXIT_PREEMPTED == 75
+            run_stage("ppo", str(project))
+    assert exit_status(stopped.value) == EXIT_STOPPED == 75  # what the CLIs exit with
     assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
     (state,) = _checkpoints(project, "ppo")
     assert json.loads((state / "trainer_state.json").read_text())["extra"]["next_step"] == 2
     _assert_same_weights(project / "models" / "ppo", straight_weights)  # the earlier output is untouched
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
 
-    resumed = ppo_task.fn(str(project))  # the re-run continues at step 2, not from scratch
+    resumed = run_stage("ppo", str(project))  # the re-run continues at step 2, not from scratch
     assert resumed == straight
     _assert_same_weights(project / "models" / "ppo", straight_weights)
     assert (project / "plots" / "ppo.csv").read_text() == straight_curve
@@ -105,9 +104,9 @@ def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch
 
 def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project, monkeypatch):
     from rlhf_core.trainers.base import GracefulStopCallback
-    from tasks.sft import sft_task
+    from tasks.stage_task import run_stage
 
-    straight = sft_task.fn(str(project))
+    straight = run_stage("sft", str(project))
     straight_weights = _weights(project / "models" / "sft")
     assert straight["steps"] > 3
     assert not _checkpoints(project, "sft")
@@ -115,12 +114,12 @@ def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project
     with monkeypatch.context() as patch:
         _sigterm_on_call(patch, GracefulStopCallback, "on_step_end", lambda n, args: args[1].global_step == 2)
         with pytest.raises(Preempted) as stopped:
-            sft_task.fn(str(project))
-    assert stopped.value.exit_code == EXIT_PREEMPTED and stopped.value.step == 3
+            run_stage("sft", str(project))
+    assert exit_status(stopped.value) == EXIT_STOPPED and stopped.value.step == 3
     (state,) = _checkpoints(project, "sft")
     assert (state / "checkpoint-3" / "trainer_state.json").is_file()
 
-    resumed = sft_task.fn(str(project))
+    resumed = run_stage("sft", str(project))
     assert resumed["steps"] == straight["steps"]
     _assert_same_weights(project / "models" / "sft", straight_weights)
     assert not _checkpoints(project, "sft")
@@ -135,17 +134,16 @@ def _closed_port() -> int:
 def test_stages_complete_against_a_refusing_tracking_server_and_upload_later(project, monkeypatch, tmp_path):
     import mlflow
 
-    from rlhf_core.tracking import main as tracking_cli
-    from tasks.prepare import prepare_task
-    from tasks.sft import sft_task
+    from flows.tracking import main as tracking_cli
+    from tasks.stage_task import run_stage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     spool_dir = project / "tracking-spool"
     before = set(spool_dir.glob("*.jsonl")) if spool_dir.is_dir() else set()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        prepared = prepare_task.fn(str(project))
-        trained = sft_task.fn(str(project))
+        prepared = run_stage("prepare", str(project))
+        trained = run_stage("sft", str(project))
     assert trained["steps"] > 0 and (project / "models" / "sft" / "model.safetensors").is_file()
     outage = [w for w in caught if issubclass(w.category, RuntimeWarning) and "unreachable" in str(w.message)]
     assert len(outage) == 2  # one per stage
@@ -157,7 +155,7 @@ def test_stages_complete_against_a_refusing_tracking_server_and_upload_later(pro
     sft_metrics = [r for r in records["sft"] if r["kind"] == "metrics"]
     assert any("train_loss" in r["data"] and r["step"] == trained["steps"] for r in sft_metrics)  # the Trainer's
     assert any(r["data"].get("final/steps") == trained["steps"] for r in sft_metrics)
-    assert any(r["data"].get("num_train") == prepared["num_train"] for r in records["prepare"] if r["kind"] == "metrics")
+    assert any(r["data"].get("final/num_train") == prepared["num_train"] for r in records["prepare"] if r["kind"] == "metrics")
     params = {k: v for r in records["sft"] if r["kind"] == "params" for k, v in r["data"].items()}
     assert params["sft.hidden_size"] == "32" and params["tag.rlhf.stage"] == "sft"
     assert records["sft"][-1]["kind"] == "finish"
@@ -171,7 +169,7 @@ def test_stages_complete_against_a_refusing_tracking_server_and_upload_later(pro
     assert sft_run.data.metrics["final/steps"] == trained["steps"] and sft_run.info.status == "FINISHED"
     assert client.get_metric_history(sft_run.info.run_id, "train_loss")[0].step == trained["steps"]
     assert sft_run.data.params["sft.hidden_size"] == "32"
-    assert runs["prepare"].data.metrics["num_train"] == prepared["num_train"]
+    assert runs["prepare"].data.metrics["final/num_train"] == prepared["num_train"]
     assert not list(spool_dir.glob("*.jsonl"))  # uploaded spools are renamed, never sent twice
 
 
@@ -217,7 +215,7 @@ def test_pipeline_cli_sigterm_exits_75_records_nothing_and_resumes(tmp_path, mon
     with prefect_test_harness(server_startup_timeout=120):
         with monkeypatch.context() as patch:
             calls = _sigterm_on_call(patch, PPOTrainer, "step", lambda n, args: n == 1)
-            assert main(["--root", str(root)]) == EXIT_PREEMPTED
+            assert main(["--root", str(root)]) == EXIT_STOPPED
         assert len(calls) == 1  # stopped at the first step boundary after the signal
         lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
         assert set(lock) == {"prepare", "sft", "reward_model"}
@@ -274,7 +272,7 @@ def test_dvc_repro_sigterm_then_repro_resumes(tmp_path, monkeypatch):
         proc.wait(timeout=300)
         text = "".join(output)
         assert proc.returncode != 0, text[-4000:]
-        assert "exited with 75" in text, text[-4000:]  # flows.stage: EXIT_PREEMPTED, not a crash
+        assert "exited with 75" in text, text[-4000:]  # flows.stage: EXIT_STOPPED, not a crash
         lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
         assert "ppo" not in lock and {"prepare", "sft", "reward_model"} <= set(lock)
         (state,) = _checkpoints(root, "ppo")

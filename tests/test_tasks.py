@@ -28,9 +28,9 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_prepare_synthetic(project):
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
-    metrics = prepare_task.fn(str(project))
+    metrics = run_stage("prepare", str(project))
     data = project / "data"
     for name in DATA_FILES:
         assert (data / f"{name}.jsonl").is_file()
@@ -59,7 +59,7 @@ def test_prepare_synthetic(project):
 
 def test_prepare_merges_incoming_pairs(project):
     from rlhf_core.feedback import canonical_bytes, validate_batch
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
     new = {"prompt": "The new film", "chosen": " was a delight.", "rejected": " was a bore."}
     source = project / "batch1.jsonl"
@@ -69,55 +69,53 @@ def test_prepare_merges_incoming_pairs(project):
     (project / "incoming" / "pairs" / f"{batch.sha256}.jsonl").write_bytes(canonical_bytes(batch.rows))
     (project / "incoming" / "manifest.jsonl").write_text(
         json.dumps({"sha256": batch.sha256, "kind": "pairs", "file": f"pairs/{batch.sha256}.jsonl"}) + "\n")
-    metrics = prepare_task.fn(str(project))
+    metrics = run_stage("prepare", str(project))
     assert metrics["num_incoming_pairs"] == 1
     pairs = _lines(project / "data" / "preferences.jsonl")
     assert {k: pairs[-1][k] for k in new} == new
 
 
 def test_malformed_input_stops_prepare_and_writes_nothing(project):
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
-    prepare_task.fn(str(project))
+    run_stage("prepare", str(project))
     before = {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES}
     metrics_before = (project / "metrics" / "prepare.json").read_bytes()
     bad = project / "incoming" / "broken.jsonl"  # dropped by hand instead of ingested
     bad.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n{"prompt": "a", "chosen": \n')
     with pytest.raises(DataFormatError) as err:
-        prepare_task.fn(str(project))
+        run_stage("prepare", str(project))
     assert str(err.value).startswith(f"{bad}: not ingested")
     assert {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES} == before
     assert (project / "metrics" / "prepare.json").read_bytes() == metrics_before
 
 
 def test_malformed_source_file_names_file_and_line(project, tmp_path):
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
     source = tmp_path / "reviews.csv"
     source.write_text("text,label\ngood film,1\nbad, film,0\n")
     write_params(project, {"prepare.source": str(source)})
     with pytest.raises(DataFormatError, match=r"reviews.csv:3: expected 2 fields, got 3"):
-        prepare_task.fn(str(project))
+        run_stage("prepare", str(project))
     assert not (project / "data").exists()
 
 
 @pytest.mark.skipif(not RT_POLARITY.is_dir(), reason="../shared/data/rt-polarity not present")
 def test_prepare_reads_rt_polarity(project):
-    from tasks.prepare import prepare_task
+    from tasks.stage_task import run_stage
 
     write_params(project, {"prepare.source": str(RT_POLARITY), "prepare.num_reviews": 400})
-    metrics = prepare_task.fn(str(project))
+    metrics = run_stage("prepare", str(project))
     assert metrics["num_train"] + metrics["num_heldout"] == 400
     assert metrics["num_pairs"] > 0
 
 
 def test_sft_then_failing_stage_leaves_outputs_untouched(project):
-    from tasks.dpo import dpo_task
-    from tasks.prepare import prepare_task
-    from tasks.sft import sft_task
+    from tasks.stage_task import run_stage
 
-    prepare_task.fn(str(project))
-    metrics = sft_task.fn(str(project))
+    run_stage("prepare", str(project))
+    metrics = run_stage("sft", str(project))
     sft_dir = project / "models" / "sft"
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in sft_dir.iterdir()}
     assert "_trainer" not in {p.name for p in sft_dir.iterdir()}
@@ -129,7 +127,7 @@ def test_sft_then_failing_stage_leaves_outputs_untouched(project):
     snapshot = {p.name: p.read_bytes() for p in sft_dir.iterdir()}
     (project / "data" / "preferences.jsonl").write_text("")
     with pytest.raises(ValueError, match="no preference pairs"):
-        dpo_task.fn(str(project))
+        run_stage("dpo", str(project))
     assert not (project / "models" / "dpo").exists()
     assert {p.name: p.read_bytes() for p in sft_dir.iterdir()} == snapshot
 
@@ -168,14 +166,14 @@ def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
 
     import mlflow
 
-    from tasks.ddpo import ddpo_task
+    from tasks.stage_task import run_stage
     from tasks.mlflow_runs import mlflow_setup
 
     write_params(project, {**DDPO_TINY, "ddpo.enabled": False})  # off (the default): a placeholder, in a blink
-    assert ddpo_task.fn(str(project)) == {"enabled": False}
+    assert run_stage("ddpo", str(project)) == {"enabled": False}
     assert [p.name for p in (project / "models" / "ddpo").iterdir()] == ["DISABLED"]
     write_params(project, DDPO_TINY)
-    metrics = ddpo_task.fn(str(project))
+    metrics = run_stage("ddpo", str(project))
     assert metrics["epochs"] == 2 and metrics["reward_gain"] == metrics["reward_last"] - metrics["reward_first"]
     assert json.loads((project / "metrics" / "ddpo.json").read_text()) == metrics
     rows = list(csv.DictReader((project / "plots" / "ddpo.csv").open()))
@@ -199,25 +197,20 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
     placeholders in a blink, evaluate skips it and the registry's candidates are the enabled policies."""
     import csv
 
-    from tasks.evaluate import evaluate_task
-    from tasks.online import grpo_task, rloo_task
-    from tasks.kto import kto_task
-    from tasks.policy import PLACEHOLDER, is_placeholder
-    from tasks.ppo import ppo_task
-    from tasks.prepare import prepare_task
-    from tasks.reward_model import reward_model_task
-    from tasks.sft import sft_task
+    from tasks.placeholders import PLACEHOLDER, is_placeholder
+    from tasks.scoring import policy_results
+    from tasks.stage_task import run_stage
 
     write_params(project, {"ppo.enabled": False, "grpo.reward": "gold"})
-    for stage_task in (prepare_task, sft_task, reward_model_task):
-        stage_task.fn(str(project))
-    assert ppo_task.fn(str(project)) == {"enabled": False}
+    for stage in ("prepare", "sft", "reward_model"):
+        run_stage(stage, str(project))
+    assert run_stage("ppo", str(project)) == {"enabled": False}
     assert is_placeholder(project / "models" / "ppo")
     assert [p.name for p in (project / "models" / "ppo").iterdir()] == [PLACEHOLDER]
     assert json.loads((project / "metrics" / "ppo.json").read_text()) == {"enabled": False}
     assert (project / "plots" / "ppo.csv").read_text() == "step,reward_mean,kl,kl_coef\n"
-    for stage, stage_task in (("grpo", grpo_task), ("rloo", rloo_task), ("kto", kto_task)):
-        metrics = stage_task.fn(str(project))
+    for stage in ("grpo", "rloo", "kto"):
+        metrics = run_stage(stage, str(project))
         out = project / "models" / stage
         assert metrics["enabled"] is True and metrics["steps"] >= 1, stage
         assert not is_placeholder(out) and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -226,11 +219,10 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
         assert len(rows) == metrics["steps"], stage  # one row per optimizer step (logging_steps 1)
         assert stage == "kto" or all(r["reward"] for r in rows), stage  # a re-used batch carries its reward
     assert json.loads((project / "metrics" / "grpo.json").read_text())["completions_per_step"] == 8
-    from tasks.dpo import dpo_task
 
     write_params(project, {"ppo.enabled": False, "dpo.enabled": False, "grpo.reward": "gold"})
-    dpo_task.fn(str(project))
-    results = evaluate_task.fn(str(project))
+    run_stage("dpo", str(project))
+    results = policy_results(run_stage("evaluate", str(project)))
     assert list(results) == ["sft", "grpo", "rloo", "kto"]  # the disabled ppo and dpo are skipped
     from tasks.params import RegistryParams
     from tasks.registry import pick_challenger
@@ -242,23 +234,16 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
 
 
 def test_dpo_stage_trains_with_a_non_default_loss_type_that_evaluate_then_scores(project):
-    from tasks.dpo import dpo_task
-    from tasks.evaluate import evaluate_task
-    from tasks.kto import kto_task
-    from tasks.online import grpo_task, rloo_task
-    from tasks.ppo import ppo_task
-    from tasks.prepare import prepare_task
-    from tasks.reward_model import reward_model_task
-    from tasks.sft import sft_task
+    from tasks.stage_task import run_stage
 
     off = {f"{stage}.enabled": False for stage in ("ppo", "grpo", "rloo", "kto")}
     write_params(project, {**off, "dpo.loss_type": "apo_zero", "dpo.sample_every": 0})
-    for stage_task in (prepare_task, sft_task, reward_model_task, ppo_task, grpo_task, rloo_task, kto_task):
-        stage_task.fn(str(project))
-    metrics = dpo_task.fn(str(project))
+    for stage in ("prepare", "sft", "reward_model", "ppo", "grpo", "rloo", "kto"):
+        run_stage(stage, str(project))
+    metrics = run_stage("dpo", str(project))
     # the trainer used APO-zero: from policy == reference its loss starts at 1 - sigmoid(0) + sigmoid(0) = 1 (the DPO
     # sigmoid loss at log 2 = 0.69); the tiny run's 1-2 steps move it by a few hundredths (0.97 measured)
     assert metrics["steps"] >= 1 and abs(metrics["train_loss"] - 1.0) < 0.1
     assert "| loss_type | apo_zero |" in (project / "models" / "dpo" / "README.md").read_text()
-    results = evaluate_task.fn(str(project))
-    assert list(results) == ["sft", "dpo"] and set(results["dpo"]) == set(results["sft"])
+    results = run_stage("evaluate", str(project))
+    assert list(results) == ["sft", "dpo", "scored"] and set(results["dpo"]) == set(results["sft"])

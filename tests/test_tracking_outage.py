@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from rlhf_core.tracking import SpoolingTracker, Tracker, main, make_tracker
+from flows.tracking import main
+from rlhf_core.tracking import SpoolingTracker, Tracker, make_tracker
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -288,7 +288,8 @@ class GracefulStopCallback(TrainerCallback):
     """On SIGTERM/SIGINT (a ``GracefulStop`` request), save a checkpoint at the next step boundary and stop.
 
     The checkpoint is the regular one in ``output_dir/checkpoint-<step>`` (atomic); ``stopped`` tells the
-    caller to exit with ``rlhf_core.checkpointing.EXIT_PREEMPTED``. Resume with ``train(resume_from_checkpoint=True)``.
+    caller to raise ``rlhf_core.checkpointing.Preempted`` (its entry point maps it to an exit status). Resume with
+    ``train(resume_from_checkpoint=True)``.
     """
 
     def __init__(self, stop: ckpt.GracefulStop | None = None) -> None:

@@ -2,11 +2,11 @@
 
 Image diffusion, separate from the text pipeline: it reads no other stage's outputs (the pipeline is built
 from configs, randomly initialised) and is off unless ``ddpo.enabled`` is true: disabled, the stage (run by the
-pipeline flow like every stage, so DVC records it) writes placeholder outputs in a blink (``tasks/policy.py``);
-enabled, ``python -m flows.stage ddpo`` or ``dvc repro ddpo`` also runs it on its own. Hyper-parameters come from
-``params.yaml:ddpo`` (``DDPOConfig`` keys + ``DDPOStageParams``). Writes ``models/ddpo`` (the trained
-pipeline, or its LoRA weights), ``metrics/ddpo.json`` and ``plots/ddpo.csv`` (reward per epoch); MLflow gets
-the params, the step metrics and one sample grid per epoch through the stage run.
+pipeline flow like every stage, so DVC records it) writes placeholder outputs in a blink; enabled,
+``python -m flows.stage ddpo`` or ``dvc repro ddpo`` also runs it on its own. Hyper-parameters come from
+``params.yaml:ddpo`` (``DDPOConfig`` keys + ``DDPOStageParams``). Writes ``models/ddpo`` (the trained pipeline, or its
+LoRA weights); the wrapper writes ``metrics/ddpo.json`` and ``plots/ddpo.csv`` (reward per epoch); MLflow gets the
+params, the step metrics and one sample grid per epoch through the stage run.
 
 The one place the pipeline names DDPO's library modules (``rlhf_core.ddpo.pipeline``,
 ``rlhf_core.ddpo.rewards``): ``_library`` below.
@@ -17,25 +17,64 @@ from __future__ import annotations
 import random
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from tasks.distributed import require_single_process
 from tasks.logs import get_logger
-from tasks.outputs import atomic_dir, write_csv, write_json
-from tasks.params import DDPOParams, load_stage
-from tasks.stage_run import StageRun, stage_run
+from tasks.outputs import atomic_dir
+from tasks.params import ConfigSection
+from tasks.stage_spec import StageContext, StageResult
+
+DDPO_CONFIG_KEYS = (
+    "num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "sample_guidance_scale",
+    "train_batch_size", "train_learning_rate", "train_clip_range", "seed",
+)
+"""The ``DDPOConfig`` fields the ddpo section sets, in params.yaml's order (types and docs: ``DDPOConfig``)."""
+
+DDPO_REWARDS = ("compressibility", "incompressibility")
+
+ANIMALS = 24
+"""How many animal prompts ``rlhf_core.ddpo.pipeline.ANIMAL_PROMPTS`` holds (``ddpo.num_prompts`` at most)."""
+
+
+@dataclass(frozen=True)
+class DDPOStageParams:
+    """The ddpo section's keys that are not ``DDPOConfig`` fields."""
+
+    enabled: bool
+    """Run ddpo in the default pipeline flow (``make run``) after evaluate; off: only when asked for by name."""
+    reward: str
+    """``compressibility`` or ``incompressibility`` (JPEG size of the generated images)."""
+    use_lora: bool
+    """Train LoRA adapters instead of the whole UNet."""
+    num_prompts: int
+    """Prompts are drawn from the first this many animal names."""
+
+
+@dataclass(frozen=True)
+class DDPOParams(ConfigSection, config="DDPOConfig", keys=DDPO_CONFIG_KEYS, stage=DDPOStageParams):
+    """DDPO on a tiny Stable-Diffusion-shaped pipeline built from configs: ``DDPOConfig`` keys + ``DDPOStageParams``."""
+
+    def problems(self, name: str) -> list[str]:
+        """A reward the stage knows, prompts that exist, at least one epoch."""
+        return [message for broken, message in (
+            (self.reward not in DDPO_REWARDS, f"{name}.reward must be one of {DDPO_REWARDS}"),
+            (not 1 <= self.num_prompts <= ANIMALS, f"{name}.num_prompts must be in [1, {ANIMALS}] (the animal prompts)"),
+            (self.num_epochs < 1, f"{name}.num_epochs must be >= 1"),
+        ) if broken]
+
 
 FIXED = {"mixed_precision": "no"}
 """DDPOConfig values that are not parameters: hardware (precision) is chosen outside params.yaml."""
 
+COLUMNS = ("epoch", "step", "reward_mean", "reward_std")
+"""plots/ddpo.csv: one row per epoch, the reward over all its samples."""
+
 
 def _library() -> dict[str, Any]:
     """DDPO's library pieces (imported lazily: diffusers is an optional extra)."""
-    from rlhf_core import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+    from rlhf_core import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline  # diffusers is an optional extra: only when ddpo runs
     from rlhf_core.ddpo.pipeline import ANIMAL_PROMPTS, tiny_stable_diffusion_pipeline
     from rlhf_core.ddpo.rewards import image_grid, jpeg_compressibility, jpeg_incompressibility
 
@@ -47,7 +86,7 @@ def _library() -> dict[str, Any]:
 class EpochRecorder:
     """``image_samples_hook``: one row per epoch (reward mean/std over all samples) and a sample grid to MLflow."""
 
-    def __init__(self, run: StageRun, image_grid: Any, workdir: Path) -> None:
+    def __init__(self, run: Any, image_grid: Any, workdir: Path) -> None:
         self.run, self.image_grid, self.workdir = run, image_grid, workdir
         self.rows: list[dict[str, float]] = []
 
@@ -69,20 +108,10 @@ def ddpo_config(p: DDPOParams, workdir: Path, library: dict[str, Any]):
                                  save_freq=p.num_epochs, tracker_project_name="rlhf-pipeline")
 
 
-@task(name="ddpo", cache_policy=NO_CACHE)  # training: no retries
-def ddpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
-    """Train ``models/ddpo``; returns the metrics written to metrics/ddpo.json."""
-    from tasks.policy import disabled_placeholder
-
-    if (skipped := disabled_placeholder(root, "ddpo", ("epoch", "step", "reward_mean", "reward_std"))) is not None:
-        return skipped  # ddpo.enabled: false
-    require_single_process("ddpo")
-    root, params, p, io = load_stage(root, "ddpo")
-    paths = params.paths
-    library = _library()
-    log = get_logger()
-    with stage_run("ddpo", root, p, io["deps"], parent_run_id) as run, \
-            tempfile.TemporaryDirectory(prefix="rlhf-ddpo-") as scratch:
+def body(ctx: StageContext) -> StageResult:
+    """Train ``models/ddpo``."""
+    p, run, library = ctx.section, ctx.run, _library()
+    with tempfile.TemporaryDirectory(prefix="rlhf-ddpo-") as scratch:
         workdir = Path(scratch)
         random.seed(p.seed)
         prompts = library["prompts"][: p.num_prompts]
@@ -92,14 +121,10 @@ def ddpo_task(root: str = ".", parent_run_id: str | None = None) -> dict:
                                          lambda: (random.choice(prompts), {}), pipeline, image_samples_hook=recorder,
                                          tracker=run.tracker)
         trainer.train()
-        with atomic_dir(root / paths.models / "ddpo") as out:
+        with atomic_dir(ctx.out("model")) as out:
             trainer.save_pretrained(str(out))
-        curve = [row["reward_mean"] for row in recorder.rows]
-        metrics = {"reward_first": curve[0], "reward_last": curve[-1], "reward_gain": curve[-1] - curve[0],
-                   "epochs": len(curve)}
-        write_json(root / paths.metrics / "ddpo.json", metrics)
-        write_csv(root / paths.plots / "ddpo.csv", recorder.rows)
-        run.log_metrics({f"final_{k}": v for k, v in metrics.items()})
-        run.summary.update(metrics)
-        log.info("ddpo: reward_mean per epoch %s", [round(r, 4) for r in curve])
-    return metrics
+    curve = [row["reward_mean"] for row in recorder.rows]
+    metrics = {"reward_first": curve[0], "reward_last": curve[-1], "reward_gain": curve[-1] - curve[0],
+               "epochs": len(curve)}
+    get_logger().info("ddpo: reward_mean per epoch %s", [round(r, 4) for r in curve])
+    return StageResult(metrics, recorder.rows)

@@ -1,0 +1,90 @@
+"""Stage ``dpo``: direct preference optimisation of the SFT policy on the preference pairs (loss: ``dpo.loss_type``).
+
+The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``; the wrapper writes
+``metrics/dpo.json``, ``plots/dpo.csv`` and ``plots/dpo_windows.csv`` (every ``dpo.sample_every`` optimizer steps:
+gold reward and KL to SFT of held-out samples, also logged as a sample table; tasks/samples.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_core.data import read_jsonl
+from tasks.logs import get_logger
+from tasks.outputs import atomic_dir
+from tasks.params import SampledPolicy, as_dict
+from tasks.policy import load_sft_policy
+from tasks.samples import sample_windows
+from tasks.stage_spec import StageContext, StageResult
+
+
+@dataclass(frozen=True)
+class DPOParams(SampledPolicy):
+    """Direct preference optimisation of the SFT policy on the preference pairs."""
+
+    beta: float
+    """Strength of the implicit KL constraint to the reference."""
+    loss_type: str
+    """The DPO loss, any of TRL 0.11.4's (``rlhf_core.losses.DPO_LOSS_TYPES``; ``sigmoid`` is the DPO paper's)."""
+    learning_rate: float
+    """AdamW learning rate."""
+    num_train_epochs: float
+    """Passes over the pairs."""
+    per_device_train_batch_size: int
+    """Pairs per batch."""
+    max_length: int
+    """Prompt + completion truncation, in tokens."""
+    max_prompt_length: int
+    """Prompt truncation, in tokens."""
+    seed: int
+    """Seed for data order."""
+
+    def problems(self, name: str) -> list[str]:
+        """The prompt leaves room for a completion."""
+        return [] if self.max_prompt_length < self.max_length else [
+            f"{name}.max_prompt_length must be < {name}.max_length"]
+
+
+COLUMNS = ("step", "loss", "reward_accuracy", "reward_margin")
+"""plots/dpo.csv: per logged step, the loss and the implicit reward's accuracy and margin on the batch."""
+
+
+def body(ctx: StageContext) -> StageResult:
+    """Train ``models/dpo`` from ``data/preferences.jsonl``, scoring held-out samples every ``dpo.sample_every``."""
+    from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
+
+    from rlhf_core import DPOTrainer, set_seed
+    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+
+    p, run, log = ctx.section, ctx.run, get_logger()
+    pairs = read_jsonl(ctx.dep("preferences"))
+    if not pairs:
+        raise ValueError(f"{ctx.io.deps['preferences']}: no preference pairs")
+    set_seed(p.seed)
+    tokenizer, model = load_sft_policy(ctx.dep("sft"))
+    dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})
+    run.log_dataset(ctx.dep("preferences"), "preferences")
+    log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
+    with resumable_training("dpo", run, p) as ck, atomic_dir(ctx.out("model")) as out:
+        windows, windows_callback = sample_windows(ctx, ck.dir / "sample_windows.json")
+        trainer = DPOTrainer(model, ref_model=None, beta=p.beta, loss_type=p.loss_type,
+                             args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                             train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
+                             max_prompt_length=p.max_prompt_length, tracker=run.tracker,
+                             callbacks=[ck.callback, windows_callback])
+        result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
+        curve = loss_curve(trainer.state.log_history, ("loss", "rewards/accuracies", "rewards/margins"))
+        last = curve[-1] if curve else {}
+        metrics = {"train_loss": round(float(result.training_loss), 4),
+                   "final_loss": round(float(last.get("loss", result.training_loss)), 4),
+                   "final_reward_accuracy": round(float(last.get("rewards/accuracies", float("nan"))), 4),
+                   "final_reward_margin": round(float(last.get("rewards/margins", float("nan"))), 4),
+                   "num_pairs": len(pairs), "steps": trainer.state.global_step,
+                   "num_processes": trainer.args.world_size}
+        trainer.save_model(str(out))
+        tokenizer.save_pretrained(str(out))
+        run.write_model_card(out, "DPOTrainer", f"{ctx.io.deps['sft']} (SFT policy; also the reference)", as_dict(p),
+                             metrics)
+    rows = [{"step": r["step"], "loss": r.get("loss"), "reward_accuracy": r.get("rewards/accuracies"),
+             "reward_margin": r.get("rewards/margins")} for r in curve]
+    return StageResult(metrics, rows, windows=windows.points, finish=ck.done)
