@@ -11,6 +11,7 @@ deployments move to a Docker or Kubernetes work pool and MLflow to PostgreSQL + 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -109,23 +110,26 @@ def _stop_pids(pids: dict[str, int], grace: float = 15.0) -> list[str]:
             continue
     deadline = time.monotonic() + grace
     for pid in pids.values():
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.3)
-        else:
-            try:
+        if not _wait_gone(pid, deadline):
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for pid in pids.values():  # reap our own children (start() in this process)
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+            _wait_gone(pid, time.monotonic() + 5)
     return stopped
+
+
+def _wait_gone(pid: int, deadline: float) -> bool:
+    """Whether ``pid``'s process group is gone by ``deadline``. A child of this process (``start()`` ran here) is
+    reaped on the way: until then it stays a zombie, which still counts as a member of its group."""
+    while True:
+        with contextlib.suppress(ChildProcessError):  # not our child: its own parent reaps it
+            os.waitpid(pid, os.WNOHANG)
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.3)
 
 
 def stop(root: Path) -> list[str]:
