@@ -34,7 +34,9 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    """Return once ``url`` answers 200; RuntimeError if ``proc`` exits first, TimeoutError after ``timeout`` seconds
+    (both name ``log``, the process's output)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -82,13 +84,13 @@ def start(root: Path, prefect_port: int = 4200, mlflow_port: int = 5000, prefect
             _bin("mlflow"), "server", "--host", HOST, "--port", str(mlflow_port),
             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
             "--default-artifact-root", (root / "mlartifacts").as_uri()], root, env, state)
-        _wait_http(f"{prefect_api}/health", timeout, procs["prefect-server"], state / "prefect-server.log")
+        wait_http(f"{prefect_api}/health", timeout, procs["prefect-server"], state / "prefect-server.log")
         _prefect(["work-pool", "create", POOL, "--type", "process", "--overwrite"], root, env)
         # prefect.yaml's pull step runs flows in {{ $PWD }}: the project root, whatever the caller's cwd
         _prefect(["deploy", "--all", "--prefect-file", prefect_file], root, {**env, "PWD": str(root)})
         procs["prefect-worker"] = _spawn("prefect-worker", [_bin("prefect"), "worker", "start", "--pool", POOL],
                                          root, env, state)
-        _wait_http(f"{mlflow_url}/health", timeout, procs["mlflow-server"], state / "mlflow-server.log")
+        wait_http(f"{mlflow_url}/health", timeout, procs["mlflow-server"], state / "mlflow-server.log")
     except BaseException:
         _stop_pids({name: p.pid for name, p in procs.items()})
         raise

@@ -19,6 +19,7 @@ from _launch import free_port
 from _pipeline_project import make_project, mlflow_client
 from test_registry_serve import _stop
 
+from flows.serve import wait_http
 from rlhf_core.feedback import read_manifest, read_stored_rows
 
 pytestmark = pytest.mark.slow
@@ -45,19 +46,12 @@ def _start(args: list[str], root: Path, log: Path, health: str) -> subprocess.Po
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, *args], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"{' '.join(args)} exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(health, timeout=5) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            pass
-        time.sleep(1)
-    _stop(process)
-    pytest.fail(f"{health} did not answer:\n{log.read_text()[-4000:]}")
+    try:
+        wait_http(health, 180, process, log)
+    except (RuntimeError, TimeoutError) as error:
+        _stop(process)
+        pytest.fail(f"{' '.join(args)}: {error}:\n{log.read_text()[-4000:]}")
+    return process
 
 
 def _ask(url: str, prompt: str) -> dict:

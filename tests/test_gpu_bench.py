@@ -142,7 +142,7 @@ def test_clock_waits_for_the_gpu_and_online_uses_it(monkeypatch):
     common.clock()
     assert calls == [1]
     online = load(ROOT / "bench" / "workloads" / "online.py", "online_workload")
-    kwargs = online.config_kwargs({**online.DEFAULTS, "bf16": True}, "/tmp/unused")
+    kwargs = online.config_kwargs({**online.DEFAULTS, "bf16": True}, "unused-output-dir")
     assert kwargs["use_cpu"] is False and kwargs["bf16"] is True  # CUDA present: nothing forces the CPU
 
 

@@ -86,7 +86,8 @@ def test_a_killed_intake_is_finished_by_the_retry_of_the_same_file(project, tmp_
 
     assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0  # the retry: not refused as a duplicate
     _assert_ingested_once_and_committed(project, head, PAIRS)
-    assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0  # and once more: already ingested, nothing new
+    # and once more: already ingested, nothing new
+    assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0
     _assert_ingested_once_and_committed(project, head, PAIRS)
 
 

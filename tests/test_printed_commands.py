@@ -103,24 +103,17 @@ def _serve_and_probe(cmd: list[str], cwd: Path, url: str, env: dict, timeout: fl
     import os
     import signal
     import subprocess
-    import time
-    import urllib.request
+
+    from flows.serve import wait_http
 
     log = cwd / f".serve-{abs(hash(url))}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"{cmd} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"{url} did not answer:\n{log.read_text()[-3000:]}"
-            time.sleep(1)
+        try:
+            wait_http(url, timeout, proc, log)
+        except (RuntimeError, TimeoutError) as error:
+            pytest.fail(f"{cmd}: {error}:\n{log.read_text()[-3000:]}")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -40,16 +40,13 @@ finish() {  # copy what there is to $OUT (the device tool returns only that fold
 }
 trap finish EXIT
 
-# The machine's interpreter (it has torch): python3, or /opt/torch/.venv's when python3 has no torch. SMOKE: .venv's.
+# The machine's interpreter, which has torch: python3 (PY=... names another). SMOKE: the project's .venv.
 if [ -z "${PY:-}" ]; then
-  if [ "$SMOKE" = 1 ]; then
-    PY=.venv/bin/python
-  else
-    PY=python3
-    if ! python3 -c "import torch" >/dev/null 2>&1 && [ -x /opt/torch/.venv/bin/python3 ]; then
-      PY=/opt/torch/.venv/bin/python3
-    fi
-  fi
+  if [ "$SMOKE" = 1 ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "gpu bench: $PY cannot import torch; name the interpreter that can: PY=<python with torch> bash bench/gpu/run.sh" >&2
+  exit 2
 fi
 echo "== $(date -u +%FT%TZ) SMOKE=$SMOKE budget ${BUDGET_S}s python $PY results $RESULTS"
 (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader) \
