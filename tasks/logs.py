@@ -81,10 +81,6 @@ KNOWN_HARMLESS = {
         # transformers says this of every causal LM whose config names no loss type (ours never do): nothing was
         # set, and the default it falls back to, ForCausalLMLoss, is the loss such a model has
         "no loss type configured: the causal-LM default applies",
-    ("mlflow.transformers", "params provided to the `predict` method will override the inference configuration"):
-        # the registry logs the served model with default generation params in its signature and checks the input
-        # example with them: a request's params overriding those defaults is how serving is meant to work
-        "predict params override the saved defaults, by design",
     ("dvc.repo.scm_context", "\nTo track the changes with git, run:"):
         # printed after `dvc add` in the intake: the intake stages and commits those files itself (tasks/intake.py)
         "the intake commits the .dvc files itself",

@@ -1,10 +1,11 @@
 """Registry step: register the evaluated policy as an MLflow Model and move the champion alias by the rule.
 
-After ``evaluate``: the best candidate policy (``registry.candidates``, by ``registry.metric``) is logged with
-MLflow's transformers flavour (a plain causal LM, its tokenizer, model card, signature, input example and pinned
-requirements: ``mlflow.pyfunc.load_model("models:/rlhf-policy@champion")`` works, and so does
-``mlflow models serve``) and registered as a new version of ``registry.model_name`` with the alias
-``challenger``.
+After ``evaluate``: the best candidate policy (``registry.candidates``, by ``registry.metric``) is logged as the
+project's MLflow Model of a policy version (``tasks/policy_model.py``: the plain causal LM, its tokenizer and model
+card as artifacts of a pyfunc with a signature and pinned requirements, which answers with them and records each
+answer as a trace: ``mlflow models serve -m models:/rlhf-policy@champion`` and
+``mlflow.pyfunc.load_model("models:/rlhf-policy@champion")`` both do) and registered as a new version of
+``registry.model_name`` with the alias ``challenger``.
 
 - **Lineage.** Each version is tagged with the git commit, the DVC hashes of its weights and data (dvc.lock),
   the evaluation set's hash and the MLflow run of the evaluation that scored it; and with the human feedback that
@@ -42,7 +43,7 @@ from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
 from tasks.params import METRIC_KEYS, PARAMS_FILE, Params, PathsParams, RegistryParams, as_dict
 from tasks.provenance import git_commit, input_hashes
 from tasks.scoring import (EVALUATE, SCORED_KEY, EvaluationSet, content_md5, evaluation_file, load_evaluation_set,
-                           load_policy, policy_results, read_prompt_scores, rescore)
+                           policy_results, read_prompt_scores, rescore)
 from tasks.stage_run import stage_run
 from tasks.stage_spec import metrics_file
 from tasks.stages import BY_NAME, LAUNCHABLE, load_params, stage_files
@@ -51,9 +52,6 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 PENDING, COMPLETE = "pending", "complete"
 REQUIREMENTS = ("mlflow", "transformers", "tokenizers", "torch", "safetensors", "accelerate")
 """Packages the served model needs; pinned to the versions installed here (offline, MLflow cannot infer them)."""
-INPUT_EXAMPLE = ["This movie was"]
-GENERATION = {"max_new_tokens": 20, "do_sample": True, "top_k": 0}
-"""Default generation params of the served model (a request's ``params`` override them)."""
 
 
 @dataclass(frozen=True)
@@ -218,14 +216,14 @@ def _champion_on(client, params: Params, root: Path, challenger: "Challenger") -
         same = [n for n, md5 in challenger.evaluated.items() if md5 == champion.tags.get("lineage.weights_md5")]
         if rule.metric in metrics and "kl" in metrics and same and same[0] in challenger.prompt_scores:
             return Champion(champion, metrics, challenger.prompt_scores[same[0]], False)
-    import mlflow  # mlflow: only when the registry step runs
+    from tasks.serving import load_weights  # mlflow: only when the registry step runs
 
     get_logger().info("registry: champion v%s (scored on evaluation set %s) is not among the policies this evaluation "
                       "scored: re-scoring it on set %s", champion.version,
                       champion.tags.get("evaluation.set_md5", "(none recorded)")[:8], evaluation_md5[:8])
     uri = f"models:/{rule.model_name}/{champion.version}"
     try:
-        components = mlflow.transformers.load_model(uri, return_type="components")
+        model, _ = load_weights(uri)
     except Exception as error:  # noqa: BLE001 - named and re-raised: never compared blindly
         raise RuntimeError(f"registry: champion {uri} cannot be loaded to re-score it on the current evaluation "
                            f"set ({error}); move or delete the alias `{CHAMPION}` of {rule.model_name}") from error
@@ -233,7 +231,7 @@ def _champion_on(client, params: Params, root: Path, challenger: "Challenger") -
     if evaluation.md5 != evaluation_md5:
         raise RuntimeError(f"the evaluation set changed since evaluate ran ({evaluation_md5[:8]} in evaluate.json, "
                            f"{evaluation.md5[:8]} now): run the evaluate stage again")
-    metrics, scores = rescore(components["model"], evaluation)
+    metrics, scores = rescore(model, evaluation)
     return Champion(champion, metrics, scores, True)
 
 
@@ -256,20 +254,11 @@ def _model_card(policy: str, weights: Path, lineage: dict[str, str]):
     return ModelCard(text)
 
 
-def _log_model(root: Path, policy: str, weights: Path, card) -> tuple[str, str]:
-    """Log the policy (plain causal LM + tokenizer) with the transformers flavour; (model uri, model id)."""
-    import mlflow  # mlflow and transformers: only when a model is logged
-    from mlflow.models import infer_signature
-    from transformers import AutoTokenizer
+def _log_model(rule: RegistryParams, policy: str, weights: Path, card) -> tuple[str, str]:
+    """Log the policy as the project's MLflow Model of a version (``tasks/policy_model.py``); (model uri, model id)."""
+    from tasks.policy_model import log_policy_model  # mlflow and transformers: only when a model is logged
 
-    model = load_policy(weights)  # a PPO checkpoint's value head is not part of the served model
-    tokenizer = AutoTokenizer.from_pretrained(str(weights))
-    signature = infer_signature(INPUT_EXAMPLE, ["This movie was great"], params=GENERATION)
-    info = mlflow.transformers.log_model(
-        {"model": model, "tokenizer": tokenizer}, name=f"rlhf-{policy}", task="text-generation", model_card=card,
-        signature=signature, input_example=INPUT_EXAMPLE, pip_requirements=pinned_requirements(),
-        metadata={"rlhf.policy": policy}, tags={"rlhf.policy": policy})
-    return info.model_uri, info.model_id
+    return log_policy_model(policy, weights, card, rule.model_name, pinned_requirements())
 
 
 def _link_logged_model(client, version) -> None:
@@ -318,8 +307,9 @@ def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: 
                   f"`significance={rule.significance}` and `kl <= {rule.max_kl}`.", "",
               f"Lineage: git `{lineage['lineage.git_commit'][:12]}`; weights `{lineage['lineage.weights_md5']}`; "
               f"evaluation set `{lineage['evaluation.set_md5']}`; evaluation run {evaluation_link}. "
-              "DVC hashes of the data: the `dvc.*` tags. Model card: `model_card.md` in the Source Model's artifacts; "
-              f"load with `mlflow.transformers.load_model(\"models:/{rule.model_name}@champion\")`."]
+              "DVC hashes of the data: the `dvc.*` tags. Model card: `policy/README.md` in the Source Model's artifacts; "
+              f"serve with `mlflow models serve -m models:/{rule.model_name}@champion --env-manager local` (a trace "
+              "per answer), or load the weights with `tasks.serving.load_weights`."]
     return "\n".join(lines)
 
 
@@ -441,16 +431,19 @@ def _decision_tags(challenger: Challenger, decision: Decision, rule: RegistryPar
     return tags
 
 
-def _model_source(client, rule: RegistryParams, root: Path, challenger: Challenger,
-                  lineage: dict[str, str]) -> tuple[str, str]:
-    """(model uri, model id) to register: the MLflow Model logged for the same weights on another evaluation
-    set when there is one, else a newly logged one."""
+def _model_source(client, rule: RegistryParams, challenger: Challenger, lineage: dict[str, str]) -> tuple[str, str]:
+    """(model uri, model id) to register: the policy MLflow Model logged for the same weights on another evaluation
+    set when there is one, else a newly logged one (a transformers-flavour model of an older version is not re-used:
+    it would record no traces when served)."""
+    from tasks.policy_model import is_policy_model  # mlflow: only when the registry step runs
+
     same_weights = _versions(client, rule.model_name, {"lineage.weights_md5": challenger.weights_md5})
-    if same_weights and same_weights[-1].source.startswith("models:/m-"):  # scored on another set: re-use
-        source = same_weights[-1].source
-        return source, source.removeprefix("models:/")
+    reusable = [v.source for v in same_weights if v.source.startswith("models:/m-")
+                and is_policy_model(client, v.source.removeprefix("models:/"))]
+    if reusable:  # scored on another set: re-use
+        return reusable[-1], reusable[-1].removeprefix("models:/")
     card = _model_card(challenger.name, challenger.weights, lineage)
-    return _log_model(root, challenger.name, challenger.weights, card)
+    return _log_model(rule, challenger.name, challenger.weights, card)
 
 
 def _register_version(client, rule: RegistryParams, run_id: str | None, source: str, model_id: str,
@@ -509,7 +502,7 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     decision_tags = _decision_tags(challenger, decision, rule, champion, test)
     deps = [metrics_file(paths, EVALUATE), BY_NAME[challenger.name].io(paths).outs["model"]]
     with stage_run("registry", root, rule, deps, parent_run_id) as run:
-        source, model_id = _model_source(client, rule, root, challenger, lineage)
+        source, model_id = _model_source(client, rule, challenger, lineage)
         description = describe(challenger.name, decision, rule, challenger.metrics, champion, test, lineage,
                                _run_link(experiment_id, lineage))
         version = _register_version(client, rule, run.run_id, source, model_id,

@@ -12,6 +12,7 @@ from _pipeline_project import make_project, mlflow_client
 from rlhf_core.evaluation import PairedTest, PromptScores
 from tasks.params import RegistryParams
 from tasks.registry import Decision, WeightsMismatchError, decide, pick_challenger, prompt_values, registry_task
+from tasks.serving import load_weights
 
 RULE = RegistryParams(model_name="rlhf-policy", candidates=["ppo", "dpo"], metric="gold_reward",
                       min_improvement=0.05, max_kl=10.0, significance=0.05, bootstrap_samples=2000, seed=0)
@@ -199,17 +200,20 @@ def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     assert version.description.startswith("ppo: promoted to champion. no champion yet")
     assert tags["lineage.weights_md5"] in version.description and evaluate_run.info.run_id in version.description
 
-    pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
-    assert type(pipe.model).__name__ == "GPT2LMHeadModel"
-    assert not any(k.startswith("v_head") for k in pipe.model.state_dict())
-    pyfunc = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
-    out = pyfunc.predict(["The film"], params={"max_new_tokens": 3, "do_sample": False})
-    assert len(out) == 1 and isinstance(out[0], str) and out[0].startswith("The film")
+    model, _ = load_weights(f"models:/{NAME}@champion")
+    assert type(model).__name__ == "GPT2LMHeadModel" and not model.training
+    assert not any(k.startswith("v_head") for k in model.state_dict())
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")  # what `mlflow models serve -m` loads
+    (out,) = pyfunc.predict(["The film"], params={"max_new_tokens": 3, "seed": 0})
+    assert out["text"] == "The film" + out["completion"] and out["model_version"] == str(first["version"])
+    trace = client.get_trace(out["trace_id"])  # each answer is a trace in the project's experiment, with its version
+    assert trace.info.experiment_id == experiment and trace.info.tags["rlhf.model_version"] == str(first["version"])
+    assert trace.info.tags["rlhf.policy"] == "ppo" and trace.info.trace_metadata["mlflow.modelId"] == logged.model_id
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion"))
     mlmodel = (local / "MLmodel").read_text()
-    assert "transformers" in mlmodel and "text-generation" in mlmodel and "signature" in mlmodel
-    assert "# rlhf-ppo" in (local / "model_card.md").read_text()
-    assert "lineage.weights_md5" in (local / "model_card.md").read_text()
+    assert "python_function" in mlmodel and "signature" in mlmodel and "registered_model.py" in mlmodel
+    card = (local / "artifacts" / "policy" / "README.md").read_text()
+    assert "# rlhf-ppo" in card and "lineage.weights_md5" in card
     requirements = (local / "requirements.txt").read_text().split()
     assert any(r.startswith("mlflow==") for r in requirements) and any(r.startswith("torch==") for r in requirements)
 

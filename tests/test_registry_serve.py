@@ -1,4 +1,7 @@
-"""Slow: the registered champion is served by ``mlflow models serve --env-manager local`` and answers over HTTP."""
+"""Slow: the registered champion is served by ``mlflow models serve -m models:/rlhf-policy@champion --env-manager
+local`` as the docs type it (the venv's ``mlflow``, in the project's folder, no ``MLFLOW_TRACKING_URI``: MLflow's
+default store ``./mlflow.db`` is the project's), answers over HTTP, and records each answer as a trace tagged with
+the version."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from _launch import free_port
+from _pipeline_project import mlflow_client
 from test_registry import project  # noqa: F401  (the fixture: a tiny evaluated project)
 
 from tasks.registry import registry_task
@@ -56,25 +60,28 @@ def test_the_champion_is_served_over_http(project, tmp_path):  # noqa: F811
     assert record["decision"] == "promote"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/rlhf-policy@champion",
+            [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", "models:/rlhf-policy@champion",
              "--env-manager", "local", "--host", "127.0.0.1", "-p", str(port)],
             cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_until_up(url, server, log)
-        body = json.dumps({"inputs": ["The film", "I think"],
-                           "params": {"max_new_tokens": 4, "do_sample": False}}).encode()
+        body = json.dumps({"inputs": ["The film", "I think"], "params": {"max_new_tokens": 4, "seed": 1}}).encode()
         request = urllib.request.Request(f"{url}/invocations", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
             predictions = json.loads(response.read())["predictions"]
     finally:
         _stop(server)
-    assert len(predictions) == 2
-    assert predictions[0].startswith("The film") and predictions[1].startswith("I think")
-    assert all(len(p) > len(q) for p, q in zip(predictions, ["The film", "I think"]))  # something was generated
+    assert [p["text"][:len(q)] for p, q in zip(predictions, ["The film", "I think"])] == ["The film", "I think"]
+    assert all(p["text"] == q + p["completion"] for p, q in zip(predictions, ["The film", "I think"]))
+    assert {p["model_version"] for p in predictions} == {str(record["version"])}
+    client = mlflow_client(project)
+    for answer in predictions:
+        trace = client.get_trace(answer["trace_id"])
+        assert trace.info.tags["rlhf.model_version"] == str(record["version"])
+        assert trace.data.spans[0].outputs == {"completion": answer["completion"]}
     assert server.returncode is not None

@@ -1,5 +1,7 @@
-"""The served policy (tasks/serving.py) in process: a trace per generation tagged with its version, the alias followed
-when it moves, a version that cannot be loaded never stops the service, bad requests named."""
+"""The served models in process: a registered version (tasks/policy_model.py) and the served policy of the loop
+(tasks/policy_server.py) each record a trace per generation tagged with its version; the served policy follows the
+alias when it moves, a version that cannot be loaded never stops the service, bad requests are named, and versions
+registered before (MLflow's transformers flavour) still load."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.serving import MAX_NEW_TOKENS, RequestError, ServerConfig, check_request
+from tasks.policy_server import ServerConfig
+from tasks.serving import MAX_NEW_TOKENS, RequestError, check_request
 
 NAME = "rlhf-policy"
 
@@ -33,14 +36,16 @@ def test_a_request_gets_the_served_defaults():
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory, make_tokenizer):
-    """A store with two registered tiny policies: v1 holds champion, v2 challenger."""
+    """A store with three registered tiny policies, as the registry step logs them: v1 holds champion, v2
+    challenger; v3 is logged with MLflow's transformers flavour, as versions were before policy models."""
     tokenizer = make_tokenizer()
     import mlflow
     import torch
-    from mlflow.models import infer_signature
+    from huggingface_hub import ModelCard
 
     from rlhf_core.models.tiny import tiny_causal_lm
-    from tasks.registry import GENERATION, INPUT_EXAMPLE, pinned_requirements
+    from tasks.policy_model import log_policy_model
+    from tasks.registry import pinned_requirements
 
     root = tmp_path_factory.mktemp("store")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -50,14 +55,83 @@ def registry(tmp_path_factory, make_tokenizer):
     client.create_registered_model(NAME)
     for seed in (1, 2):
         torch.manual_seed(seed)
-        info = mlflow.transformers.log_model(
-            {"model": tiny_causal_lm(tokenizer, num_layers=1), "tokenizer": tokenizer}, name=f"p{seed}",
-            task="text-generation", signature=infer_signature(INPUT_EXAMPLE, ["x"], params=GENERATION),
-            pip_requirements=pinned_requirements())
-        client.create_model_version(NAME, source=info.model_uri, model_id=info.model_id, tags={"policy": f"p{seed}"})
+        weights = root / f"p{seed}"
+        tiny_causal_lm(tokenizer, num_layers=1).save_pretrained(weights)
+        tokenizer.save_pretrained(weights)
+        source, model_id = log_policy_model(f"p{seed}", weights, ModelCard(f"# p{seed}"), NAME, pinned_requirements())
+        client.create_model_version(NAME, source=source, model_id=model_id, tags={"policy": f"p{seed}"})
+    torch.manual_seed(3)
+    info = mlflow.transformers.log_model({"model": tiny_causal_lm(tokenizer, num_layers=1), "tokenizer": tokenizer},
+                                         name="p3", task="text-generation", pip_requirements=pinned_requirements())
+    client.create_model_version(NAME, source=info.model_uri, model_id=info.model_id, tags={"policy": "p3"})
     client.set_registered_model_alias(NAME, "champion", "1")
     client.set_registered_model_alias(NAME, "challenger", "2")
     return {"root": root, "uri": uri, "experiment": experiment}
+
+
+def test_a_registered_version_answers_with_its_weights_and_a_trace(registry, monkeypatch):
+    """What `mlflow models serve -m models:/rlhf-policy@champion` loads: the version the alias holds, a trace per
+    answer in the project's experiment, tagged with that version; another alias is refused, naming the param."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry["uri"])
+    mlflow.set_experiment("Default")  # loading points traces at the experiment the model was logged in
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
+    answers = model.predict(["The film", "I think"], params={"max_new_tokens": 4, "seed": 3})
+    assert [a["model_version"] for a in answers] == ["1", "1"]
+    client = mlflow.MlflowClient(registry["uri"])
+    trace = client.get_trace(answers[0]["trace_id"])
+    assert trace.info.experiment_id == registry["experiment"]
+    assert {k: v for k, v in trace.info.tags.items() if k.startswith("rlhf.")} == {
+        "rlhf.served": "true", "rlhf.model_name": NAME, "rlhf.model_version": "1", "rlhf.policy": "p1"}
+    assert trace.info.trace_metadata["mlflow.modelId"] == client.get_model_version(NAME, "1").source.removeprefix("models:/")
+    with pytest.raises(MlflowException, match="params.model_alias: 'challenger'"):
+        model.predict(["The film"], params={"model_alias": "challenger"})
+
+
+def test_weights_load_from_either_kind_of_version(registry, monkeypatch):
+    import mlflow
+
+    from tasks.serving import load_weights
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry["uri"])
+    mlflow.set_tracking_uri(registry["uri"])
+    new, _ = load_weights(f"models:/{NAME}/1")
+    old, tokenizer = load_weights(f"models:/{NAME}/3")  # MLflow's transformers flavour
+    assert type(new).__name__ == type(old).__name__ == "GPT2LMHeadModel" and not new.training and not old.training
+    assert tokenizer.eos_token_id is not None
+    with pytest.raises(ValueError, match="neither a transformers model nor a policy"):
+        load_weights(str(_plain_pyfunc(registry["root"])))
+
+
+def test_only_policy_models_are_reused_for_the_same_weights(registry):
+    """The registry re-uses a logged model for weights scored again on another set only when it is a policy model
+    (a transformers-flavour one would serve without traces)."""
+    import mlflow
+
+    from tasks.policy_model import is_policy_model
+
+    client = mlflow.MlflowClient(registry["uri"])
+    ids = [client.get_model_version(NAME, v).source.removeprefix("models:/") for v in ("1", "2", "3")]
+    assert [is_policy_model(client, i) for i in ids] == [True, True, False]
+    assert is_policy_model(client, "m-0123456789abcdef0123456789abcdef") is False
+
+
+def _plain_pyfunc(root: Path) -> Path:
+    """An MLflow pyfunc that is no policy (for the refusal's message)."""
+    import mlflow
+
+    class Echo(mlflow.pyfunc.PythonModel):
+        _skip_type_hint_validation = True
+
+        def predict(self, context, model_input, params=None):
+            return model_input
+
+    path = root / "plain"
+    if not path.exists():
+        mlflow.pyfunc.save_model(str(path), python_model=Echo(), pip_requirements=[])
+    return path
 
 
 @pytest.fixture()
@@ -65,8 +139,8 @@ def server(registry, tmp_path, monkeypatch):
     """The served model saved as `make serve-model` saves it, loaded as MLflow's scoring server loads it."""
     import mlflow
 
+    from tasks.policy_server import save_server
     from tasks.registry import pinned_requirements
-    from tasks.serving import save_server
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", registry["uri"])
     mlflow.MlflowClient(registry["uri"]).set_registered_model_alias(NAME, "champion", "1")
@@ -107,6 +181,8 @@ def test_the_served_model_follows_the_alias(server, registry, caplog):
     with caplog.at_level(logging.INFO, logger="rlhf_pipeline.serving"):
         assert server.predict(["The film"], params={"max_new_tokens": 2})[0]["model_version"] == "2"
     assert "rlhf-policy@champion moved from v1 to v2" in caplog.text
+    client.set_registered_model_alias(NAME, "champion", "3")  # a version registered with the transformers flavour
+    assert server.predict(["The film"], params={"max_new_tokens": 2})[0]["model_version"] == "3"
 
 
 def test_a_version_that_cannot_be_loaded_leaves_the_old_one_answering(server, registry, caplog):
