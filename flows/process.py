@@ -29,8 +29,10 @@ ENVIRONMENT_DEFAULTS = {
     # one CPU thread, as the Makefile sets it, unless the environment says otherwise: torch's result bits depend on
     # the thread count, so a plain `dvc repro` on a 2-core machine wrote other weights (other hashes) than `make run`
     "OMP_NUM_THREADS": "1",
-    # no "Loading weights"/"Map" bars: one progress bar per training stage (tasks/logs.py), none off a terminal
+    # no "Loading weights"/"Map"/"Downloading artifacts" bars (the registry logs and re-reads models): one progress
+    # bar per training stage (tasks/logs.py), none off a terminal
     "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     # a loaded 2-core machine can take longer than the default 20 s to start the temporary server
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     # a tracking server that dies mid-stage: fail over to the spool in seconds, not 4 minutes of client retries

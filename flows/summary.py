@@ -74,7 +74,7 @@ def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decisi
     elif noop:
         lines.append("MLflow run: none kept (nothing ran; the latest runs are in `make mlflow-ui`)")
     else:
-        lines.append("MLflow run: none (tracking server unreachable; stages spooled, upload with "
+        lines.append("MLflow run: none (tracking store unavailable; stages spooled, upload with "
                      "`make tracking-upload`)")
     if run_url:
         lines.append("            (start the UI first: make mlflow-ui)")

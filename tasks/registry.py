@@ -36,10 +36,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
+from rlhf_core.tracking import redact
 from tasks.distributed import require_single_process
 from tasks.feedback_lineage import LINEAGE_FILE, feedback_lineage, feedback_tags
 from tasks.logs import get_logger
-from tasks.mlflow_runs import mlflow_setup, tracking_reachable, tracking_uri
+from tasks.mlflow_runs import mlflow_setup, store_problem
 from tasks.params import METRIC_KEYS, PARAMS_FILE, Params, PathsParams, RegistryParams, as_dict
 from tasks.provenance import git_commit, input_hashes
 from tasks.scoring import (EVALUATE, SCORED_KEY, EvaluationSet, content_md5, evaluation_file, load_evaluation_set,
@@ -483,10 +484,11 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     root = Path(root).resolve()
     params = load_params(root / PARAMS_FILE)
     rule, paths = params.registry, params.paths
-    if not tracking_reachable(root):  # the registry lives on the server: nothing to spool, run it again later
-        get_logger().warning("registry: tracking server %s unreachable; nothing registered. Run `python -m "
-                             "flows.pipeline` again when it is back (trained stages are not re-run).", tracking_uri(root))
-        return {"registered": False, "reason": "tracking server unreachable"}
+    problem = store_problem(root)
+    if problem:  # the registry lives in the store: nothing to spool, run it again later
+        get_logger().warning("registry: nothing registered: %s. Run `python -m flows.pipeline` again when the store "
+                             "is back (trained stages are not re-run).", redact(problem))
+        return {"registered": False, "reason": "tracking store unavailable"}
     challenger = _load_challenger(root, rule, paths)
     experiment_id = mlflow_setup(root)
     client = MlflowClient()

@@ -348,6 +348,20 @@ def test_retry_after_a_failed_alias_call_completes_the_promotion(project, monkey
     assert registry_task.fn(str(project))["registered"] is False
 
 
+def test_a_store_that_vanished_registers_nothing_and_says_which_store(project, caplog):
+    """The registry lives in the store: with the local store gone it registers nothing and names the store (it said
+    "tracking server unreachable" of a local file before)."""
+    import logging
+
+    mlflow_client(project)  # the store exists, and is recorded as the project's
+    (project / "mlflow.db").unlink()
+    with caplog.at_level(logging.WARNING):
+        record = registry_task.fn(str(project))
+    assert record == {"registered": False, "reason": "tracking store unavailable"}
+    assert "registry: nothing registered: the MLflow store " in caplog.text and "is gone: deleted or moved" in caplog.text
+    assert not (project / "mlflow.db").exists()  # not replaced by a new, empty store
+
+
 def test_registry_without_evaluation_fails_cleanly(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root = make_project(tmp_path / "proj", git_dvc=False)

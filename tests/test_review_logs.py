@@ -146,6 +146,7 @@ def test_no_weight_loading_bars_under_the_flows():
     environ = {}
     configure_process(environ)
     assert environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
+    assert environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
 
 
 def test_known_harmless_messages_are_dropped_and_nothing_else(caplog):

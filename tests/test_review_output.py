@@ -44,11 +44,11 @@ def test_end_block_is_one_block_with_link_and_runnable_commands():
     assert f"MLflow run: {url}" in block and "<- champion" in block
     commands = [line.split("#")[0].strip() for line in lines[lines.index("Next:") + 1:-1]]
     assert commands and all(c.startswith((".venv/bin/", "make ")) for c in commands)  # run with or without the venv
-    offline = end_block({}, [], {"registered": False, "reason": "tracking server unreachable"}, None)
+    offline = end_block({}, [], {"registered": False, "reason": "tracking store unavailable"}, None)
     assert "MLflow run: none" in offline and "none (everything up to date)" in offline
-    assert "tracking server unreachable" in offline
+    assert "tracking store unavailable" in offline
     noop = end_block(RESULTS, [], {"registered": False, "reason": "already registered"}, None, noop=True)
-    assert "MLflow run: none kept (nothing ran" in noop and "unreachable" not in noop
+    assert "MLflow run: none kept (nothing ran" in noop and "unavailable" not in noop
 
 
 def test_makefile_run_prints_no_second_block():
