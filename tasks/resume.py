@@ -1,5 +1,6 @@
 """Training plumbing shared by the Trainer-based stages (sft, reward_model, dpo): ``TrainingArguments`` from a
-params section, resumable checkpoints with a graceful stop agreed by every rank, and the loss curve for plots.
+params section, resumable checkpoints with a graceful stop agreed by every rank, a ``train_loss`` that a resume does
+not change, and the loss curve for plots.
 
 Importing it imports transformers (the stop callback is a ``TrainerCallback``): the stage bodies import it inside
 their body (the stage table imports every body), so a non-training stage (``python -m flows.stage prepare``) starts
@@ -9,6 +10,8 @@ without transformers.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.checkpointing import GracefulStop, Preempted, latest_checkpoint
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.distributed import any_process, check_replicas_identical, is_main_process
@@ -61,6 +64,54 @@ class AllRanksStopCallback(GracefulStopCallback):
         return result
 
 
+LOSS_SUM_FILE = "rlhf_loss_sum.json"
+"""In each checkpoint of a Trainer-based stage: the sum of the training loss over its optimizer steps so far."""
+
+
+class LossSumCallback(TrainerCallback):
+    """Writes the running sum of the training loss into each checkpoint (``LOSS_SUM_FILE``), so that a resumed stage
+    reports the mean over all its steps, as a straight run does. transformers reports ``train_loss`` over the steps of
+    one ``train()`` call (5.x: ``_finalize_training`` divides by the steps since the resume): a resumed stage wrote
+    another ``train_loss``, and so another model card and hash, for bit-identical weights.
+
+    Reads the Trainer's running sums (``_total_loss_scalar``, drained at each log, and ``_tr_loss``, the steps since):
+    private fields, so a Trainer without them leaves the checkpoint without the file and the loss as transformers
+    reports it. One host read per checkpoint."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.prior = 0.0
+        """The sum over the steps before this ``train()`` call (those of the checkpoint it resumed from)."""
+
+    def total(self, finished: bool = False) -> float | None:
+        """The sum over every step so far (None when the Trainer does not keep its sums where 5.x does). Once
+        ``train()`` has returned (``finished``) the last steps are in the drained sum already (and ``_tr_loss`` is
+        left as it was, so adding it would count them twice)."""
+        drained, pending = (getattr(self.trainer, name, None) for name in ("_total_loss_scalar", "_tr_loss"))
+        if not isinstance(drained, float) or pending is None:
+            return None
+        return self.prior + drained + (0.0 if finished else float(pending))
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        total = self.total() if state.is_world_process_zero and folder.is_dir() else None
+        if total is not None and math.isfinite(total):
+            scratch = folder / f".{LOSS_SUM_FILE}.tmp"
+            scratch.write_text(json.dumps({"loss_sum": total, "global_step": state.global_step}))
+            scratch.replace(folder / LOSS_SUM_FILE)  # whole or absent
+        return control
+
+
+def saved_loss_sum(checkpoint: Path | None) -> float | None:
+    """The loss sum a checkpoint holds (None: none saved, or not this checkpoint's step)."""
+    file = checkpoint / LOSS_SUM_FILE if checkpoint is not None else None
+    if file is None or not file.is_file():
+        return None
+    saved = json.loads(file.read_text())
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return float(saved["loss_sum"]) if saved.get("global_step") == state.get("global_step") else None
+
+
 class Resumable:
     """What ``resumable_training`` yields: ``.dir`` (the trainer's ``output_dir``), ``.callback`` (add it to the
     trainer's callbacks), ``.train(trainer)`` and ``.done()``.
@@ -73,6 +124,7 @@ class Resumable:
         self.stage, self.run, self.checkpoints = stage, run, checkpoints
         self.dir = output_dir
         self.callback = AllRanksStopCallback(stop)
+        self.loss_sum = LossSumCallback()
 
     def train(self, trainer: Any) -> Any:
         """``trainer.train()`` from the latest complete checkpoint; ``Preempted`` if a signal stopped it early;
@@ -80,10 +132,18 @@ class Resumable:
         log = get_logger()
         quiet_trainer_output(trainer, self.stage)  # one bar on a terminal, one short log line per progress window
         last = latest_checkpoint(self.checkpoints)
+        prior = saved_loss_sum(last)
         if last is not None:
             log.info("%s: resuming from %s", self.stage, last)
             self.run.summary["resumed_from"] = last.name
+            if prior is None:
+                log.warning("%s: %s holds no loss sum: train_loss will be the mean over the resumed steps only",
+                            self.stage, last.name)
+        self.loss_sum.trainer, self.loss_sum.prior = trainer, prior or 0.0
+        trainer.add_callback(self.loss_sum)
         result = trainer.train(resume_from_checkpoint=str(last) if last is not None else None)
+        if prior is not None:
+            result = self._whole_run_loss(trainer, result)
         if self.callback.stopped and trainer.state.global_step < trainer.state.max_steps:
             step = trainer.state.global_step
             log.warning("%s: stopped at step %d; checkpoint in %s; run the stage again to resume",
@@ -91,6 +151,15 @@ class Resumable:
             raise Preempted(self.checkpoints, step, self.callback.stop.signal_name if self.callback.stop else None)
         check_replicas_identical(trainer.accelerator, trainer.model, self.stage)  # launched (DDP): all ranks agree
         return result
+
+    def _whole_run_loss(self, trainer: Any, result: Any) -> Any:
+        """``result`` with ``training_loss`` (and ``metrics["train_loss"]``) the mean over every optimizer step of
+        the stage, the steps before the resume included: what a straight run reports."""
+        total = self.loss_sum.total(finished=True)
+        if total is None or not trainer.state.global_step:
+            return result
+        loss = total / trainer.state.global_step
+        return result._replace(training_loss=loss, metrics={**result.metrics, "train_loss": loss})
 
     def done(self) -> None:
         """Delete the checkpoints once the stage's outputs are written (main process only)."""

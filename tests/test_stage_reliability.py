@@ -108,6 +108,7 @@ def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project
 
     straight = run_stage("sft", str(project))
     straight_weights = _weights(project / "models" / "sft")
+    straight_card = (project / "models" / "sft" / "README.md").read_text()
     assert straight["steps"] > 3
     assert not _checkpoints(project, "sft")
 
@@ -119,9 +120,12 @@ def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project
     (state,) = _checkpoints(project, "sft")
     assert (state / "checkpoint-3" / "trainer_state.json").is_file()
 
+    assert json.loads((state / "checkpoint-3" / "rlhf_loss_sum.json").read_text())["global_step"] == 3
+
     resumed = run_stage("sft", str(project))
-    assert resumed["steps"] == straight["steps"]
+    assert resumed == straight  # train_loss too: the mean over all steps, not over the resumed ones only
     _assert_same_weights(project / "models" / "sft", straight_weights)
+    assert (project / "models" / "sft" / "README.md").read_text() == straight_card  # so the model's hash is the same
     assert not _checkpoints(project, "sft")
 
 
