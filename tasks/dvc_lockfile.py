@@ -10,7 +10,7 @@ rename) and SQLite (journal) have:
   whenever it opens a repo (the pipeline flow records stages, the intake adds batches), and ``python -m
   tasks.dvc_lockfile <dvc args>`` (what ``make repro`` runs) is ``dvc`` with it installed.
 - :func:`repair_lockfile`, at the start of every pipeline, stage and retraining run (``tasks/orphans.py``), keeps a
-  copy of the last complete ``dvc.lock`` in ``.dvc/tmp/`` (the journal). A bare ``dvc repro`` killed while writing
+  copy of the last complete ``dvc.lock`` in ``.dvc/tmp`` (the journal). A bare ``dvc repro`` killed while writing
   the lock tears it; the next run moves the torn file aside and puts the copy back: stages recorded after the copy
   was taken are stale again and re-run. With no copy it stops, naming the one command that repairs the lock.
 """
@@ -27,7 +27,7 @@ from rlhf_core.checkpointing import pid_alive
 
 LOCKFILE = "dvc.lock"
 JOURNAL = "dvc.lock.complete"
-"""The copy of the last complete ``dvc.lock``, in ``.dvc/tmp/``."""
+"""The copy of the last complete ``dvc.lock``, in ``.dvc/tmp``."""
 TMP_MARK = ".rlhf-tmp-"
 """Temporary files of the atomic writer: ``.<name>.rlhf-tmp-<pid>`` beside the target."""
 

@@ -20,7 +20,7 @@ it is committed with the batch, in the batch. A collection first lets the intake
 killed (its journal), then leaves out every judgement already in a batch or marked refused. So a collection killed
 after it read the judgements and before the intake's commit is either finished by the next one (its batch files were
 whole) or undone and collected again, into the same bytes: nothing is lost or ingested twice. One collection at a
-time holds ``.dvc/tmp/rlhf-collect.lock``.
+time holds ``rlhf-collect.lock`` in ``.dvc/tmp``.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def check_rows(judgements: list[Judgement], stored: dict[str, str], limits: Inta
 
 
 def _write_files(root: Path, rows: dict[str, list[dict]]) -> list[Path]:
-    """One JSONL file per kind with rows, under ``.dvc/tmp/review`` (the intake reads it and stores its batch)."""
+    """One JSONL file per kind with rows, under ``review`` in ``.dvc/tmp`` (the intake reads it and stores its batch)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = scratch_dir(root) / SCRATCH
     folder.mkdir(parents=True, exist_ok=True)

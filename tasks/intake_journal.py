@@ -2,12 +2,12 @@
 
 An intake changes several things that cannot move together: batch files, their ``.dvc`` files and ``.gitignore``
 lines (``dvc add``), the DVC remote (``dvc push``), the manifest, and a git commit. Before it writes anything it
-records what it is about to do in ``.dvc/tmp/rlhf-intake.journal`` (as SQLite writes its journal before the
+records what it is about to do in ``rlhf-intake.journal`` in ``.dvc/tmp`` (as SQLite writes its journal before the
 database): the manifest records it will add, the options it runs with, and the store files it may change as they
 were. The next intake rolls a killed one forward when every batch file it was writing is whole (``dvc add``, the
 push, the manifest write in one rename, and the git commit are redone or completed: each is idempotent), and back
 when one is not (what it wrote is removed, ``.gitignore`` lines and the manifest put back; the user's files were
-never recorded, and the log says to ingest them again). One intake at a time holds ``.dvc/tmp/rlhf-intake.lock``
+never recorded, and the log says to ingest them again). One intake at a time holds ``rlhf-intake.lock`` in ``.dvc/tmp``
 (a ``flock``: a killed holder's lock is free at once), so no intake recovers another that is still running.
 """
 

@@ -50,7 +50,7 @@ class CheckoutLocked(RuntimeError):
 
 
 def lock_path(root: str | Path) -> Path:
-    """``.dvc/tmp/`` (ignored by git, DVC's own scratch) where the checkout has one, else the project root."""
+    """``.dvc/tmp`` (ignored by git, DVC's own scratch) where the checkout has one, else the project root."""
     root = Path(root).resolve()
     return root / ".dvc" / "tmp" / LOCK_NAME if (root / ".dvc").is_dir() else root / f".{LOCK_NAME}"
 
