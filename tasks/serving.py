@@ -142,12 +142,13 @@ def trace_tags(model_name: str, loaded: LoadedVersion, alias: str | None) -> dic
 
 
 def load_pretrained(folder: str | Path) -> tuple[Any, Any]:
-    """(causal LM in eval mode, tokenizer) saved with ``save_pretrained`` in ``folder``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: only when a version loads
+    """(causal LM in eval mode, tokenizer) of a policy saved with ``save_pretrained`` in ``folder``: the evaluation's
+    loaders (a weight that does not belong to a causal LM is an error naming the folder)."""
+    from tasks.scoring import load_policy, load_tokenizer  # torch and transformers: only when a version loads
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    model = load_policy(folder)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(str(folder))
+    return model, load_tokenizer(folder)
 
 
 def load_weights(model_uri: str) -> tuple[Any, Any]:

@@ -274,11 +274,12 @@ def test_stage_bodies_plumbing_and_flows_keep_their_rooms():
 
 HEAVY = {"torch", "transformers", "datasets", "accelerate", "diffusers", "huggingface_hub", "mlflow", "dvc",
          "prefect", "matplotlib", "pandas", "rlhf_core", "tasks.resume", "tasks.orphans", "flows.retrain",
-         "tasks.policy_model", "tasks.serving"}
+         "tasks.policy_model", "tasks.serving", "tasks.scoring"}
 """What a function may import (to keep a light command line light): heavy libraries, the library (its modules load
 torch or transformers, but :data:`LIGHT`), and the pipeline modules that load one of those at import
 (tasks.resume: transformers; tasks.orphans: torch, for flows/process.py, which loads before torch; flows.retrain:
-torch, for the intake's retraining; tasks.policy_model and tasks.serving: mlflow, for the registry step)."""
+torch, for the intake's retraining; tasks.policy_model and tasks.serving: mlflow, for the registry step;
+tasks.scoring: torch, for the review page, which imports tasks.serving)."""
 LIGHT = {"rlhf_core.tracking", "rlhf_core.model_card", "rlhf_core.data", "rlhf_core.feedback"}
 """Library modules that load no heavy library: imported at the top."""
 
