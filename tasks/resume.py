@@ -24,6 +24,7 @@ from transformers import TrainerCallback, TrainingArguments
 from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.distributed import any_process, check_replicas_identical, is_main_process
 from tasks.logs import get_logger, on_terminal, quiet_trainer_output
+from tasks.outputs import write_json
 from tasks.params import as_dict
 from tasks.paths import stage_checkpoint_dir
 from tasks.stage_run import StageRun
@@ -96,9 +97,7 @@ class LossSumCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         total = self.total() if state.is_world_process_zero and folder.is_dir() else None
         if total is not None and math.isfinite(total):
-            scratch = folder / f".{LOSS_SUM_FILE}.tmp"
-            scratch.write_text(json.dumps({"loss_sum": total, "global_step": state.global_step}))
-            scratch.replace(folder / LOSS_SUM_FILE)  # whole or absent
+            write_json(folder / LOSS_SUM_FILE, {"loss_sum": total, "global_step": state.global_step})
         return control
 
 
