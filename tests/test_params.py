@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.params import (
+from tasks.spec.params import (
     ConfigSection,
     ParamsError,
     StageParams,
@@ -19,14 +19,14 @@ from tasks.params import (
     read_raw,
     section_keys,
 )
-from tasks.stage_spec import WINDOW_READS
+from tasks.spec.stage import WINDOW_READS
 from tasks.stages import BY_NAME, NAMES, POLICIES, POLICY_STAGES, SECTIONS, STAGES, load_params, parse_params
 from tasks.stages.ddpo import DDPO_CONFIG_KEYS
 from tasks.stages.ppo import PPO_CONFIG_KEYS, PPOStageParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PPO_STAGE_ONLY = {"enabled", "total_steps", "max_new_tokens", "reward", "save_steps", "sample_every", "sample_prompts"}
-WRAPPER = "tasks/stage_task.py"
+WRAPPER = "tasks/run/stage_task.py"
 """The one wrapper that runs every stage (reads params, writes what the body returns): code of every stage."""
 TABLE = "tasks.stages"
 """The stage table: it names every stage's body, so a walk of one stage's code stops there."""
@@ -99,8 +99,8 @@ def test_dvc_stage_matches_its_row(stage, dvc_stages, raw):
 
 
 # Imported by the stage code but only report elsewhere (MLflow, Prefect, logs): they cannot change a stage's outputs
-REPORTING_ONLY = {"rlhf_core/tracking.py", "rlhf_core/wandb_tracker.py", "tasks/logs.py", "tasks/mlflow_runs.py",
-                  "tasks/prefect_context.py", "tasks/provenance.py", "tasks/stage_run.py"}
+REPORTING_ONLY = {"rlhf_core/tracking.py", "rlhf_core/wandb_tracker.py", "tasks/process/logs.py", "tasks/store/mlflow_runs.py",
+                  "tasks/process/prefect_context.py", "tasks/store/provenance.py", "tasks/store/stage_run.py"}
 
 
 def _graph():
@@ -160,15 +160,15 @@ wrapper hands it."""
 def test_a_stage_reads_params_only_through_its_declared_view(stage, dvc_stages):
     """Issue 24: every param a stage reads is a declared dependency. The walk: in the code the stage's body imports
     (tests/import_closure.py), nothing reads params.yaml, so the body reaches params only through the ``StageParams``
-    view the wrapper (tasks/stage_task.py) gives it, which hands out exactly what dvc.yaml lists (tested below); and
+    view the wrapper (tasks/run/stage_task.py) gives it, which hands out exactly what dvc.yaml lists (tested below); and
     ppo, dpo and kto, which score their sample windows with evaluate's settings, list those keys."""
     import ast
 
     graph = _graph()
     imported = graph.files(graph.closure(graph.module_of(ROOT / body_module_file(stage))))
-    assert "tasks/params.py" in imported and WRAPPER not in imported and "tasks/stages/__init__.py" not in imported
+    assert "tasks/spec/params.py" in imported and WRAPPER not in imported and "tasks/stages/__init__.py" not in imported
     readers = {}
-    for rel in sorted(imported - REPORTING_ONLY - {"tasks/params.py", "tasks/param_rules.py"}):
+    for rel in sorted(imported - REPORTING_ONLY - {"tasks/spec/params.py", "tasks/spec/param_rules.py"}):
         tree = ast.parse((ROOT / rel).read_text())
         names = {getattr(n, "id", None) or getattr(n, "attr", None) for n in ast.walk(tree)
                  if isinstance(n, (ast.Name, ast.Attribute))}
@@ -396,7 +396,7 @@ def test_bad_value_rejected_naming_the_key(tmp_path, raw, key, value):
 
 def test_dpo_loss_type_vocabulary_is_the_trainers(raw):
     from rlhf_core.losses import DPO_LOSS_TYPES
-    from tasks.param_rules import CHOICES
+    from tasks.spec.param_rules import CHOICES
 
     assert CHOICES[("dpo", "loss_type")] == DPO_LOSS_TYPES  # spelled out in param_rules: kept equal here
     for loss_type in DPO_LOSS_TYPES:
@@ -456,7 +456,7 @@ def test_scalar_aliases_are_still_fine(raw, tmp_path):
 
 
 def test_a_params_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from tasks import param_rules
+    from tasks.spec import param_rules
 
     path = tmp_path / "params.yaml"
     path.write_text((ROOT / "params.yaml").read_text() + "# " + "x" * param_rules.MAX_PARAMS_BYTES + "\n")

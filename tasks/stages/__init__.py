@@ -1,8 +1,8 @@
 """The one table of pipeline stages. Every list of stages the pipeline needs is a one-line query of it.
 
-Each row (``tasks.stage_spec.Stage``) names the stage, the schema of its params.yaml section, its body
+Each row (``tasks.spec.stage.Stage``) names the stage, the schema of its params.yaml section, its body
 (``tasks/stages/<stage>.py``: ``body(ctx) -> StageResult``), its files and its flags. ``dvc.yaml`` describes the
-same stages for DVC (``tests/test_params.py`` checks every entry against its row), and ``tasks/stage_task.py`` runs
+same stages for DVC (``tests/test_params.py`` checks every entry against its row), and ``tasks/run/stage_task.py`` runs
 a row the same way for every stage.
 
 Adding a stage: its module (schema + body), its row here, its section in ``params.yaml``, its entry in ``dvc.yaml``.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks import params
-from tasks.params import PARAMS_FILE, Params, PathsParams, RegistryParams
-from tasks.stage_spec import Stage
+from tasks.spec import params
+from tasks.spec.params import PARAMS_FILE, Params, PathsParams, RegistryParams
+from tasks.spec.stage import Stage
 from tasks.stages import ddpo, dpo, evaluate, grpo, kto, ppo, prepare, reward_model, rloo, sft
 
 _TRAINING = (
@@ -75,7 +75,7 @@ SECTIONS: dict[str, type] = {"paths": PathsParams, **{s.name: s.params for s in 
 
 
 def parse_params(raw: object, source: str = PARAMS_FILE) -> Params:
-    """:class:`tasks.params.Params` from a parsed params.yaml, checked against every section of the table."""
+    """:class:`tasks.spec.params.Params` from a parsed params.yaml, checked against every section of the table."""
     return params.parse(raw, SECTIONS, POLICIES, source)
 
 

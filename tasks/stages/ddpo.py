@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import ConfigSection
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.params import ConfigSection
+from tasks.spec.stage import StageContext, StageResult
 
 DDPO_CONFIG_KEYS = (
     "num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "sample_guidance_scale",

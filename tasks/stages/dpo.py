@@ -2,7 +2,7 @@
 
 The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``; the wrapper writes
 ``metrics/dpo.json``, ``plots/dpo.csv`` and ``plots/dpo_windows.csv`` (every ``dpo.sample_every`` optimizer steps:
-gold reward and KL to SFT of held-out samples, also logged as a sample table; tasks/samples.py).
+gold reward and KL to SFT of held-out samples, also logged as a sample table; tasks/stages/common/samples.py).
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import SampledPolicy, as_dict
-from tasks.policy import load_sft_policy
-from tasks.samples import sample_windows
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.params import SampledPolicy, as_dict
+from tasks.stages.common.policy import load_sft_policy
+from tasks.stages.common.samples import sample_windows
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def body(ctx: StageContext) -> StageResult:
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import DPOTrainer, set_seed
-    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     pairs = read_jsonl(ctx.dep("preferences"))

@@ -2,7 +2,7 @@
 (``data/ratings.jsonl``: prompt, completion, label), reference = a frozen copy of the SFT policy.
 
 Its params section (:class:`KTOParams`), its body (:func:`body`) and nothing else: the stage's row in
-``tasks/stages/__init__.py`` names its files and flags, and ``tasks/stage_task.py`` writes what the body returns
+``tasks/stages/__init__.py`` names its files and flags, and ``tasks/run/stage_task.py`` writes what the body returns
 (``metrics/kto.json``, ``plots/kto.csv``, ``plots/kto_windows.csv``) or, when ``kto.enabled`` is false, the
 placeholders. The small complete example of a stage.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_core.data import read_ratings
-from tasks.logs import get_logger
-from tasks.params import ConfigSection, SampledPolicy
-from tasks.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
-from tasks.samples import sample_windows
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.spec.params import ConfigSection, SampledPolicy
+from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
+from tasks.stages.common.samples import sample_windows
+from tasks.spec.stage import StageContext, StageResult
 
 KTO_CONFIG_KEYS = (
     "beta", "learning_rate", "num_train_epochs", "per_device_train_batch_size", "max_length", "desirable_weight",

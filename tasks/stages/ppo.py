@@ -29,14 +29,14 @@ from pathlib import Path
 from rlhf_core.checkpointing import GracefulStop, Preempted
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import make_reward
-from tasks.distributed import check_replicas_identical, is_main_process
-from tasks.logs import get_logger, progress_bar
-from tasks.outputs import atomic_dir
-from tasks.params import ConfigSection, SampledPolicy, as_dict
-from tasks.paths import stage_checkpoint_dir
-from tasks.samples import sample_windows, step_hook
-from tasks.scoring import load_tokenizer
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.distributed import check_replicas_identical, is_main_process
+from tasks.process.logs import get_logger, progress_bar
+from tasks.store.outputs import atomic_dir
+from tasks.spec.params import ConfigSection, SampledPolicy, as_dict
+from tasks.spec.paths import stage_checkpoint_dir
+from tasks.stages.common.samples import sample_windows, step_hook
+from tasks.stages.common.scoring import load_tokenizer
+from tasks.spec.stage import StageContext, StageResult
 
 PPO_CONFIG_KEYS = (
     "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "init_kl_coef",
@@ -106,7 +106,7 @@ def body(ctx: StageContext) -> StageResult:
     """Train ``models/ppo`` with ``rlhf_core.trainers.ppo.loop.run_ppo`` over the trainer's own (resumable,
     per-rank sharded) dataloader of prompts."""
     from rlhf_core.trainers.ppo.loop import run_ppo  # the trainer loads transformers: only when the stage runs
-    from tasks.resume import resume_key  # (tasks.resume loads transformers too)
+    from tasks.stages.common.resume import resume_key  # (tasks.stages.common.resume loads transformers too)
 
     p, run, log = ctx.section, ctx.run, get_logger()
     prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_train"))]
@@ -117,7 +117,7 @@ def body(ctx: StageContext) -> StageResult:
     trainer, tokenizer = _build_trainer(ctx, prompts)
     world = trainer.accelerator.num_processes
     reward = _reward_fn(p.reward, str(ctx.dep("reward_model")))
-    # held-out samples every ppo.sample_every steps (table + reward-KL point; tasks/samples.py)
+    # held-out samples every ppo.sample_every steps (table + reward-KL point; tasks/stages/common/samples.py)
     windows, _ = sample_windows(ctx, state.with_name(f"{state.name}.samples.json"), table="heldout_samples")
     policy = lambda: trainer.accelerator.unwrap_model(trainer.model).pretrained_model  # noqa: E731
     run.log_dataset(ctx.dep("prompts_train"), "prompts_train")

@@ -2,7 +2,7 @@
 thumbs-up/down ratings (``data/ratings.jsonl``, for KTO).
 
 Reads ``params.yaml:prepare`` and the source it names (the synthetic default, local files or a hub dataset:
-``tasks/source.py``) plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
+``tasks/stages/common/source.py``) plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
 the six ``data/*.jsonl`` files; the wrapper writes ``metrics/prepare.json`` and ``plots/prepare.csv`` (a histogram of
 the training reviews' gold scores). Everything is read and validated before anything is written.
 """
@@ -29,9 +29,9 @@ from rlhf_core.data import (
 )
 from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
-from tasks.logs import get_logger
-from tasks.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import RewardModelScorer
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import as_dict
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.params import as_dict
+from tasks.spec.stage import StageContext, StageResult
 
 HOLDOUT_SHARE = 0.1
 COLUMNS = ("step", "loss")
@@ -47,7 +47,7 @@ def body(ctx: StageContext) -> StageResult:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_core import RewardTrainer, set_seed
-    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     pairs_path, sft_dir = ctx.io.deps["preferences"], ctx.io.deps["sft"]

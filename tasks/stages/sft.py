@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import as_dict
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.params import as_dict
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def body(ctx: StageContext) -> StageResult:
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import SFTTrainer, set_seed
-    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     texts = [r["text"] for r in read_jsonl(ctx.dep("sft_train"))]
