@@ -269,7 +269,7 @@ TABLE = "tasks.stages"
 """The stage table: it names every stage's body."""
 COMMON = "tasks.stages.common"
 """What several bodies share: plumbing, not a body."""
-RUNNERS = {"tasks.run.stage_task", "tasks.run.supervisor", "tasks.registry.gate"}
+RUNNERS = {"tasks.run.stage_task", "tasks.run.supervisor", "tasks.registry.gate", "tasks.run.dvc_yaml"}
 """The pipeline modules that run stages, so read the table: the wrapper, the supervisor, the registry step."""
 
 

@@ -1,17 +1,18 @@
 """Value rules for ``params.yaml``: every bad value fails in the loader, before any stage runs, naming its key.
 
-The loader (``tasks/spec/params.py``) checks keys and types; this module checks values: sizes that must be positive,
-finite learning rates and betas, the closed vocabularies (``ppo.kl_penalty``, ``sft.arch``), lengths that must
-fit the built model's positions, and output paths that must stay out of ``.git``/``.dvc``. It also turns YAML
-syntax errors into one line naming ``file:line:column``.
-
-``check`` reads the raw mapping (after the loader's type checks), so it does not depend on the dataclasses.
+The loader (``tasks/spec/params.py``) checks keys and types; this module checks values. A section's own rules (sizes
+that must be positive, finite learning rates and betas, closed vocabularies such as ``ppo.kl_penalty``) are declared
+beside its schema, as the schema class's ``RULES`` (a :class:`ValueRules`); the rules across sections live here:
+lengths that must fit the built model's positions, output paths that must stay out of ``.git``/``.dvc``. It also
+turns YAML syntax errors into one line naming ``file:line:column``.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path, PurePath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -27,64 +28,41 @@ class ParamsError(ValueError):
 # The keys of the paths section that name directories the stages write to (or, for incoming, read and track).
 PATH_KEYS = ("data", "models", "metrics", "plots", "incoming")
 
-POSITIVE_INTS = {
-    "prepare": ("max_words", "prompt_min_words", "prompt_max_words", "pairs_per_review"),
-    "sft": ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions", "max_seq_length",
-            "per_device_train_batch_size"),
-    "reward_model": ("max_length", "per_device_train_batch_size"),
-    "ppo": ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "total_steps",
-            "max_new_tokens", "sample_prompts"),
-    "dpo": ("per_device_train_batch_size", "max_length", "max_prompt_length", "sample_prompts"),
-    "evaluate": ("num_prompts", "max_new_tokens", "batch_size"),
-    "grpo": ("per_device_train_batch_size", "max_completion_length", "num_iterations"),
-    "rloo": ("per_device_train_batch_size", "max_completion_length", "num_iterations"),
-    "kto": ("sample_prompts", "per_device_train_batch_size", "max_length"),
-    "ddpo": ("sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "train_batch_size"),
-    "registry": ("bootstrap_samples",),
-}
-"""Sizes and counts that must be >= 1 (0 divides by zero or trains nothing; negatives make no sense)."""
+@dataclass(frozen=True)
+class ValueRules:
+    """The value rules of one params.yaml section, declared beside its schema (the schema class's ``RULES``): each
+    field names the section's keys that follow that rule."""
 
-NON_NEGATIVE_INTS = {"prepare": ("num_reviews",), "evaluate": ("num_samples",), "ppo": ("sample_every",),
-                     "dpo": ("sample_every",), "kto": ("sample_every",)}
-"""Counts where 0 has a meaning (all reviews, no samples shown, no sample windows)."""
+    positive_ints: tuple[str, ...] = ()
+    """Sizes and counts that must be >= 1 (0 divides by zero or trains nothing; negatives make no sense)."""
+    non_negative_ints: tuple[str, ...] = ()
+    """Counts where 0 has a meaning (all reviews, no samples shown, no sample windows)."""
+    positive_floats: tuple[str, ...] = ()
+    """Finite and > 0 (NaN, inf, 0 and negatives rejected)."""
+    non_negative_floats: tuple[str, ...] = ()
+    """Finite and >= 0."""
+    at_least_one_floats: tuple[str, ...] = ()
+    """Finite and >= 1."""
+    unit_interval: tuple[str, ...] = ()
+    """Finite and in [0, 1]."""
+    choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Closed vocabularies: key -> the values the code implements."""
 
-POSITIVE_FLOATS = {
-    "sft": ("learning_rate", "num_train_epochs"),
-    "reward_model": ("learning_rate", "num_train_epochs"),
-    "ppo": ("learning_rate", "target", "horizon", "cliprange", "cliprange_value", "max_grad_norm"),
-    "dpo": ("beta", "learning_rate", "num_train_epochs"),
-    "grpo": ("learning_rate", "epsilon", "temperature"),
-    "rloo": ("learning_rate", "epsilon", "temperature"),
-    "kto": ("beta", "learning_rate", "num_train_epochs"),
-    "ddpo": ("train_learning_rate", "train_clip_range"),
-    "registry": ("max_kl",),
-}
-"""Finite and > 0 (NaN, inf, 0 and negatives rejected)."""
+    def check(self, section: Mapping[str, Any], name: str, source: str) -> None:
+        """Raise ``ParamsError`` naming ``source`` and ``<name>.<key>`` of the first bad value of ``section``."""
+        _check_range(section, name, source, self.positive_ints, 1, math.inf, False, integer=True)
+        _check_range(section, name, source, self.non_negative_ints, 0, math.inf, False, integer=True)
+        _check_range(section, name, source, self.positive_floats, 0.0, math.inf, True, integer=False)
+        _check_range(section, name, source, self.non_negative_floats, 0.0, math.inf, False, integer=False)
+        _check_range(section, name, source, self.unit_interval, 0.0, 1.0, False, integer=False)
+        _check_range(section, name, source, self.at_least_one_floats, 1.0, math.inf, False, integer=False)
+        for key, allowed in self.choices.items():
+            if section[key] not in allowed:
+                _fail(source, f"{name}.{key}", f"must be one of {', '.join(allowed)}, got {section[key]!r}")
 
-NON_NEGATIVE_FLOATS = {
-    "prepare": ("min_margin",),
-    "sft": ("warmup_steps", "weight_decay"),
-    "ppo": ("init_kl_coef", "vf_coef"),
-    "grpo": ("beta",),
-    "rloo": ("beta",),
-    "kto": ("desirable_weight", "undesirable_weight"),
-    "registry": ("min_improvement",),
-}
-"""Finite and >= 0 (KTO's weights as ``KTOConfig`` checks them: a negative weight would reward the wrong side)."""
 
-AT_LEAST_ONE_FLOATS = {"ddpo": ("sample_guidance_scale",)}
-"""Finite and >= 1 (a guidance scale below 1 is not classifier-free guidance; ``DDPOConfig`` refuses it)."""
-
-UNIT_INTERVAL = {"ppo": ("gamma", "lam"), "registry": ("significance",)}
-"""Finite and in [0, 1]."""
-
-CHOICES = {
-    ("ppo", "kl_penalty"): ("kl", "abs", "mse", "full"), ("sft", "arch"): ("gpt2", "llama"),
-    ("dpo", "loss_type"): ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-                           "aot_pair", "apo_zero", "apo_down"),
-}
-"""Closed vocabularies: what the trainers implement (``sft.arch``: what ``rlhf_core/models/tiny.py`` builds;
-``dpo.loss_type``: ``rlhf_core.losses.DPO_LOSS_TYPES``, spelled out so loading params imports no loss code)."""
+NO_RULES = ValueRules()
+"""A section without value rules of its own (its keys' types are still checked)."""
 
 FORBIDDEN_DIRS = (".git", ".dvc")
 """Output paths may not lie inside these: a stage would overwrite git or DVC internals."""
@@ -98,26 +76,19 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_range(raw: dict, source: str, table: dict, low: float, high: float, low_open: bool, integer: bool) -> None:
-    """Every ``section.key`` of ``table`` is a finite number in [low, high] (``(low, high]`` when ``low_open``)."""
-    for section, keys in table.items():
-        for key in keys:
-            value = raw[section][key]
-            name = f"{section}.{key}"
-            if not _number(value) or (integer and not isinstance(value, int)):
-                _fail(source, name, f"expected a {'whole ' if integer else ''}number, got {value!r}")
-            if not math.isfinite(value):
-                _fail(source, name, f"must be finite, got {value!r}")
-            if value < low or (low_open and value == low) or value > high:
-                bound = f"> {low}" if low_open else f">= {low}"
-                _fail(source, name, f"must be {bound}" + (f" and <= {high}" if high != math.inf else "")
-                      + f", got {value!r}")
-
-
-def _check_choices(raw: dict, source: str) -> None:
-    for (section, key), allowed in CHOICES.items():
-        if raw[section][key] not in allowed:
-            _fail(source, f"{section}.{key}", f"must be one of {', '.join(allowed)}, got {raw[section][key]!r}")
+def _check_range(section: Mapping[str, Any], name: str, source: str, keys: tuple[str, ...], low: float, high: float,
+                 low_open: bool, integer: bool) -> None:
+    """Every key of ``keys`` in ``section`` is a finite number in [low, high] (``(low, high]`` when ``low_open``)."""
+    for key in keys:
+        value, dotted = section[key], f"{name}.{key}"
+        if not _number(value) or (integer and not isinstance(value, int)):
+            _fail(source, dotted, f"expected a {'whole ' if integer else ''}number, got {value!r}")
+        if not math.isfinite(value):
+            _fail(source, dotted, f"must be finite, got {value!r}")
+        if value < low or (low_open and value == low) or value > high:
+            bound = f"> {low}" if low_open else f">= {low}"
+            _fail(source, dotted, f"must be {bound}" + (f" and <= {high}" if high != math.inf else "")
+                  + f", got {value!r}")
 
 
 def _check_positions(raw: dict, source: str) -> None:
@@ -154,16 +125,12 @@ def _check_paths(raw: dict, source: str) -> None:
             _fail(source, f"paths.{key}", f"{value!r} is empty or inside {' or '.join(FORBIDDEN_DIRS)}")
 
 
-def check(params: dict, source: str = "params.yaml") -> None:
+def check(params: dict, sections: Mapping[str, type], source: str = "params.yaml") -> None:
     """Raise ``ParamsError`` naming ``source`` and the dotted key of the first bad value in ``params`` (the raw
-    mapping of params.yaml, already checked for keys and types)."""
-    _check_range(params, source, POSITIVE_INTS, 1, math.inf, False, integer=True)
-    _check_range(params, source, NON_NEGATIVE_INTS, 0, math.inf, False, integer=True)
-    _check_range(params, source, POSITIVE_FLOATS, 0.0, math.inf, True, integer=False)
-    _check_range(params, source, NON_NEGATIVE_FLOATS, 0.0, math.inf, False, integer=False)
-    _check_range(params, source, UNIT_INTERVAL, 0.0, 1.0, False, integer=False)
-    _check_range(params, source, AT_LEAST_ONE_FLOATS, 1.0, math.inf, False, integer=False)
-    _check_choices(params, source)
+    mapping of params.yaml, already checked for keys and types): each section's own rules (the ``RULES`` beside
+    its schema in ``sections``), then the rules across sections (lengths within the model's positions, paths)."""
+    for name, schema in sections.items():
+        getattr(schema, "RULES", NO_RULES).check(params[name], name, source)
     _check_positions(params, source)
     _check_paths(params, source)
 

@@ -7,7 +7,8 @@ section that configures a library trainer (``ppo``) lists which fields of the rl
 (:class:`ConfigSection`). Fields that match ``TrainingArguments`` keep those names so they pass straight through.
 
 :func:`parse` checks a whole file against the sections it is given (the stage table gives them all:
-``tasks.stages.load_params``): keys and types here, value rules in ``tasks/spec/param_rules.py``, each section's
+``tasks.stages.load_params``): keys and types here, each section's value rules beside its schema (``RULES``, applied by
+``tasks/spec/param_rules.py`` with the rules across sections), each section's
 cross-field rules in its schema's ``problems(name)``, the registry's rule here. A stage reads only its
 :class:`StageParams` view: its section, ``paths`` and the keys of other sections it declares.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tasks.spec import param_rules
-from tasks.spec.param_rules import PATH_KEYS, ParamsError
+from tasks.spec.param_rules import PATH_KEYS, ParamsError, ValueRules
 from tasks.spec.paths import resolve_output_path
 
 PARAMS_FILE = "params.yaml"
@@ -124,6 +125,13 @@ class ConfigSection:
 @dataclass(frozen=True)
 class RegistryParams:
     """The registry rule: which evaluated policy becomes challenger, and when it replaces the champion."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("bootstrap_samples",),
+        positive_floats=("max_kl",),
+        non_negative_floats=("min_improvement",),
+        unit_interval=("significance",))
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
     model_name: str
     """Registered model name in MLflow."""
@@ -224,7 +232,7 @@ def parse(raw: Any, sections: Mapping[str, type], policies: Sequence[str], sourc
     if missing:
         raise ParamsError(f"{source}: missing section(s): {', '.join(missing)}")
     params = Params({name: build_section(name, schema, raw[name], source) for name, schema in sections.items()})
-    param_rules.check(raw, source)  # value rules (sizes, rates, vocabularies, positions, paths), naming the key
+    param_rules.check(raw, sections, source)  # value rules (sizes, rates, vocabularies, positions, paths), naming the key
     for name, section in params.sections().items():  # cross-field rules, checked before any stage touches state
         problems = section.problems(name) if hasattr(section, "problems") else []
         if problems:

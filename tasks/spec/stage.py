@@ -28,6 +28,12 @@ WINDOW_COLUMNS = ("step", "kl", "gold_reward")
 the window's samples; tasks/stages/common/samples.py)."""
 
 
+def window_plot(stage: str) -> dict[str, str]:
+    """DVC's options of ``plots/<stage>_windows.csv``."""
+    return dict(title=f"{stage.upper()} gold reward of the held-out samples per step window (their KL is in the "
+                      "frontier plot)", x="step", y="gold_reward")
+
+
 def metrics_file(paths: PathsParams, stage: str) -> str:
     """``<paths.metrics>/<stage>.json``: the one rule for a stage's metrics file (``metrics/evaluate.json`` too)."""
     return f"{paths.metrics}/{stage}.json"
@@ -73,6 +79,8 @@ class Stage:
     """DVC-cached outputs by name, as templates. A disabled stage writes a placeholder directory at each."""
     plot_columns: tuple[str, ...]
     """Columns of ``plots/<name>.csv`` (a disabled stage writes the header alone)."""
+    plot: Mapping[str, str]
+    """DVC's options of ``plots/<name>.csv`` (``title``, ``x``, ``y``, ``template``...: dvc.yaml is rendered from them)."""
     policy: bool = False
     """Trains a policy from SFT into ``models/<name>``: evaluate scores it, the registry may register it."""
     windows: bool = False
@@ -82,8 +90,9 @@ class Stage:
     """May run under ``accelerate launch`` / ``torchrun`` (every rank trains, rank 0 writes)."""
     optional: bool = False
     """Outside the default pipeline (off unless its section says ``enabled: true``; still run and recorded)."""
-    extra_plots: tuple[str, ...] = ()
-    """More plot files the body returns by name, each written to ``plots/<name>.csv`` (evaluate's frontier)."""
+    extra_plots: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """More plot files the body returns, by name (each written to ``plots/<name>.csv``: evaluate's frontier), with
+    DVC's options of each."""
     retries: int = 0
     """Prefect retries of a transient failure (never of bad input: ``tasks.run.stage_task.retry_unless_bad_input``)."""
 
@@ -95,6 +104,14 @@ class Stage:
     def param_keys(self) -> list[str]:
         """What dvc.yaml lists as its params: every key of its section, then those it reads elsewhere."""
         return [f"{self.name}.{key}" for key in section_keys(self.params)] + list(self.reads)
+
+    def plot_options(self, name: str) -> Mapping[str, str]:
+        """DVC's options of plot ``name`` (``curve``, ``windows`` or an extra plot), for dvc.yaml."""
+        if name == "curve":
+            return self.plot
+        if name == "windows":
+            return window_plot(self.name)
+        return self.extra_plots[name]
 
     def io(self, paths: PathsParams) -> StageIO:
         """Its files under the paths section of params.yaml."""

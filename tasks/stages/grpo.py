@@ -14,6 +14,9 @@ GRPO_CONFIG_KEYS = (
     "beta", "epsilon", "loss_type", "scale_rewards", "num_iterations", "temperature", "seed",
 )
 """The ``GRPOConfig`` fields (TRL 1.16 names) the grpo section sets, in params.yaml's order (docs: ``GRPOConfig``)."""
+PLOT = dict(title="GRPO mean reward per step (reward model, or the gold judge with grpo.reward gold)", x="step",
+            y="reward")
+"""DVC's options of ``plots/grpo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 @dataclass(frozen=True)

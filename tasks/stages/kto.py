@@ -9,10 +9,13 @@ placeholders. The small complete example of a stage.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass
 
 from rlhf_core.data import read_ratings
 from tasks.process.logs import get_logger
+from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, SampledPolicy
 from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 from tasks.stages.common.samples import sample_windows
@@ -34,6 +37,14 @@ class KTOStageParams(SampledPolicy):
 class KTOParams(ConfigSection, config="KTOConfig", keys=KTO_CONFIG_KEYS, stage=KTOStageParams):
     """KTO of the SFT policy on the unpaired thumbs-up/down ratings: ``KTOConfig`` keys + ``KTOStageParams``."""
 
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("sample_prompts", "per_device_train_batch_size", "max_length"),
+        non_negative_ints=("sample_every",),
+        positive_floats=("beta", "learning_rate", "num_train_epochs"),
+        non_negative_floats=("desirable_weight", "undesirable_weight"))
+    """Value rules of the section (tasks/spec/param_rules.py applies them); the weights as KTOConfig
+    checks them: a negative weight would reward the wrong side."""
+
     def problems(self, name: str) -> list[str]:
         """``KTOConfig``'s own rules for the default loss (its KL estimate pairs each row with a neighbour)."""
         return [message for broken, message in (
@@ -45,6 +56,8 @@ class KTOParams(ConfigSection, config="KTOConfig", keys=KTO_CONFIG_KEYS, stage=K
 
 COLUMNS = ("step", "loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
 """plots/kto.csv: per logged step (``kl``: the batch's KL reference point)."""
+PLOT = dict(title="KTO loss", x="step", y="loss")
+"""DVC's options of ``plots/kto.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def body(ctx: StageContext) -> StageResult:

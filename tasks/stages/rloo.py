@@ -14,6 +14,9 @@ RLOO_CONFIG_KEYS = (
     "beta", "epsilon", "num_iterations", "normalize_advantages", "temperature", "seed",
 )
 """The ``RLOOConfig`` fields (TRL 1.16 names) the rloo section sets, in params.yaml's order (docs: ``RLOOConfig``)."""
+PLOT = dict(title="RLOO mean reward per step (reward model, or the gold judge with rloo.reward gold)", x="step",
+            y="reward")
+"""DVC's options of ``plots/rloo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import make_reward
 from tasks.process.logs import get_logger
+from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, PolicySwitch
 from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 from tasks.spec.stage import StageContext, StageResult
@@ -31,6 +32,12 @@ class OnlineStageParams(PolicySwitch):
 
 class GroupSampledParams(ConfigSection):
     """A grpo/rloo section: the trainer config's keys + :class:`OnlineStageParams`, and their shared rules."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("per_device_train_batch_size", "max_completion_length", "num_iterations"),
+        positive_floats=("learning_rate", "epsilon", "temperature"),
+        non_negative_floats=("beta",))
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
     def problems(self, name: str) -> list[str]:
         return [message for broken, message in (

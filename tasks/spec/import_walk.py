@@ -1,6 +1,6 @@
 """The project modules a module imports, directly or through others (static, from the source's AST).
 
-Used by tests/test_params.py to check each DVC stage lists as deps the code that can change its outputs.
+Used by tasks/run/dvc_yaml.py to list as each DVC stage's deps the code that can change its outputs.
 Rules (an over-approximation of what runs, except for package ``__init__`` files):
 - every ``import``/``from ... import`` in the file counts, also inside functions (lazy imports run too);
 - ``from package import name`` follows ``name`` to the module that defines it (the package's own re-export,
