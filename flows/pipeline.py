@@ -25,7 +25,8 @@ from tasks.process.locking import add_wait_argument  # noqa: E402
 from tasks.store.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
 from tasks.stages.common.scoring import read_results  # noqa: E402
 from tasks.stages import NAMES  # noqa: E402
-from tasks.run.supervisor import EXIT_STOPPED, ConfigError, PipelineRun, exit_status, pipeline_run  # noqa: E402
+from tasks.process.outcome import EXIT_STOPPED, ConfigError, classify  # noqa: E402
+from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
 
 COMMAND = "python -m flows.pipeline"
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         with PipelineRun(args.root, COMMAND):  # the lock and the configuration, before Prefect starts
             summary = pipeline(args.root, force=args.force, run_registry=not args.no_register)
     except Exception as error:  # noqa: BLE001 - mapped to an exit status, or re-raised
-        if (status := exit_status(error)) is None:
+        if (status := classify(error).exit_status) is None:
             raise
         print(f"error: {error}" if isinstance(error, ConfigError) else f"pipeline stopped: {error}", file=sys.stderr)
         return status

@@ -39,7 +39,8 @@ from tasks.store.dvc_ops import push_outputs
 from tasks.process.locking import add_wait_argument, checkout_lock
 from tasks.store.mlflow_runs import mlflow_setup, tracking_uri
 from tasks.run.orphans import detach_temporary_server
-from tasks.run.supervisor import exit_status, install_stop_handlers
+from tasks.process.outcome import classify
+from tasks.run.supervisor import install_stop_handlers
 from tasks.run.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
                             restore_checkout_outputs)
 
@@ -108,7 +109,7 @@ def land(root: str, ref: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status as ``python -m flows.pipeline``'s (``tasks.run.supervisor.exit_status``): 75 when SIGTERM/SIGINT
+    """Exit status as ``python -m flows.pipeline``'s (``tasks.process.outcome.classify``): 75 when SIGTERM/SIGINT
     stopped a training stage after saving its state, 73 when another run holds the checkout."""
     parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")
@@ -126,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             head = land(str(Path(args.root).resolve()), args.land)
         except Exception as error:  # noqa: BLE001 - a git failure or a held checkout: said, not a traceback
-            if not isinstance(error, GitError) and exit_status(error) is None:
+            if not isinstance(error, GitError) and classify(error).exit_status is None:
                 raise
             print(f"land-retrain: {error}", file=sys.stderr)
-            return exit_status(error) or 1
+            return classify(error).exit_status or 1
         print(f"Landed {args.land}: {current_branch(args.root)} is at {head[:12]}; outputs restored (dvc checkout)")
         return 0
     if args.serve:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                               land=not args.no_land)
     except Exception as stopped:  # noqa: BLE001 - mapped to an exit status, or re-raised
         # Preempted: the worktree (and a stage's saved state in it) is gone; the next run re-runs that stage.
-        if (status := exit_status(stopped)) is None:
+        if (status := classify(stopped).exit_status) is None:
             raise
         print(f"retrain stopped: {stopped}", file=sys.stderr)
         return status

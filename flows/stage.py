@@ -32,7 +32,8 @@ from tasks.process.locking import add_wait_argument  # noqa: E402
 from tasks.store.mlflow_runs import PARENT_ENV  # noqa: E402
 from tasks.spec.params import PARAMS_FILE, as_dict  # noqa: E402
 from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
-from tasks.run.supervisor import PipelineRun, exit_status, pipeline_run  # noqa: E402
+from tasks.process.outcome import classify  # noqa: E402
+from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
 
 NAME_KEYS = (("learning_rate", "lr"), ("beta", "beta"), ("total_steps", "steps"), ("num_train_epochs", "epochs"),
              ("source", "source"))
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             else:  # a non-main rank of a launch: the same stage, no Prefect flow run (see the module docstring)
                 run.stage(args.name)
     except Exception as error:  # noqa: BLE001 - mapped to an exit status, or re-raised
-        if (status := exit_status(error)) is None:
+        if (status := classify(error).exit_status) is None:
             raise  # (a failed rank skips the teardown: the launcher stops the others)
         print(f"stage {args.name}: {error}", file=sys.stderr)
         destroy_process_group()  # after a stop every rank stopped at the same step and met at a barrier

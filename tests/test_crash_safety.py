@@ -236,13 +236,13 @@ def ppo_stage(tokenizer, root: Path, total_steps: int, signal_at: int | None = N
 
 def stage_main(tokenizer, root: Path, total_steps: int, signal_at: int | None = None) -> tuple[int, list[int]]:
     """What the entry point (``python -m flows.stage``) does: Preempted -> exit status 75."""
-    from tasks.run.supervisor import exit_status
+    from tasks.process.outcome import classify
 
     try:
         return 0, ppo_stage(tokenizer, root, total_steps, signal_at)
     except ckpt.Preempted as stopped:
         assert stopped.signal_name == "SIGTERM" and "resume" in str(stopped)
-        return exit_status(stopped), []
+        return classify(stopped).exit_status, []
 
 
 def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes(tokenizer, tmp_path):

@@ -216,9 +216,9 @@ def test_no_import_cycles_among_project_modules():
     assert find_cycles(import_graph()) == []
 
 
-FLOORS = {"spec": 0, "process": 0, "store": 1, "stages": 2, "serving": 3, "feedback": 4, "registry": 5, "run": 6}
+FLOORS = {"spec": 0, "process": 1, "store": 2, "stages": 3, "serving": 4, "feedback": 5, "registry": 6, "run": 7}
 """tasks/'s folders, lowest first: a module imports its own folder and the floors below it, never a floor above nor
-another folder of its own floor (spec and process stand side by side). What each holds: its ``__init__.py``."""
+another folder of its own floor. What each holds: its ``__init__.py``."""
 LEGACY = {"tasks", "tasks.policy_model"}
 """The package itself and the old path registered versions import (tasks/policy_model.py re-exports the new one)."""
 
@@ -246,7 +246,7 @@ def test_floors_catch_upward_and_sideways_imports():
     graph = {
         "tasks.store.outputs": {"tasks.process.ranks"},  # down: fine
         "tasks.store.dvc_ops": {"tasks.store.dvc_lockfile"},  # same folder: fine
-        "tasks.spec.params": {"tasks.process.logs"},  # sideways on floor 0
+        "tasks.spec.params": {"tasks.process.logs"},  # up
         "tasks.serving.answer": {"tasks.feedback.assessments"},  # up
         "flows.pipeline": {"tasks.run.supervisor"},  # outside tasks/: another test's business
     }

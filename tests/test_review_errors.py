@@ -65,7 +65,7 @@ def test_pipeline_main_stops_on_a_bad_source_before_anything_starts(tmp_path, ca
     from pathlib import Path
 
     import flows.pipeline as fp
-    from tasks.run.supervisor import EXIT_USAGE
+    from tasks.process.outcome import EXIT_USAGE
 
     root = Path(__file__).resolve().parents[1]
     shutil.copy(root / PARAMS_FILE, tmp_path / PARAMS_FILE)

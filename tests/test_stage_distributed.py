@@ -256,7 +256,7 @@ def test_non_training_stage_under_a_launcher_exits_2_with_a_message(stage, two_r
     import signal
 
     import flows.stage as cli
-    from tasks.run.supervisor import EXIT_USAGE
+    from tasks.process.outcome import EXIT_USAGE
 
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(cli, "stage", lambda *a, **k: pytest.fail("no flow run may start"))

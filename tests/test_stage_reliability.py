@@ -17,7 +17,7 @@ from _pipeline_project import make_project, mlflow_client, write_params
 from safetensors.torch import load_file
 
 from rlhf_core.checkpointing import Preempted
-from tasks.run.supervisor import EXIT_STOPPED, exit_status
+from tasks.process.outcome import EXIT_STOPPED, classify
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch
         _sigterm_on_call(patch, PPOTrainer, "step", lambda n, args: n == 2)
         with pytest.raises(Preempted) as stopped:
             run_stage("ppo", str(project))
-    assert exit_status(stopped.value) == EXIT_STOPPED == 75  # what the CLIs exit with
+    assert classify(stopped.value).exit_status == EXIT_STOPPED == 75  # what the CLIs exit with
     assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
     (state,) = _checkpoints(project, "ppo")
     assert json.loads((state / "trainer_state.json").read_text())["extra"]["next_step"] == 2
@@ -116,7 +116,7 @@ def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project
         _sigterm_on_call(patch, GracefulStopCallback, "on_step_end", lambda n, args: args[1].global_step == 2)
         with pytest.raises(Preempted) as stopped:
             run_stage("sft", str(project))
-    assert exit_status(stopped.value) == EXIT_STOPPED and stopped.value.step == 3
+    assert classify(stopped.value).exit_status == EXIT_STOPPED and stopped.value.step == 3
     (state,) = _checkpoints(project, "sft")
     assert (state / "checkpoint-3" / "trainer_state.json").is_file()
 

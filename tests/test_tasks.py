@@ -247,3 +247,26 @@ def test_dpo_stage_trains_with_a_non_default_loss_type_that_evaluate_then_scores
     assert "| loss_type | apo_zero |" in (project / "models" / "dpo" / "README.md").read_text()
     results = run_stage("evaluate", str(project))
     assert list(results) == ["sft", "dpo", "scored"] and set(results["dpo"]) == set(results["sft"])
+
+
+def test_a_trainer_stage_keeps_its_resume_state_until_its_outputs_are_written(project, monkeypatch):
+    """Issue 31: the training tail (tasks/stages/common/resume.py train_and_save) leaves the resumable state to the
+    StageResult's ``finish``: a failure while the wrapper writes metrics/plots keeps it for the next run (kto, grpo
+    and rloo removed it before their metrics were written)."""
+    from tasks.run import stage_task
+
+    run_stage, real_write = stage_task.run_stage, stage_task.write_result
+    run_stage("prepare", str(project))
+    run_stage("sft", str(project))
+
+    def failing_write(*args, **kwargs):
+        raise OSError("disk full while writing metrics")
+
+    monkeypatch.setattr(stage_task, "write_result", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        run_stage("kto", str(project))
+    assert list((project / ".checkpoints").glob("kto-*")), "the resume state went before the outputs were written"
+    monkeypatch.setattr(stage_task, "write_result", real_write)
+    run_stage("kto", str(project))
+    assert not list((project / ".checkpoints").glob("kto-*"))
+    assert json.loads((project / "metrics" / "kto.json").read_text())["enabled"] is True

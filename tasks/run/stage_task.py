@@ -16,18 +16,16 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.data import DataFormatError
-from tasks.process.distributed import LauncherError, require_single_process
+from tasks.process.distributed import require_single_process
 from tasks.process.logs import get_logger
+from tasks.process.outcome import classify
 from tasks.store.outputs import write_csv, write_json
-from tasks.spec.params import PARAMS_FILE, ParamsError, StageParams, cross_section_values, stage_enabled
+from tasks.spec.params import PARAMS_FILE, StageParams, cross_section_values, stage_enabled
 from tasks.store.placeholders import write_placeholder
 from tasks.store.stage_run import stage_run
 from tasks.spec.stage import WINDOW_COLUMNS, Stage, StageContext, StageIO, StageResult
 from tasks.stages import BY_NAME, LAUNCHABLE, load_params
 
-BAD_INPUT = (DataFormatError, ParamsError, FileNotFoundError, ValueError, LauncherError)
-"""Errors that fail the same way twice: never retried."""
 RETRY_DELAY_S = 2
 
 
@@ -82,13 +80,11 @@ def write_placeholders(stage: Stage, root: Path, io: StageIO) -> dict:
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Retry transient I/O errors, never bad input (a malformed file or params fail the same way twice)."""
+    """Retry transient I/O errors, never bad input nor a stop (``tasks.process.outcome.classify``)."""
     try:
         state.result()
-    except BAD_INPUT:
-        return False
-    except Exception:  # noqa: BLE001
-        return True
+    except Exception as error:  # noqa: BLE001 - classified, never raised here
+        return classify(error).retry
     return False
 
 
@@ -106,5 +102,5 @@ def run_stage_task(name: str, root: str | Path = ".", parent_run_id: str | None 
     return task_run(name, str(root), parent_run_id)
 
 
-__all__ = ["BAD_INPUT", "retry_unless_bad_input", "run_stage", "run_stage_task", "write_placeholders",
+__all__ = ["retry_unless_bad_input", "run_stage", "run_stage_task", "write_placeholders",
            "write_result"]

@@ -9,11 +9,11 @@ process group, the checkout's lock is taken (once: a second run waits or refuses
   one stage run by ``dvc repro`` (``records=False``) always runs and DVC records it. Either way it is stopped first
   if a stop was requested, guarded against its inputs changing while it runs, and its abandoned resume states go.
 - ``run.registry()``: the registry step.
-- ``run.parent_run()``: the pipeline's MLflow parent run, ended with the status :data:`ENDINGS` maps the run's
-  exception to (a stop, inputs that changed, any other failure), or ``FINISHED``.
+- ``run.parent_run()``: the pipeline's MLflow parent run, ended with the status ``tasks.process.outcome.classify``
+  gives the run's exception (a stop, inputs that changed, any other failure), or ``FINISHED``.
 
 A CLI enters the run before Prefect starts; the flow it calls joins it (:func:`pipeline_run`), so nothing is taken
-twice. :func:`exit_status` is the one mapping of an exception to a CLI's exit status.
+twice. ``tasks.process.outcome.classify`` is the one mapping of an exception to a CLI's exit status.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.checkpointing import Preempted, on_stop_signal, stop_requested
-from tasks.process.distributed import LauncherError, is_main_process, require_single_process
-from tasks.store.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
-from tasks.process.locking import EXIT_LOCKED, CheckoutLocked, checkout_lock
+from tasks.process.distributed import is_main_process, require_single_process
+from tasks.process.outcome import ConfigError, classify
+from tasks.store.dvc_ops import inputs_unchanged, record_stage, stage_status
+from tasks.process.locking import checkout_lock
 from tasks.process.logs import get_logger
 from tasks.store.mlflow_runs import end_pipeline_run, start_pipeline_run
 from tasks.run.orphans import clean_after_dead_runs, detach_temporary_server
@@ -40,53 +40,6 @@ from tasks.stages.common.scoring import read_results
 from tasks.stages.common.source import check_source, source_changed
 from tasks.run.stage_task import run_stage, run_stage_task
 from tasks.stages import DEFAULT_STAGES, LAUNCHABLE, load_params
-
-EXIT_USAGE = 2
-"""A configuration error (params.yaml, ``prepare.source``: nothing started), or a stage that runs in one process
-started by a launcher with several."""
-EXIT_STOPPED = 75
-"""Stopped by SIGTERM/SIGINT with its state saved, or its params/inputs changed while it ran (not recorded): run it
-again to resume (``EX_TEMPFAIL``)."""
-
-
-class ConfigError(ValueError):
-    """params.yaml or the data it names is wrong; the run stopped before anything started (the message says what)."""
-
-
-EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
-    (ConfigError, EXIT_USAGE), (LauncherError, EXIT_USAGE), (CheckoutLocked, EXIT_LOCKED),
-    (Preempted, EXIT_STOPPED), (StageInputsChanged, EXIT_STOPPED),
-)
-"""The exceptions a CLI turns into an exit status (anything else is a failure: 1)."""
-
-
-def exit_status(error: BaseException) -> int | None:
-    """The CLI exit status of ``error`` (:data:`EXIT_STATUS`), None for a failure that should propagate."""
-    return next((code for kind, code in EXIT_STATUS if isinstance(error, kind)), None)
-
-
-@dataclass(frozen=True)
-class Ending:
-    """How a pipeline run that raised ``error`` ends: its MLflow status, the ``rlhf.<tag>`` naming the stage it
-    happened in, the Prefect flow run's new name and the warning logged (``{stage}``, ``{error}`` filled in)."""
-
-    error: type[BaseException]
-    status: str
-    tag: str | None
-    flow_run_name: str | None
-    warning: str | None
-
-
-ENDINGS = (
-    # earlier stages stay recorded; this one is not; no registry step
-    Ending(Preempted, "KILLED", "preempted", None, "stage {stage} stopped ({error}); run the pipeline again to resume it"),
-    # earlier stages stay recorded; this one and later ones stay stale
-    Ending(StageInputsChanged, "KILLED", "inputs_changed", "pipeline: inputs changed during {stage}",
-           "{error}; later stages and the registry step skipped"),
-    Ending(BaseException, "FAILED", None, "pipeline: FAILED at {stage}", None),
-)
-"""The one mapping of a pipeline run's exception to how it ends (the first that matches)."""
-
 
 def install_stop_handlers() -> dict:
     """SIGTERM/SIGINT become a stop request for the whole process (``rlhf_core.checkpointing.stop_requested``):
@@ -218,7 +171,7 @@ class PipelineRun:
     @contextlib.contextmanager
     def parent_run(self) -> Iterator[PipelineRun]:
         """The pipeline's MLflow parent run around the block, named for what the run did when it ends; ended as
-        :data:`ENDINGS` says when the block raises (the exception propagates)."""
+        ``classify`` says when the block raises (the exception propagates)."""
         self.parent_run_id = start_pipeline_run(self.root, entry="prefect") or None
         try:
             yield self
@@ -233,7 +186,7 @@ class PipelineRun:
             summary = {"ran": ",".join(self.ran) or "nothing", "registry": self.decision.get("reason")}
             rename_flow_run(f"pipeline: {','.join(self.ran) or 'up to date'}")
         else:
-            ending = next(e for e in ENDINGS if isinstance(error, e.error))
+            ending = classify(error)
             if ending.warning:
                 get_logger().warning(ending.warning.format(stage=self.current, error=error))
             if ending.flow_run_name:
@@ -241,7 +194,7 @@ class PipelineRun:
             if ending.tag:
                 summary[ending.tag] = self.current
         self.kept = end_pipeline_run(
-            self.root, self.parent_run_id or "", ending.status if ending else "FINISHED", summary, params=self.params,
+            self.root, self.parent_run_id or "", ending.mlflow_status if ending else "FINISHED", summary, params=self.params,
             ran=self.ran, skipped=self.skipped, registry=None if ending else self.decision,
             failed_stage=self.current if ending else None, error=error, results=read_results(self.root, self.params.paths),
             default_stages=DEFAULT_STAGES)
@@ -272,5 +225,4 @@ def describe_changes(changes: dict) -> str:
     return "; ".join(parts)[:300] or "changed"
 
 
-__all__ = ["ConfigError", "ENDINGS", "EXIT_STATUS", "EXIT_STOPPED", "EXIT_USAGE", "Ending", "PipelineRun",
-           "describe_changes", "exit_status", "install_stop_handlers", "pipeline_run"]
+__all__ = ["PipelineRun", "describe_changes", "install_stop_handlers", "pipeline_run"]

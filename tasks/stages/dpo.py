@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
 from tasks.process.logs import get_logger
-from tasks.store.outputs import atomic_dir
 from tasks.spec.param_rules import ValueRules
-from tasks.spec.params import SampledPolicy, as_dict
+from tasks.spec.params import SampledPolicy
 from tasks.stages.common.policy import load_sft_policy
 from tasks.stages.common.samples import sample_windows
 from tasks.spec.stage import StageContext, StageResult
@@ -68,7 +67,7 @@ def body(ctx: StageContext) -> StageResult:
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import DPOTrainer, set_seed
-    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, train_and_save, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     pairs = read_jsonl(ctx.dep("preferences"))
@@ -79,26 +78,31 @@ def body(ctx: StageContext) -> StageResult:
     dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})
     run.log_dataset(ctx.dep("preferences"), "preferences")
     log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
-    with resumable_training("dpo", run, p) as ck, atomic_dir(ctx.out("model")) as out:
+    windows = None
+    curve_keys = ("loss", "rewards/accuracies", "rewards/margins")
+
+    def build(ck):
+        nonlocal windows
         windows, windows_callback = sample_windows(ctx, ck.dir / "sample_windows.json")
-        trainer = DPOTrainer(model, ref_model=None, beta=p.beta, loss_type=p.loss_type,
-                             args=training_arguments(ck.dir, p, **checkpointing_arguments()),
-                             train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
-                             max_prompt_length=p.max_prompt_length, tracker=run.tracker,
-                             callbacks=[ck.callback, windows_callback])
-        result = ck.train(trainer)  # resumes from .checkpoints/dpo-*; SIGTERM -> Preempted (exit 75)
-        curve = loss_curve(trainer.state.log_history, ("loss", "rewards/accuracies", "rewards/margins"))
+        return DPOTrainer(model, ref_model=None, beta=p.beta, loss_type=p.loss_type,
+                          args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                          train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
+                          max_prompt_length=p.max_prompt_length, tracker=run.tracker,
+                          callbacks=[ck.callback, windows_callback])
+
+    def card_metrics(trainer, result):
+        curve = loss_curve(trainer.state.log_history, curve_keys)
         last = curve[-1] if curve else {}
-        metrics = {"train_loss": round(float(result.training_loss), 4),
-                   "final_loss": round(float(last.get("loss", result.training_loss)), 4),
-                   "final_reward_accuracy": round(float(last.get("rewards/accuracies", float("nan"))), 4),
-                   "final_reward_margin": round(float(last.get("rewards/margins", float("nan"))), 4),
-                   "num_pairs": len(pairs), "steps": trainer.state.global_step,
-                   "num_processes": trainer.args.world_size}
-        trainer.save_model(str(out))
-        tokenizer.save_pretrained(str(out))
-        run.write_model_card(out, "DPOTrainer", f"{ctx.io.deps['sft']} (SFT policy; also the reference)", as_dict(p),
-                             metrics)
+        return {"train_loss": round(float(result.training_loss), 4),
+                "final_loss": round(float(last.get("loss", result.training_loss)), 4),
+                "final_reward_accuracy": round(float(last.get("rewards/accuracies", float("nan"))), 4),
+                "final_reward_margin": round(float(last.get("rewards/margins", float("nan"))), 4),
+                "num_pairs": len(pairs), "steps": trainer.state.global_step,
+                "num_processes": trainer.args.world_size}
+
+    trained = train_and_save(ctx, build, ("DPOTrainer", f"{ctx.io.deps['sft']} (SFT policy; also the reference)"),
+                             card_metrics, tokenizer)
+    curve = loss_curve(trained.trainer.state.log_history, curve_keys)
     rows = [{"step": r["step"], "loss": r.get("loss"), "reward_accuracy": r.get("rewards/accuracies"),
              "reward_margin": r.get("rewards/margins")} for r in curve]
-    return StageResult(metrics, rows, windows=windows.points, finish=ck.done)
+    return StageResult(trained.card_metrics, rows, windows=windows.points, finish=trained.finish)

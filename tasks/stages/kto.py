@@ -86,8 +86,9 @@ def body(ctx: StageContext) -> StageResult:
         return KTOTrainer(model, ref_model=None, args=trainer_arguments(KTOConfig, p, ck.dir), train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[ck.callback, windows_callback], tracker=run.tracker)
 
-    trainer, rows = train_policy(ctx, build, ("KTOTrainer", f"{ctx.io.deps['sft']} (SFT policy; also the reference)"))
+    trained, rows = train_policy(ctx, build, ("KTOTrainer", f"{ctx.io.deps['sft']} (SFT policy; also the reference)"))
+    trainer = trained.trainer
     metrics = {"enabled": True, "final_loss": last_fifth_mean(rows, "loss"), "kl_last": last_fifth_mean(rows, "kl"),
                "final_reward_margin": last_fifth_mean(rows, "rewards/margins"), "num_ratings": len(ratings),
                "num_desirable": sum(labels), "steps": trainer.state.global_step, "num_processes": trainer.args.world_size}
-    return StageResult(metrics, rows, windows=windows.points)
+    return StageResult(metrics, rows, windows=windows.points, finish=trained.finish)

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import RewardModelScorer
 from tasks.process.logs import get_logger
-from tasks.store.outputs import atomic_dir
 from tasks.spec.param_rules import ValueRules
-from tasks.spec.params import as_dict
 from tasks.spec.stage import StageContext, StageResult
 
 HOLDOUT_SHARE = 0.1
@@ -57,7 +55,7 @@ def body(ctx: StageContext) -> StageResult:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_core import RewardTrainer, set_seed
-    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, train_and_save, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     pairs_path, sft_dir = ctx.io.deps["preferences"], ctx.io.deps["sft"]
@@ -79,25 +77,24 @@ def body(ctx: StageContext) -> StageResult:
     columns = ("prompt", "chosen", "rejected")
     dataset = Dataset.from_dict({c: [x[c] for x in train] for c in columns})
     log.info("reward_model: %d training pairs, %d held out, initialised from %s", len(train), len(held), base)
-    with resumable_training("reward_model", run, p) as ck, atomic_dir(ctx.out("model")) as out:
-        trainer = RewardTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
-                                train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
-                                tracker=run.tracker, callbacks=[ck.callback])
-        result = ck.train(trainer)  # resumes from .checkpoints/reward_model-*; SIGTERM -> Preempted (exit 75)
-        curve = loss_curve(trainer.state.log_history)
+    def build(ck):
+        return RewardTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                             train_dataset=dataset, tokenizer=tokenizer, max_length=p.max_length,
+                             tracker=run.tracker, callbacks=[ck.callback])
+
+    def card_metrics(trainer, result):
         scorer = RewardModelScorer(trainer.model, tokenizer, max_length=p.max_length)
         chosen = scorer([x["prompt"] + x["chosen"] for x in held])
         rejected = scorer([x["prompt"] + x["rejected"] for x in held])
-        metrics = {
+        return {
             "train_loss": round(float(result.training_loss), 4),
             "heldout_accuracy": round(sum(c > r for c, r in zip(chosen, rejected)) / len(held), 4),
             "heldout_margin": round(sum(c - r for c, r in zip(chosen, rejected)) / len(held), 4),
             "num_train_pairs": len(train), "num_heldout_pairs": len(held), "steps": trainer.state.global_step,
             "num_processes": trainer.args.world_size,
         }
-        trainer.save_model(str(out))
-        tokenizer.save_pretrained(str(out))
-        run.write_model_card(out, "RewardTrainer", base if p.init_from != "sft" else f"{sft_dir} (SFT policy)",
-                             as_dict(p), metrics)
-    log.info("reward_model: held-out accuracy %.3f", metrics["heldout_accuracy"])
-    return StageResult(metrics, curve, finish=ck.done)
+
+    trained = train_and_save(ctx, build, ("RewardTrainer", base if p.init_from != "sft" else f"{sft_dir} (SFT policy)"),
+                             card_metrics, tokenizer)
+    log.info("reward_model: held-out accuracy %.3f", trained.card_metrics["heldout_accuracy"])
+    return StageResult(trained.card_metrics, loss_curve(trained.trainer.state.log_history), finish=trained.finish)

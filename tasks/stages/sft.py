@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
 from tasks.process.logs import get_logger
-from tasks.store.outputs import atomic_dir
 from tasks.spec.param_rules import ValueRules
-from tasks.spec.params import as_dict
 from tasks.spec.stage import StageContext, StageResult
 
 
@@ -96,7 +94,7 @@ def body(ctx: StageContext) -> StageResult:
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import SFTTrainer, set_seed
-    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, train_and_save, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     texts = [r["text"] for r in read_jsonl(ctx.dep("sft_train"))]
@@ -107,19 +105,20 @@ def body(ctx: StageContext) -> StageResult:
     n_params = sum(t.numel() for t in model.parameters())
     log.info("sft: %d texts, model %s with %.2fM parameters", len(texts), p.model_name or f"tiny-{p.arch}", n_params / 1e6)
     run.log_dataset(ctx.dep("sft_train"), "sft_train")
-    with resumable_training("sft", run, p) as ck, atomic_dir(ctx.out("model")) as out:
-        trainer = SFTTrainer(
-            model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
-            train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
-            max_seq_length=p.max_seq_length, tokenizer=tokenizer, tracker=run.tracker, callbacks=[ck.callback])
-        result = ck.train(trainer)  # resumes from .checkpoints/sft-*; SIGTERM -> Preempted (exit 75)
+    def build(ck):
+        return SFTTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                          train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
+                          max_seq_length=p.max_seq_length, tokenizer=tokenizer, tracker=run.tracker,
+                          callbacks=[ck.callback])
+
+    def card_metrics(trainer, result):
         curve = loss_curve(trainer.state.log_history)
         final_loss = curve[-1]["loss"] if curve else float(result.training_loss)
-        metrics = {"train_loss": round(float(result.training_loss), 4), "final_loss": round(final_loss, 4),
-                   "final_perplexity": round(math.exp(min(final_loss, 50.0)), 3),
-                   "num_texts": len(texts), "num_parameters": n_params, "steps": trainer.state.global_step,
-                   "num_processes": trainer.args.world_size}
-        trainer.save_model(str(out))
-        tokenizer.save_pretrained(str(out))
-        run.write_model_card(out, "SFTTrainer", p.model_name or f"built from config (tiny {p.arch})", as_dict(p), metrics)
-    return StageResult(metrics, curve, finish=ck.done)
+        return {"train_loss": round(float(result.training_loss), 4), "final_loss": round(final_loss, 4),
+                "final_perplexity": round(math.exp(min(final_loss, 50.0)), 3),
+                "num_texts": len(texts), "num_parameters": n_params, "steps": trainer.state.global_step,
+                "num_processes": trainer.args.world_size}
+
+    trained = train_and_save(ctx, build, ("SFTTrainer", p.model_name or f"built from config (tiny {p.arch})"),
+                             card_metrics, tokenizer)
+    return StageResult(trained.card_metrics, loss_curve(trained.trainer.state.log_history), finish=trained.finish)

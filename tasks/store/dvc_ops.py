@@ -27,6 +27,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.store.dvc_lockfile import atomic_dvc_writes, repair_lockfile
+from tasks.process.outcome import StageInputsChanged
 from tasks.process.logs import get_logger, single_dvc_output
 
 
@@ -71,16 +72,6 @@ def push_outputs(root: str, remote: str | None = None) -> int:
         pushed = repo.push(remote=remote)
     get_logger().info("dvc: pushed %s file(s) to the %s remote", pushed, remote or "default")
     return int(pushed or 0)
-
-
-class StageInputsChanged(RuntimeError):
-    """A stage's params or dependencies changed while it ran: its outputs match neither version, so it is not
-    recorded in dvc.lock (run it again: the CLIs exit 75, ``tasks.run.supervisor.EXIT_STOPPED``)."""
-
-    def __init__(self, stage: str, changed: list[str]) -> None:
-        self.stage, self.changed = stage, changed
-        super().__init__(f"stage {stage}: {', '.join(changed)} changed while it ran; not recorded in dvc.lock "
-                         "(it stays stale: run it again to train on the current values)")
 
 
 def _stage_spec(root: Path, stage: str) -> dict:

@@ -25,6 +25,7 @@ from rlhf_core.model_card import write_model_card
 from rlhf_core.tracking import NullTracker, public_params
 from tasks.process.distributed import barrier, is_main_process
 from tasks.process.logs import get_logger
+from tasks.process.outcome import classify
 from tasks.store.mlflow_runs import (
     mlflow_setup,
     mlflow_ui_link,
@@ -192,7 +193,8 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
     If the tracking store is out (a server that refuses connections, a SQLite store locked or deleted) the stage still
     runs: one warning, and everything the run would have logged goes to a spool file under ``<root>/tracking-spool/``,
     replayed into the run when the stage ends if the store answers again by then (else ``make tracking-upload``).
-    A stage stopped by SIGTERM (``Preempted``) ends its run ``KILLED``; any other error ``FAILED``.
+    A stage that raised ends its run with the status ``tasks.process.outcome.classify`` gives (``KILLED`` for a
+    stop by SIGTERM, ``Preempted``; ``FAILED`` for any other error).
 
     Under a launcher, only the main process opens the run; the other ranks get a handle that records nothing
     (``main=False``). All ranks meet at a barrier when the stage finishes or is stopped, after rank 0 has ended
@@ -251,12 +253,10 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
         handle.log_params(public_params({**{f"{stage}.{k}": v for k, v in as_dict(params_section).items()},
                                          **handle.reads}))
         yield handle
-    except Preempted:
-        end("KILLED")
-        barrier()  # every rank stopped at the same step (the stop flag is all-reduced); the state is on disk
-        raise
-    except BaseException:
-        end("FAILED")
+    except BaseException as error:
+        end(classify(error).mlflow_status)
+        if isinstance(error, Preempted):
+            barrier()  # every rank stopped at the same step (the stop flag is all-reduced); the state is on disk
         raise
     handle.summary.setdefault("seconds", round(time.time() - started, 1))
     tracker.log({"stage_seconds": time.time() - started})

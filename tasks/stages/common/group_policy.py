@@ -109,14 +109,15 @@ def train_group_sampled(ctx: StageContext, config_class: type, trainer_class: ty
             model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
             processing_class=tokenizer, callbacks=[ck.callback], tracker=run.tracker)
 
-    trainer, rows = train_policy(ctx, build, (trainer_class.__name__,
+    trained, rows = train_policy(ctx, build, (trainer_class.__name__,
                                               f"{ctx.io.deps['sft']} (SFT policy; also the KL reference)"))
+    trainer = trained.trainer
     rows = fill_reused_batches(rows, p.num_iterations)
     metrics = {"enabled": True, "reward_mean_first": round(float(rows[0]["reward"]), 4),
                "reward_mean_last": last_fifth_mean(rows, "reward"), "kl_last": last_fifth_mean(rows, "kl"),
                "steps": trainer.state.global_step, "num_processes": trainer.args.world_size,
                "completions_per_step": p.per_device_train_batch_size * trainer.args.world_size}
-    return StageResult(metrics, rows)
+    return StageResult(metrics, rows, finish=trained.finish)
 
 
 __all__ = ["COLUMNS", "GENERATION_COLUMNS", "GroupSampledParams", "ONLINE_REWARDS", "OnlineStageParams",

@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from tasks.process.logs import on_terminal
-from tasks.store.outputs import atomic_dir
-from tasks.spec.params import as_dict
 from tasks.spec.stage import StageContext
 
 
@@ -48,23 +46,13 @@ def last_fifth_mean(rows: list[dict], key: str) -> float:
 
 
 def train_policy(ctx: StageContext, build: Callable[[Any], Any], card: tuple[str, str]) -> tuple[Any, list[dict]]:
-    """Train with the resumable Trainer plumbing and save the policy (model + tokenizer + card) in ``models/<stage>``.
+    """``tasks.stages.common.resume.train_and_save`` for a TRL-1.16-style policy trainer (its card records the
+    steps). Returns its ``Trained`` (``finish`` goes into the ``StageResult``: the resumable state is removed only
+    once the stage's outputs are written) and the per-step curve rows (the row's plot columns)."""
+    from tasks.stages.common.resume import train_and_save  # tasks.stages.common.resume loads transformers: only when a stage trains
 
-    ``build(ck)``: the trainer, given the ``Resumable`` (its ``.dir`` is the output_dir, ``.callback`` must be
-    among the callbacks). Returns the trainer and the per-step curve rows (the row's plot columns). SIGTERM ->
-    ``Preempted`` (exit 75). The resumable state is removed here: the rows are all that is left to write."""
-    from tasks.stages.common.resume import resumable_training  # tasks.stages.common.resume loads transformers: only when a stage trains
-
-    run, section = ctx.run, ctx.section
-    with resumable_training(ctx.stage.name, run, section) as ck, atomic_dir(ctx.out("model")) as out:
-        trainer = build(ck)
-        ck.train(trainer)
-        rows = curve_rows(trainer.state.log_history, ctx.stage.plot_columns)
-        trainer.save_model(str(out))
-        trainer.processing_class.save_pretrained(str(out))
-        run.write_model_card(out, card[0], card[1], as_dict(section), {"steps": trainer.state.global_step})
-    ck.done()
-    return trainer, rows
+    trained = train_and_save(ctx, build, card, lambda trainer, _: {"steps": trainer.state.global_step})
+    return trained, curve_rows(trained.trainer.state.log_history, ctx.stage.plot_columns)
 
 
 __all__ = ["curve_rows", "last_fifth_mean", "load_sft_policy", "train_policy", "trainer_arguments"]

@@ -1,6 +1,6 @@
-"""Training plumbing shared by the Trainer-based stages (sft, reward_model, dpo): ``TrainingArguments`` from a
-params section, resumable checkpoints with a graceful stop agreed by every rank, a ``train_loss`` that a resume does
-not change, and the loss curve for plots.
+"""Training plumbing shared by the Trainer-based stages (sft, reward_model, dpo, kto, grpo, rloo): ``TrainingArguments``
+from a params section, resumable checkpoints with a graceful stop agreed by every rank, a ``train_loss`` that a resume
+does not change, the loss curve for plots, and the one training tail (:func:`train_and_save`).
 
 Importing it imports transformers (the stop callback is a ``TrainerCallback``): the stage bodies import it inside
 their body (the stage table imports every body), so a non-training stage (``python -m flows.stage prepare``) starts
@@ -14,7 +14,8 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,10 @@ from transformers import TrainerCallback, TrainingArguments
 from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.process.distributed import any_process, check_replicas_identical, is_main_process
 from tasks.process.logs import get_logger, on_terminal, quiet_trainer_output
-from tasks.store.outputs import write_json
+from tasks.store.outputs import atomic_dir, write_json
 from tasks.spec.params import as_dict
 from tasks.spec.paths import stage_checkpoint_dir
+from tasks.spec.stage import StageContext
 from tasks.store.stage_run import StageRun
 
 SAVE_STEPS = 50
@@ -192,6 +194,34 @@ def resumable_training(stage: str, run: StageRun, params_section: Any) -> Iterat
         yield Resumable(stage, run, stop, checkpoints, output_dir)
 
 
+@dataclass
+class Trained:
+    """What :func:`train_and_save` leaves: the trainer, ``train()``'s result, the metrics its model card holds, and
+    ``finish`` (the ``StageResult``'s: it removes the resumable state once the wrapper has written every output)."""
+
+    trainer: Any
+    result: Any
+    card_metrics: dict[str, Any]
+    finish: Callable[[], None]
+
+
+def train_and_save(ctx: StageContext, build: Callable[[Resumable], Any], card: tuple[str, str],
+                   card_metrics: Callable[[Any, Any], dict[str, Any]], tokenizer: Any = None) -> Trained:
+    """The training tail of every Trainer-based stage (sft, reward_model, dpo, kto, grpo, rloo), in one place: the
+    trainer ``build(ck)`` makes (``ck.callback`` among its callbacks, ``ck.dir`` its ``output_dir``) trains resumably
+    (SIGTERM -> ``Preempted``, exit 75), then ``models/<stage>`` gets the model, the tokenizer (``tokenizer``, else the
+    trainer's ``processing_class``) and the model card (``card``: trainer name and base; ``card_metrics(trainer,
+    result)``), atomically. The resumable state stays until the stage's outputs are recorded: ``finish``."""
+    with resumable_training(ctx.stage.name, ctx.run, ctx.section) as ck, atomic_dir(ctx.out("model")) as out:
+        trainer = build(ck)
+        result = ck.train(trainer)
+        metrics = card_metrics(trainer, result)
+        trainer.save_model(str(out))
+        (tokenizer or trainer.processing_class).save_pretrained(str(out))
+        ctx.run.write_model_card(out, card[0], card[1], as_dict(ctx.section), metrics)
+    return Trained(trainer, result, metrics, finish=ck.done)
+
+
 def resume_key(run: StageRun, params_section: Any) -> dict[str, Any]:
     """What a stage's resumable state is keyed by: its section, the params it reads elsewhere (``run.reads``: a
     changed ``evaluate.seed`` must not resume ppo's sample windows scored with the old one) and its inputs' hashes."""
@@ -207,5 +237,5 @@ def loss_curve(log_history: list[dict], keys: Iterable[str] = ("loss",)) -> list
     return [{"step": e["step"], **{k: e[k] for k in keys if k in e}} for e in log_history if "step" in e and keys[0] in e]
 
 
-__all__ = ["AllRanksStopCallback", "Resumable", "SAVE_STEPS", "checkpointing_arguments", "loss_curve",
-           "resumable_training", "resume_key", "training_arguments"]
+__all__ = ["AllRanksStopCallback", "Resumable", "SAVE_STEPS", "Trained", "checkpointing_arguments", "loss_curve",
+           "resumable_training", "resume_key", "train_and_save", "training_arguments"]
