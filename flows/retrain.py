@@ -38,13 +38,13 @@ from flows.report import refresh_readme
 from tasks.store.dvc_ops import push_outputs
 from tasks.process.locking import add_wait_argument, checkout_lock
 from tasks.store.mlflow_runs import mlflow_setup, tracking_uri
-from tasks.run.orphans import detach_temporary_server
 from tasks.process.outcome import classify
-from tasks.run.supervisor import install_stop_handlers
+from tasks.run.supervisor import PipelineRun, pipeline_run
 from tasks.run.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
                             restore_checkout_outputs)
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
+COMMAND = "python -m flows.retrain"
 
 
 @contextlib.contextmanager
@@ -71,9 +71,11 @@ def retrain(root: str = ".", branch: str | None = None, push: bool = True, remot
     root = str(Path(root).resolve())
     branch = branch or current_branch(root)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    # The checkout's lock, held to the end: a `make run` in the same checkout waits for (or refuses with the name
-    # of) this run while it trains in its worktree, registers and pushes (re-entrant for this process).
-    with checkout_lock(root, "python -m flows.retrain"):
+    # Supervised as every run of the checkout (tasks/run/supervisor.py): its lock, held to the end (a `make run` in the
+    # same checkout waits for, or refuses with the name of, this run while it trains in its worktree, registers and
+    # pushes), stop handlers, and what killed runs left behind cleaned. The CLI opened it already; a deployed run
+    # opens it here. records=False: this checkout's dvc.lock is not written here (the worktree's pipeline records).
+    with pipeline_run(root, COMMAND, records=False):
         worktree = open_worktree(root, branch, stamp)
         try:
             base = git(worktree, "rev-parse", "HEAD")  # the branch's commit the run starts from
@@ -138,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
                       parameters={"root": str(Path(args.root).resolve()), "branch": args.branch,
                                   "push": not args.no_push, "record": not args.no_record})
         return 0
-    install_stop_handlers()  # one run (not --serve: there SIGTERM must stop the server)
-    detach_temporary_server()  # a signal to our process group must not kill Prefect's server first
     try:
-        with checkout_lock(args.root, "python -m flows.retrain"):  # refused here, before Prefect starts
+        # the lock, stop handlers (one run; not --serve: there SIGTERM must stop the server), Prefect's temporary
+        # server out of our process group: refused here, before Prefect starts
+        with PipelineRun(args.root, COMMAND, records=False):
             summary = retrain(args.root, branch=args.branch, push=not args.no_push, record=not args.no_record,
                               land=not args.no_land)
     except Exception as stopped:  # noqa: BLE001 - mapped to an exit status, or re-raised

@@ -55,7 +55,8 @@ def install_stop_handlers() -> dict:
 
 class PipelineRun:
     """One run in the checkout ``root``: the pipeline (``records=True``: it asks DVC what is stale and records each
-    stage) or one stage that DVC runs and records (``records=False``). ``command`` names the run to a second one
+    stage), or a run that records nothing in the checkout's dvc.lock itself (``records=False``: one stage that DVC
+    runs and records; a retrain, whose pipeline records in its worktree). ``command`` names the run to a second one
     that finds the checkout taken; ``parent_run_id``: the MLflow run the stage runs hang under (a single stage gets
     it from its caller; the pipeline starts its own in :meth:`parent_run`).
 
