@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.core import sequence_logprobs, shifted_token_logprobs
+from rlhf_core.core import sequence_logprobs
+from rlhf_core.models.padding import pad_id_of
+from rlhf_core.trainers.experience import build_causal_batch
+from rlhf_core.trainers.forward import response_forward
+from rlhf_core.trainers.generation import sample_completions
 
 
 @dataclass
@@ -30,53 +34,29 @@ class Samples:
         return [p + r for p, r in zip(self.prompts, self.responses)]
 
 
-def _pad_left(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
-    return ids, mask
-
-
-def _pad_right(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = r, 1
-    return ids, mask
-
-
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = 64,
                      seed: int = 0) -> Samples:
-    """Pure sampling (no top-k/top-p) of up to ``max_new_tokens`` per prompt, cut after the first EOS.
+    """Pure sampling (no top-k/top-p) of up to ``max_new_tokens`` per prompt, cut after the first EOS, through the
+    trainers' one sampling path (``generation.sample_completions``: static KV cache, CUDA graphs and the bf16
+    sampling copy on a GPU; the same tokens as ``generate`` on the CPU).
 
-    Seeded, so two policies are compared on the same random stream. The pad token is never sampled.
+    Seeded, so two policies are compared on the same random stream (the caller's stream is restored). The pad token
+    is never sampled; an empty response becomes a lone EOS.
     """
     model.eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
-    extra = {"suppress_tokens": [pad_id]} if pad_id != eos else {}
     device = next(model.parameters()).device
+    query_ids = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    query_ids, response_ids = [], []
     try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts[start:start + batch_size]]
-            ids, mask = _pad_left(chunk, pad_id)  # (B, T)
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos, **extra)
-            for q, row in zip(chunk, out[:, ids.shape[1]:].cpu()):  # row: (A,)
-                hits = (row == eos).nonzero()
-                row = row[: int(hits[0]) + 1] if len(hits) else row
-                row = row[row != pad_id] if pad_id != eos else row
-                query_ids.append(q)
-                response_ids.append(row if len(row) else torch.tensor([eos]))
+        completions = sample_completions(model, tokenizer, query_ids, device=device, batch_size=batch_size,
+                                         do_sample=True, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                         eos_token_id=eos)
     finally:
         torch.random.set_rng_state(generator_state)
+    response_ids = [r.cpu() if len(r) else torch.tensor([eos]) for r in completions.responses]
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return Samples(list(prompts), query_ids, response_ids, responses)
 
@@ -84,19 +64,17 @@ def sample_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
 @torch.no_grad()
 def response_logprobs(model, query_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], pad_id: int,
                       batch_size: int = 64) -> torch.Tensor:
-    """Sum of log p(response token | prefix) per sample under ``model``: returns (N,)."""
+    """Sum of log p(response token | prefix) per sample under ``model``, through the trainers' one forward
+    (``forward.response_forward``: log-softmax in chunks, never the fp32 (B, T, V) logits): returns (N,)."""
     model.eval()
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(query_ids), batch_size):
-        qs, rs = query_ids[start:start + batch_size], response_ids[start:start + batch_size]
-        ids, mask = _pad_right([torch.cat([q, r]) for q, r in zip(qs, rs)], pad_id)  # (B, T)
-        response_mask = torch.zeros_like(ids)  # (B, T): 1 on response tokens
-        for i, (q, r) in enumerate(zip(qs, rs)):
-            response_mask[i, len(q): len(q) + len(r)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()  # (B, T, V)
-        token_logprobs = shifted_token_logprobs(logits, ids)  # (B, T-1): scores token t+1
-        out.append(sequence_logprobs(token_logprobs, response_mask[:, 1:]))  # (B,)
+        qs = [q.to(device) for q in query_ids[start:start + batch_size]]
+        rs = [r.to(device) for r in response_ids[start:start + batch_size]]
+        batch = build_causal_batch(qs, rs, pad_id, left_pad=False)
+        scored = response_forward(model, batch)  # (B, A)
+        out.append(sequence_logprobs(scored.logprobs, batch.response_mask).cpu())  # (B,)
     return torch.cat(out)
 
 
@@ -109,25 +87,21 @@ def kl_to_reference(policy, reference, samples: Samples, pad_id: int, batch_size
 
 @torch.no_grad()
 def perplexity(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 128) -> float:
-    """exp(mean token negative log-likelihood) over ``texts`` (EOS appended, the first token not scored)."""
-    model.eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = next(model.parameters()).device
-    total_nll, total_tokens = 0.0, 0
-    for start in range(0, len(texts), batch_size):
-        rows = []
-        for text in texts[start:start + batch_size]:
-            ids = tokenizer(text, return_tensors="pt").input_ids[0]
-            if tokenizer.eos_token_id is not None:
-                ids = torch.cat([ids, torch.tensor([tokenizer.eos_token_id])])
-            rows.append(ids[:max_length])
-        ids, mask = _pad_right(rows, pad_id)  # (B, T)
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()  # (B, T, V)
-        token_logprobs = shifted_token_logprobs(logits, ids)  # (B, T-1)
-        scored = mask[:, 1:].float()  # (B, T-1)
-        total_nll -= float((token_logprobs * scored).sum())
-        total_tokens += int(scored.sum())
-    return math.exp(total_nll / max(total_tokens, 1))
+    """exp(mean token negative log-likelihood) over ``texts`` (EOS appended, the first token not scored), through
+    the same forward as :func:`response_logprobs` (each text's first token is the prompt, the rest is scored)."""
+    rows = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt").input_ids[0]
+        if tokenizer.eos_token_id is not None:
+            ids = torch.cat([ids, torch.tensor([tokenizer.eos_token_id])])
+        rows.append(ids[:max_length])
+    scored = [r for r in rows if len(r) > 1]  # a one-token text has nothing to score
+    if not scored:
+        return 1.0
+    total = response_logprobs(model, [r[:1] for r in scored], [r[1:] for r in scored], pad_id_of(tokenizer),
+                              batch_size)  # (N,)
+    tokens = sum(len(r) - 1 for r in scored)
+    return math.exp(-float(total.double().sum()) / tokens)
 
 
 def win_rate(scores: Sequence[float], baseline: Sequence[float]) -> float:
@@ -200,7 +174,7 @@ def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], heldou
     ``baseline_gold`` = the reference policy's per-sample gold scores on the same prompts (for the win
     rate); without it the policy is the baseline and its win rate is 0.5.
     """
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_id_of(tokenizer)
     samples = sample_responses(policy, tokenizer, prompts, max_new_tokens, batch_size, seed)
     scores = PromptScores(gold=[float(g) for g in gold(samples.texts)], rm=[float(r) for r in learned(samples.texts)])
     gold_scores = scores.gold

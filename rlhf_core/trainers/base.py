@@ -33,6 +33,7 @@ from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.model_card import write_model_card
 from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.tracking import Tracker, make_tracker
+from rlhf_core.models.padding import ensure_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +172,7 @@ def load_tokenizer_for(model: Any, tokenizer: Any) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(source))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer)
     return tokenizer
 
 
@@ -205,15 +205,6 @@ def without_eval_strategy(args: TrainingArguments, eval_dataset: Any) -> tuple[T
     args = copy.copy(args)
     args.eval_strategy = IntervalStrategy.NO
     return args, strategy
-
-
-def disable_dropout(model: torch.nn.Module | None) -> None:
-    """Set every dropout probability in ``model`` to 0 (DPO's default, so log-probs are deterministic)."""
-    if model is None:
-        return
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 def base_model_name(model: Any) -> str | None:
@@ -531,7 +522,7 @@ class RlhfTrainerMixin:
 __all__ = [
     "GracefulStopCallback", "NonFiniteGuardCallback", "RlhfTrainerMixin", "TrackerCallback", "base_model_name",
     "default_training_args", "keyword_defaults", "merge_config_fields",
-    "disable_dropout", "load_model", "load_tokenizer_for", "portable_training_args", "resolve_bf16",
+    "load_model", "load_tokenizer_for", "portable_training_args", "resolve_bf16",
     "resolve_processing_class",
     "without_eval_strategy", "wrap_peft",
 ]

@@ -33,6 +33,8 @@ import torch
 from accelerate.utils.operations import ConvertOutputsToFp32
 
 from rlhf_core.core import rowwise_logit_stats, token_logprobs
+from rlhf_core.models.peft_support import is_peft_model
+from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.experience import ModelBatch
 from rlhf_core.trainers.packing import can_pack, pack_rows, packing_pays, unpack_slots
@@ -275,6 +277,32 @@ def packing_works(model: Any, lm: Any) -> bool:
 
 # ---- the reference model and dropout
 
+@dataclass(frozen=True)
+class Reference:
+    """Which reference a trainer runs, decided once in its constructor (:func:`decide_reference`)."""
+
+    model: torch.nn.Module | None
+    """A separate reference model (the user's, or a frozen copy of the policy); None when the reference is the
+    policy with its adapter off, or there is none."""
+    adapter_off: bool
+    """The reference is the PEFT policy with its adapter disabled (no second model in memory)."""
+
+
+def decide_reference(policy: torch.nn.Module, ref_model: torch.nn.Module | None = None, *, needed: bool = True,
+                     num_shared_layers: int | None = None) -> Reference:
+    """The reference decision of every trainer (PPO, GRPO/RLOO, DPO, KTO), in one place: the ``ref_model`` given;
+    else, for a PEFT policy, the policy with its adapter off; else, when one is ``needed`` (not: GRPO/RLOO with
+    ``beta == 0``, DPO's ``reference_free``, KTO's precomputed log-probs), a frozen copy of the policy
+    (``create_reference_model``, sharing its first ``num_shared_layers``); else none."""
+    if ref_model is not None:
+        return Reference(ref_model, False)
+    if is_peft_model(getattr(policy, "pretrained_model", policy)):  # a value-head wrapper's transformer, or the policy
+        return Reference(None, True)
+    if not needed:
+        return Reference(None, False)
+    return Reference(create_reference_model(policy, num_shared_layers=num_shared_layers), False)
+
+
 @contextlib.contextmanager
 def reference_model(accelerator: Any, policy: torch.nn.Module, ref_model: torch.nn.Module | None,
                     adapter_off: bool) -> Iterator[torch.nn.Module]:
@@ -291,6 +319,26 @@ def reference_model(accelerator: Any, policy: torch.nn.Module, ref_model: torch.
         return
     with accelerator.unwrap_model(policy).disable_adapter():
         yield policy
+
+
+# ---- dropout off, the three forms the trainers need, in one place
+def disable_dropout(model: torch.nn.Module | None) -> None:
+    """Set every dropout probability in ``model`` to 0, for good (DPO's and KTO's ``disable_dropout``, as TRL: the
+    model stays in train mode, its log-probs are deterministic)."""
+    if model is None:
+        return
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def eval_mode(*models: torch.nn.Module | None) -> None:
+    """Every module of each model in eval mode (no dropout) until something turns it back: once per PPO step
+    (classic TRL semantics: no dropout in PPO forward passes). ``eval()`` walks every module (~0.25 ms on a 2-layer
+    GPT-2): the step's forwards only re-check the top-level flag."""
+    for model in models:
+        if model is not None:
+            model.eval()
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core.models.padding import pad_id_of
 from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.prepacked_linear import prepacked_linears
 from rlhf_core.models.unwrap import language_model
@@ -27,11 +28,6 @@ from rlhf_core.trainers.sampling_precision import Sampler, sampler_for
 # so a larger chunk amortises per-step overhead and weight reads: on CPU, 64 tiny-model prompts x 32 tokens
 # took 1.0 s at 4 per chunk and 0.15 s at 64 (bench/results.md, (b)).
 DEFAULT_GENERATION_BATCH_SIZE = 64
-
-
-def pad_id_of(tokenizer) -> int:
-    """The id used to pad queries: the tokenizer's pad token, else its EOS."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def generation_defaults(tokenizer, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from rlhf_core.rewards import RewardModelScorer
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
+from rlhf_core.models.padding import ensure_pad_token
 
 HOLDOUT_SHARE = 0.1
 COLUMNS = ("step", "loss")
@@ -69,8 +70,7 @@ def body(ctx: StageContext) -> StageResult:
 
     set_seed(p.seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer)
     model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     run.log_dataset(ctx.dep("preferences"), "preferences")

@@ -17,6 +17,7 @@ from rlhf_core.data import read_jsonl
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
+from rlhf_core.models.padding import ensure_pad_token
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,7 @@ def build_policy(p: SFTParams, texts: list[str]):
 
     if p.model_name:
         tokenizer = AutoTokenizer.from_pretrained(p.model_name)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        ensure_pad_token(tokenizer)
         return AutoModelForCausalLM.from_pretrained(p.model_name), tokenizer
     tokenizer = build_tokenizer(texts, vocab_size=p.vocab_size, padding_side="right")
     model = tiny_causal_lm(tokenizer, arch=p.arch, hidden_size=p.hidden_size, num_layers=p.num_layers,

@@ -32,20 +32,19 @@ from transformers import (
 )
 
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
-from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     TrackingOptions,
     check_tracking,
-    is_peft_model,
     load_model,
     wrap_peft,
 )
 from rlhf_core.trainers.experience import ModelBatch, Rollout, build_causal_batch
-from rlhf_core.trainers.forward import dropout_off, reference_model, response_forward
+from rlhf_core.trainers.forward import decide_reference, dropout_off, reference_model, response_forward
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.online.config import OnlineRLConfig
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
+from rlhf_core.models.padding import ensure_pad_token
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 
@@ -151,7 +150,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         model = wrap_peft(model, peft_config)
         self.beta = float(getattr(args, "beta", 0.0))
         # beta == 0: no reference at all. A PEFT policy's reference is the same model with its adapter off.
-        self.ref_model = None if self.beta == 0.0 or is_peft_model(model) else create_reference_model(model)
+        self.ref_model = decide_reference(model, needed=self.beta != 0.0).model
         self.reward_funcs, self.reward_processing_classes = self._load_reward_funcs(
             reward_funcs, reward_processing_classes, args)
         self.reward_func_names = [self._reward_name(f) for f in self.reward_funcs]
@@ -204,8 +203,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
             if not name:
                 raise ValueError("processing_class is required when the model has no name or path to load one from")
             processing_class = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        ensure_pad_token(processing_class)
         processing_class.padding_side = "left"
         return processing_class
 
@@ -236,8 +234,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
                         raise ValueError(f"reward_funcs[{i}] is a model without a path: pass its tokenizer in "
                                          "reward_processing_classes")
                     tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-                if tok.pad_token is None:
-                    tok.pad_token = tok.eos_token
+                ensure_pad_token(tok)
                 func.config.pad_token_id = tok.pad_token_id
             elif not callable(func):
                 raise ValueError(f"reward_funcs[{i}] must be a callable, a model or a path, got {type(func).__name__}")

@@ -36,7 +36,6 @@ from rlhf_core.core import (
 )
 from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_losses
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
-from rlhf_core.models.reference import create_reference_model
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
@@ -47,8 +46,8 @@ from rlhf_core.trainers.generation import (
     DEFAULT_GENERATION_BATCH_SIZE,
     generate_batched,
     generate_single,
-    pad_id_of,
 )
+from rlhf_core.models.padding import pad_id_of
 from rlhf_core.trainers.experience import (
     Experience,
     FirstMinibatch,
@@ -58,7 +57,7 @@ from rlhf_core.trainers.experience import (
     build_seq2seq_batch,
     to_device,
 )
-from rlhf_core.trainers.forward import ResponseForward, reference_model, response_forward
+from rlhf_core.trainers.forward import ResponseForward, decide_reference, eval_mode, reference_model, response_forward
 from rlhf_core.trainers.master_weights import MasterWeights, bf16_by_default
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo.config import PPOConfig
@@ -198,13 +197,10 @@ class PPOTrainer:
         return tracker
 
     def _resolve_reference(self, model, ref_model, num_shared_layers):
-        if ref_model is not None:
-            if num_shared_layers is not None:
-                warnings.warn("num_shared_layers is ignored because a ref_model was passed", stacklevel=3)
-            return ref_model.eval()
-        if self.is_peft_model:
-            return None  # reference = the same model with its adapter disabled
-        return create_reference_model(model, num_shared_layers=num_shared_layers)
+        if ref_model is not None and num_shared_layers is not None:
+            warnings.warn("num_shared_layers is ignored because a ref_model was passed", stacklevel=3)
+        reference = decide_reference(model, ref_model, num_shared_layers=num_shared_layers)
+        return reference.model.eval() if ref_model is not None else reference.model
 
     def prepare_dataloader(self, dataset, data_collator: Callable | None = None) -> DataLoader:
         """A shuffled dataloader of ``batch_size`` rows (last partial batch dropped).
@@ -327,12 +323,9 @@ class PPOTrainer:
         return convert_to_scalar(stats)
 
     def _dropout_off(self) -> None:
-        """Every module of the policy and the reference in eval mode for the step (classic TRL semantics: no
-        dropout in PPO forward passes). Once per step: ``eval()`` walks every module (~0.25 ms on a 2-layer
-        GPT-2), and the step's forwards only re-check the top-level flag (``_forward_batch``)."""
-        self.model.eval()
-        if self.ref_model is not None:
-            self.ref_model.eval()
+        """The policy and the reference in eval mode for the step (``forward.eval_mode``; the step's forwards only
+        re-check the top-level flag, ``_forward_batch``)."""
+        eval_mode(self.model, self.ref_model)
 
     def _step_stats(self, batch: ModelBatch, experience: Experience, scores, queries, responses, train_stats,
                     skipped: int):
@@ -459,7 +452,7 @@ class PPOTrainer:
         """
         batch = model_inputs if isinstance(model_inputs, ModelBatch) else \
             self.prepare_model_inputs(list(queries), list(responses), response_masks)
-        model.eval()  # classic TRL semantics: no dropout in PPO forward passes
+        eval_mode(model)  # classic TRL semantics: no dropout in PPO forward passes
         forward = self._forward_batch(model, batch, logits=return_logits)
         width = batch.model_inputs[batch.token_ids_key].shape[1] - 1  # T-1
         scatter = batch.scatter_to_sequence

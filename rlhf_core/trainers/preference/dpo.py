@@ -36,7 +36,6 @@ from rlhf_core.import_utils import is_wandb_available
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.losses import DPO_LOSS_TYPES, DPO_SMOOTHED_LOSS_TYPES, bco_batch_reward, dpo_loss, rpo_nll_loss
 from rlhf_core.models.peft_support import is_peft_model
-from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     StoredMetricsMixin,
@@ -44,7 +43,6 @@ from rlhf_core.trainers.base import (
     check_tracking,
     checked_init_kwargs,
     default_training_args,
-    disable_dropout as disable_dropout_in_model,
     load_model,
     keyword_defaults,
     merge_config_fields,
@@ -55,7 +53,8 @@ from rlhf_core.trainers.base import (
 )
 from rlhf_core.trainers.collators import IGNORE_INDEX, DPODataCollatorWithPadding, pad_to_length
 from rlhf_core.trainers.experience import ModelBatch
-from rlhf_core.trainers.forward import ResponseForward, reference_model, response_forward
+from rlhf_core.trainers.forward import Reference, ResponseForward, decide_reference, reference_model, response_forward
+from rlhf_core.trainers.forward import disable_dropout as disable_dropout_in_model
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback
 
 logger = logging.getLogger(__name__)
@@ -474,9 +473,9 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         self._check_options(o["beta"], o["loss_type"], o["label_smoothing"], o["truncation_mode"])
         self._check_sample_logging(o["generate_during_eval"], tracking.get("log_with"), tracking.get("tracker"))
         self.rpo_alpha, self.sync_ref_model, mixup_alpha, sync_steps = self._extensions_of(args)
-        model, ref_model = self._policy_and_reference(model, ref_model, model_init, peft_config, o)
+        model, reference = self._policy_and_reference(model, ref_model, model_init, peft_config, o)
+        ref_model, self.use_peft_reference = reference.model, reference.adapter_off
         self.is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-        self.use_peft_reference = is_peft_model(model) and ref_model is None
         self._check_reference_sync(ref_model, model, o["precompute_ref_log_probs"])
         if o["disable_dropout"]:
             disable_dropout_in_model(model)
@@ -533,7 +532,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
 
     def _policy_and_reference(
         self, model: Any, ref_model: Any, model_init: Callable | None, peft_config: Any, o: Mapping[str, Any]
-    ) -> tuple[nn.Module, nn.Module | None]:
+    ) -> tuple[nn.Module, Reference]:
         """The policy (loaded, PEFT-wrapped) and the reference model: the one given, a frozen copy of the policy,
         or None (the PEFT policy with its adapter disabled, or ``reference_free``).
 
@@ -560,9 +559,7 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         if peft_config is not None and is_peft_model(model):
             model = model.merge_and_unload()  # its adapter becomes part of the base that peft_config adapts
         model = wrap_peft(model, peft_config)
-        if ref_model is None and not is_peft_model(model) and not o["reference_free"]:
-            ref_model = create_reference_model(model)
-        return model, ref_model
+        return model, decide_reference(model, ref_model, needed=not o["reference_free"])
 
     def _check_reference_sync(self, ref_model: nn.Module | None, model: nn.Module, precompute_ref_log_probs: bool) -> None:
         """TR-DPO needs a reference model of its own to move (TRL 0.11.4's refusals, plus one for a PEFT policy)."""

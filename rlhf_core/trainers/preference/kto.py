@@ -30,13 +30,13 @@ from transformers import AutoModelForCausalLM, Trainer, set_seed
 
 from rlhf_core.core import position_ids_from_attention_mask, sequence_logprobs
 from rlhf_core.losses import kto_kl_estimate, kto_loss, kto_reference_point, kto_stat_sums, kto_stats_from_sums
-from rlhf_core.models.reference import create_reference_model
 from rlhf_core.trainers import base
 from rlhf_core.trainers.base import TrackingOptions, check_tracking
 from rlhf_core.trainers.collators import pad_to_length
 from rlhf_core.trainers.experience import ModelBatch
-from rlhf_core.trainers.forward import ResponseForward, dropout_off, reference_model, response_forward
+from rlhf_core.trainers.forward import ResponseForward, decide_reference, disable_dropout, dropout_off, reference_model, response_forward
 from rlhf_core.trainers.preference.kto_config import KTOConfig
+from rlhf_core.models.padding import ensure_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -278,10 +278,8 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
             raise ValueError("ref_model is model: pass a separate reference model, or ref_model=None for a frozen copy")
         if tokenizer is None:
             raise ValueError("KTOTrainer needs processing_class= (a tokenizer) when model is not a name or path")
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        ensure_pad_token(tokenizer)
         model = base.wrap_peft(model, peft_config)
-        self.use_peft_reference = base.is_peft_model(model) and ref_model is None
         self.beta, self.loss_type = args.beta, args.loss_type
         self.desirable_weight, self.undesirable_weight = args.desirable_weight, args.undesirable_weight
         self.calculate_KL = args.loss_type != "apo_zero_unpaired"
@@ -294,11 +292,11 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
             data_collator = DataCollatorForUnpairedPreference(
                 tokenizer.pad_token_id, args.max_length, args.pad_to_multiple_of
             )
-        if ref_model is None and not self.use_peft_reference and not self.precompute_ref_logps:
-            ref_model = create_reference_model(model)
+        reference = decide_reference(model, ref_model, needed=not self.precompute_ref_logps)
+        self.use_peft_reference, ref_model = reference.adapter_off, reference.model
         if args.disable_dropout:
-            base.disable_dropout(model)
-            base.disable_dropout(ref_model)
+            disable_dropout(model)
+            disable_dropout(ref_model)
         self.ref_model = ref_model
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,

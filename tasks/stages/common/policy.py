@@ -10,6 +10,7 @@ from typing import Any
 
 from tasks.process.logs import on_terminal
 from tasks.spec.stage import StageContext
+from rlhf_core.models.padding import ensure_pad_token
 
 
 def load_sft_policy(model_dir: Path) -> tuple[Any, Any]:
@@ -17,8 +18,7 @@ def load_sft_policy(model_dir: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: only when a stage trains
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer)
     return tokenizer, AutoModelForCausalLM.from_pretrained(model_dir)
 
 

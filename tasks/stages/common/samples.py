@@ -37,6 +37,7 @@ from tasks.process.logs import get_logger
 from tasks.store.outputs import write_atomic
 from tasks.stages.common.scoring import load_policy, load_tokenizer
 from tasks.spec.stage import StageContext
+from rlhf_core.models.padding import pad_id_of
 
 SAMPLE_COLUMNS = ("query", "response", "reward")
 """Columns of a window's table: the same as PPO's ``game_log`` (the reward is the gold judge's score here)."""
@@ -68,7 +69,7 @@ class WindowScorer:
     def __call__(self, policy) -> tuple[list[str], list[float], dict[str, float]]:
         """(responses, per-sample gold scores, ``{"kl", "gold_reward"}``) of ``policy`` (a plain causal LM)."""
         was_training = policy.training
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad_id = pad_id_of(self.tokenizer)
         try:
             with torch.no_grad():
                 samples = sample_responses(policy, self.tokenizer, self.prompts, self.max_new_tokens,

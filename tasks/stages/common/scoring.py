@@ -26,6 +26,7 @@ from tasks.store.outputs import write_csv
 from tasks.spec.params import METRIC_KEYS, PathsParams, as_dict
 from tasks.store.provenance import md5_dir, md5_file
 from tasks.spec.stage import metrics_file
+from rlhf_core.models.padding import ensure_pad_token
 
 EVALUATE = "evaluate"
 """The stage whose metrics file holds every policy's scores."""
@@ -106,8 +107,7 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer  # transformers: only when a stage scores
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer)
     return tokenizer
 
 
