@@ -22,11 +22,11 @@ from prefect.runtime import flow_run  # noqa: E402
 from flows.process import configure_logging, exit_promptly  # noqa: E402
 from flows.summary import end_block, report  # noqa: E402
 from tasks.process.locking import add_wait_argument  # noqa: E402
-from tasks.store.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
-from tasks.stages.common.scoring import read_results  # noqa: E402
-from tasks.stages import NAMES  # noqa: E402
 from tasks.process.outcome import EXIT_STOPPED, ConfigError, classify  # noqa: E402
 from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
+from tasks.stages import NAMES  # noqa: E402
+from tasks.stages.common.scoring import read_results  # noqa: E402
+from tasks.store.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
 
 COMMAND = "python -m flows.pipeline"
 

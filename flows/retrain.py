@@ -35,11 +35,11 @@ from prefect import flow
 
 from flows.pipeline import pipeline
 from flows.report import refresh_readme
-from tasks.store.dvc_ops import push_outputs
 from tasks.process.locking import add_wait_argument, checkout_lock
-from tasks.store.mlflow_runs import mlflow_setup, tracking_uri
 from tasks.process.outcome import classify
 from tasks.run.supervisor import PipelineRun, pipeline_run
+from tasks.store.dvc_ops import push_outputs
+from tasks.store.mlflow_runs import mlflow_setup, tracking_uri
 from tasks.run.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
                             restore_checkout_outputs)
 

@@ -22,8 +22,8 @@ import mlflow  # noqa: E402
 
 from flows.serve import HOST  # noqa: E402
 from flows.serve_model import DEFAULT_PORT as MODEL_PORT  # noqa: E402
-from tasks.store.mlflow_runs import mlflow_setup  # noqa: E402
 from tasks.feedback.review_page import ReviewSettings, make_server  # noqa: E402
+from tasks.store.mlflow_runs import mlflow_setup  # noqa: E402
 
 DEFAULT_PORT = 5002
 

@@ -27,11 +27,11 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 
 from flows.serve import HOST, STATE_DIR, _bin  # noqa: E402
 from rlhf_core.tracking import redact  # noqa: E402
-from tasks.store.mlflow_runs import mlflow_setup, tracking_uri  # noqa: E402
-from tasks.spec.params import PARAMS_FILE  # noqa: E402
 from tasks.registry.gate import CHAMPION, pinned_requirements  # noqa: E402
 from tasks.serving.alias_server import ServerConfig, save_server  # noqa: E402
+from tasks.spec.params import PARAMS_FILE  # noqa: E402
 from tasks.stages import load_params  # noqa: E402
+from tasks.store.mlflow_runs import mlflow_setup, tracking_uri  # noqa: E402
 
 DEFAULT_PORT = 5001
 SERVER_DIR = "policy-server"

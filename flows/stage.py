@@ -29,11 +29,11 @@ from prefect.runtime import flow_run  # noqa: E402
 
 from tasks.process.distributed import destroy_process_group, is_main_process, require_single_process  # noqa: E402
 from tasks.process.locking import add_wait_argument  # noqa: E402
-from tasks.store.mlflow_runs import PARENT_ENV  # noqa: E402
-from tasks.spec.params import PARAMS_FILE, as_dict  # noqa: E402
-from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
 from tasks.process.outcome import classify  # noqa: E402
 from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
+from tasks.spec.params import PARAMS_FILE, as_dict  # noqa: E402
+from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
+from tasks.store.mlflow_runs import PARENT_ENV  # noqa: E402
 
 NAME_KEYS = (("learning_rate", "lr"), ("beta", "beta"), ("total_steps", "steps"), ("num_train_epochs", "epochs"),
              ("source", "source"))

@@ -37,12 +37,12 @@ from mlflow.entities import AssessmentSourceType
 from rlhf_core.data import DataFormatError
 from rlhf_core.feedback import (IntakeLimits, canonical_bytes, canonical_row, read_manifest, read_stored_rows, row_key,
                                 stored_keys)
+from tasks.feedback.assessments import CHOSEN_KEY, PREFERENCE, RATING, REJECTED_KEY, Generation, generation, load_generation
 from tasks.feedback.intake import ingest, recover_interrupted
 from tasks.feedback.intake_journal import intake_lock, scratch_dir, scratch_lock
 from tasks.process.logs import get_logger
-from tasks.store.mlflow_runs import mlflow_setup
-from tasks.feedback.assessments import CHOSEN_KEY, PREFERENCE, RATING, REJECTED_KEY, Generation, generation, load_generation
 from tasks.serving.answer import SERVED_TAG
+from tasks.store.mlflow_runs import mlflow_setup
 
 MARK = "rlhf.intake."
 """Trace tag prefix: ``rlhf.intake.<assessment id>`` says what the intake did with that judgement."""

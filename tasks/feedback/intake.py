@@ -38,9 +38,9 @@ from rlhf_core.feedback import (
     stored_keys,
     validate_files,
 )
-from tasks.store.dvc_ops import _repo
 from tasks.feedback.intake_journal import clear_journal, intake_lock, read_journal, write_journal
 from tasks.process.logs import get_logger
+from tasks.store.dvc_ops import _repo
 from tasks.store.outputs import write_atomic
 
 EVENT = "rlhf.feedback.ingested"

@@ -37,17 +37,17 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
 from rlhf_core.tracking import redact
-from tasks.process.distributed import require_single_process
 from tasks.feedback.lineage import LINEAGE_FILE, feedback_lineage, feedback_tags
+from tasks.process.distributed import require_single_process
 from tasks.process.logs import get_logger
-from tasks.store.mlflow_runs import mlflow_setup, store_problem
 from tasks.spec.params import METRIC_KEYS, PARAMS_FILE, Params, PathsParams, RegistryParams, as_dict
+from tasks.store.mlflow_runs import mlflow_setup, store_problem
 from tasks.store.provenance import git_commit, input_hashes
 from tasks.stages.common.scoring import (EVALUATE, SCORED_KEY, EvaluationSet, content_md5, evaluation_file, load_evaluation_set,
                            policy_results, read_prompt_scores, rescore)
-from tasks.store.stage_run import stage_run
 from tasks.spec.stage import metrics_file
 from tasks.stages import BY_NAME, LAUNCHABLE, load_params, stage_files
+from tasks.store.stage_run import stage_run
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 PENDING, COMPLETE = "pending", "complete"

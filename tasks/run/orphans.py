@@ -24,8 +24,8 @@ import types
 from pathlib import Path
 
 from rlhf_core.checkpointing import pid_alive
-from tasks.store.dvc_lockfile import repair_lockfile
 from tasks.process.logs import get_logger
+from tasks.store.dvc_lockfile import repair_lockfile
 from tasks.store.mlflow_runs import mlflow_setup, tracking_reachable
 from tasks.store.provenance import RUN_OWNER_TAGS, owner_tags  # noqa: F401  (owner_tags re-exported)
 

@@ -19,12 +19,12 @@ from prefect.cache_policies import NO_CACHE
 from tasks.process.distributed import require_single_process
 from tasks.process.logs import get_logger
 from tasks.process.outcome import classify
-from tasks.store.outputs import write_csv, write_json
 from tasks.spec.params import PARAMS_FILE, StageParams, cross_section_values, stage_enabled
-from tasks.store.placeholders import write_placeholder
-from tasks.store.stage_run import stage_run
 from tasks.spec.stage import WINDOW_COLUMNS, Stage, StageContext, StageIO, StageResult
 from tasks.stages import BY_NAME, LAUNCHABLE, load_params
+from tasks.store.outputs import write_csv, write_json
+from tasks.store.placeholders import write_placeholder
+from tasks.store.stage_run import stage_run
 
 RETRY_DELAY_S = 2
 

@@ -26,20 +26,20 @@ from pathlib import Path
 
 from rlhf_core.checkpointing import Preempted, on_stop_signal, stop_requested
 from tasks.process.distributed import is_main_process, require_single_process
-from tasks.process.outcome import ConfigError, classify
-from tasks.store.dvc_ops import inputs_unchanged, record_stage, stage_status
 from tasks.process.locking import checkout_lock
 from tasks.process.logs import get_logger
-from tasks.store.mlflow_runs import end_pipeline_run, start_pipeline_run
-from tasks.run.orphans import clean_after_dead_runs, detach_temporary_server
-from tasks.spec.params import PARAMS_FILE, Params
-from tasks.spec.paths import remove_stage_checkpoints
+from tasks.process.outcome import ConfigError, classify
 from tasks.process.prefect_context import in_prefect_run, rename_flow_run
 from tasks.registry.gate import registry_task
+from tasks.run.orphans import clean_after_dead_runs, detach_temporary_server
+from tasks.run.stage_task import run_stage, run_stage_task
+from tasks.spec.params import PARAMS_FILE, Params
+from tasks.spec.paths import remove_stage_checkpoints
+from tasks.stages import DEFAULT_STAGES, LAUNCHABLE, load_params
 from tasks.stages.common.scoring import read_results
 from tasks.stages.common.source import check_source, source_changed
-from tasks.run.stage_task import run_stage, run_stage_task
-from tasks.stages import DEFAULT_STAGES, LAUNCHABLE, load_params
+from tasks.store.dvc_ops import inputs_unchanged, record_stage, stage_status
+from tasks.store.mlflow_runs import end_pipeline_run, start_pipeline_run
 
 def install_stop_handlers() -> dict:
     """SIGTERM/SIGINT become a stop request for the whole process (``rlhf_core.checkpointing.stop_requested``):

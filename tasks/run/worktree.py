@@ -31,8 +31,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.checkpointing import pid_alive
-from tasks.store.dvc_ops import _repo
 from tasks.process.logs import get_logger
+from tasks.store.dvc_ops import _repo
 
 RECORDED = ("dvc.lock", "metrics", "plots", "README.md")
 """What a retraining run records in git: the lock, what git tracks of the outputs, the README's results table."""

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tasks.process.logs import get_logger
-from tasks.store.outputs import atomic_dir
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection
 from tasks.spec.stage import StageContext, StageResult
+from tasks.store.outputs import atomic_dir
 
 DDPO_CONFIG_KEYS = (
     "num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "sample_guidance_scale",

@@ -7,17 +7,16 @@ gold reward and KL to SFT of held-out samples, also logged as a sample table; ta
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlhf_core.data import read_jsonl
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import SampledPolicy
+from tasks.spec.stage import StageContext, StageResult
 from tasks.stages.common.policy import load_sft_policy
 from tasks.stages.common.samples import sample_windows
-from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)

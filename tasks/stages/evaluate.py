@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tasks.process.logs import get_logger
-from tasks.store.mlflow_runs import mlflow_compare_link
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import METRIC_KEYS
+from tasks.store.mlflow_runs import mlflow_compare_link
 from tasks.store.placeholders import is_placeholder
 from tasks.stages.common.scoring import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, read_windows, score_policy,
                            write_prompt_scores)

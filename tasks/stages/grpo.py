@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.stages.common.group_policy import COLUMNS, GroupSampledParams, OnlineStageParams, train_group_sampled
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.group_policy import COLUMNS, GroupSampledParams, OnlineStageParams, train_group_sampled
 
 GRPO_CONFIG_KEYS = (
     "learning_rate", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",

@@ -9,17 +9,16 @@ placeholders. The small complete example of a stage.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlhf_core.data import read_ratings
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, SampledPolicy
+from tasks.spec.stage import StageContext, StageResult
 from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 from tasks.stages.common.samples import sample_windows
-from tasks.spec.stage import StageContext, StageResult
 
 KTO_CONFIG_KEYS = (
     "beta", "learning_rate", "num_train_epochs", "per_device_train_batch_size", "max_length", "desirable_weight",

@@ -21,25 +21,24 @@ RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from rlhf_core.checkpointing import GracefulStop, Preempted
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import make_reward
 from tasks.process.distributed import check_replicas_identical, is_main_process
 from tasks.process.logs import get_logger, progress_bar
-from tasks.store.outputs import atomic_dir
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, SampledPolicy, as_dict
 from tasks.spec.paths import stage_checkpoint_dir
+from tasks.spec.stage import StageContext, StageResult
 from tasks.stages.common.samples import sample_windows, step_hook
 from tasks.stages.common.scoring import load_tokenizer
-from tasks.spec.stage import StageContext, StageResult
+from tasks.store.outputs import atomic_dir
 
 PPO_CONFIG_KEYS = (
     "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "init_kl_coef",

@@ -9,13 +9,12 @@ the training reviews' gold scores). Everything is read and validated before anyt
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import json
 import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from rlhf_core.data import (
     IncomingData,
@@ -32,9 +31,9 @@ from rlhf_core.data import (
 from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
 from tasks.process.logs import get_logger
-from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
 
 
 @dataclass(frozen=True)

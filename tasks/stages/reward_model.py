@@ -8,17 +8,16 @@ and its agreement with the gold judge) and ``plots/reward_model.csv``.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlhf_core.data import read_jsonl
+from rlhf_core.models.padding import ensure_pad_token
 from rlhf_core.rewards import RewardModelScorer
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
-from rlhf_core.models.padding import ensure_pad_token
 
 HOLDOUT_SHARE = 0.1
 COLUMNS = ("step", "loss")

@@ -8,16 +8,15 @@ same code fine-tunes that model. Writes ``models/sft`` (safetensors + tokenizer 
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlhf_core.data import read_jsonl
+from rlhf_core.models.padding import ensure_pad_token
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
-from rlhf_core.models.padding import ensure_pad_token
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.store.dvc_lockfile import atomic_dvc_writes, repair_lockfile
-from tasks.process.outcome import StageInputsChanged
 from tasks.process.logs import get_logger, single_dvc_output
+from tasks.process.outcome import StageInputsChanged
+from tasks.store.dvc_lockfile import atomic_dvc_writes, repair_lockfile
 
 
 @contextlib.contextmanager

@@ -31,9 +31,9 @@ from typing import Any
 from rlhf_core.tracking import (MLflowTracker, SpoolingTracker, is_connection_failure, outage_reason, redact,
                                 server_reachable, sqlite_path, upload_spool)
 from tasks.process.logs import get_logger
-from tasks.store.outputs import write_atomic
-from tasks.spec.params import Params, as_dict
 from tasks.process.prefect_context import prefect_flow_run_id
+from tasks.spec.params import Params, as_dict
+from tasks.store.outputs import write_atomic
 from tasks.store.provenance import git_commit, owner_tags
 
 DEFAULT_EXPERIMENT = "rlhf-pipeline"

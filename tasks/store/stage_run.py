@@ -34,8 +34,8 @@ from tasks.store.mlflow_runs import (
     tracking_reachable,
     vanished_store,
 )
-from tasks.spec.params import as_dict
 from tasks.process.prefect_context import in_prefect_run, prefect_flow_run_id
+from tasks.spec.params import as_dict
 from tasks.store.provenance import git_commit, owner_tags, input_hashes, md5_file
 
 

@@ -15,8 +15,8 @@ from rlhf_core.rewards import make_reward
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, PolicySwitch
-from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 
 ONLINE_REWARDS = ("reward_model", "gold")
 """What GRPO/RLOO optimise: the learned reward model (``models/reward_model``) or the gold judge (VADER)."""

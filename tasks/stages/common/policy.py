@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.models.padding import ensure_pad_token
 from tasks.process.logs import on_terminal
 from tasks.spec.stage import StageContext
-from rlhf_core.models.padding import ensure_pad_token
 
 
 def load_sft_policy(model_dir: Path) -> tuple[Any, Any]:

@@ -25,10 +25,10 @@ from transformers import TrainerCallback, TrainingArguments
 from rlhf_core.trainers.base import GracefulStopCallback
 from tasks.process.distributed import any_process, check_replicas_identical, is_main_process
 from tasks.process.logs import get_logger, on_terminal, quiet_trainer_output
-from tasks.store.outputs import atomic_dir, write_json
 from tasks.spec.params import as_dict
 from tasks.spec.paths import stage_checkpoint_dir
 from tasks.spec.stage import StageContext
+from tasks.store.outputs import atomic_dir, write_json
 from tasks.store.stage_run import StageRun
 
 SAVE_STEPS = 50

@@ -30,14 +30,14 @@ import torch
 
 from rlhf_core.data import read_jsonl
 from rlhf_core.evaluation import kl_to_reference, mean, sample_responses
+from rlhf_core.models.padding import pad_id_of
 from rlhf_core.rewards import GoldJudge
 from rlhf_core.trainers.ppo.stats import game_log_rows
 from tasks.process.distributed import is_main_process
 from tasks.process.logs import get_logger
-from tasks.store.outputs import write_atomic
-from tasks.stages.common.scoring import load_policy, load_tokenizer
 from tasks.spec.stage import StageContext
-from rlhf_core.models.padding import pad_id_of
+from tasks.stages.common.scoring import load_policy, load_tokenizer
+from tasks.store.outputs import write_atomic
 
 SAMPLE_COLUMNS = ("query", "response", "reward")
 """Columns of a window's table: the same as PPO's ``game_log`` (the reward is the gold judge's score here)."""

@@ -21,12 +21,12 @@ from typing import Any
 
 from rlhf_core.data import read_jsonl
 from rlhf_core.evaluation import PromptScores, evaluate_policy
-from rlhf_core.rewards import GoldJudge, RewardModelScorer
-from tasks.store.outputs import write_csv
-from tasks.spec.params import METRIC_KEYS, PathsParams, as_dict
-from tasks.store.provenance import md5_dir, md5_file
-from tasks.spec.stage import metrics_file
 from rlhf_core.models.padding import ensure_pad_token
+from rlhf_core.rewards import GoldJudge, RewardModelScorer
+from tasks.spec.params import METRIC_KEYS, PathsParams, as_dict
+from tasks.spec.stage import metrics_file
+from tasks.store.outputs import write_csv
+from tasks.store.provenance import md5_dir, md5_file
 
 EVALUATE = "evaluate"
 """The stage whose metrics file holds every policy's scores."""
