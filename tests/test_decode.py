@@ -370,3 +370,35 @@ def test_no_graph_is_recorded_with_autocasts_weight_cast_cache_live(monkeypatch)
     assert seen == [(True, True, torch.bfloat16), (False, True, torch.bfloat16), (True, True, torch.bfloat16)]
     backend.record(step)  # outside autocast nothing changes
     assert seen[-1][1:] == (False, torch.float32)
+
+
+def test_a_captured_step_reads_the_written_slots_rounded_to_a_segment(setup, monkeypatch):
+    """With a graph backend each step attends to the cache slots written so far rounded up to ``KV_SEGMENT`` (one
+    graph per length), not the whole bucketed cache: same tokens as eager, fewer K/V slots read."""
+    tok, model, prompts = setup
+    D._KEPT.pop(model, None)
+    monkeypatch.setattr(D, "KV_SEGMENT", 8)
+    layer_class = D._static_layer_class()
+    read = []
+    update = layer_class.update
+
+    def spy(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        read.append(keys.shape[2])
+        return keys, values
+
+    monkeypatch.setattr(layer_class, "update", spy)
+    torch.manual_seed(3)
+    eager, eager_lp = _ours(model, tok, prompts, do_sample=True, max_new_tokens=20, top_k=0)
+    backend = ReplayItself()
+    read.clear()
+    torch.manual_seed(3)
+    kept, kept_lp = _ours(model, tok, prompts, graphs=backend, do_sample=True, max_new_tokens=20, top_k=0)
+    assert torch.equal(kept, eager) and torch.allclose(kept_lp, eager_lp, atol=1e-5)
+    layers = model.config.n_layer
+    steps = read[layers:][::layers]  # the first layer's reads, after the prefill's
+    assert read[0] == D.CACHE_BUCKET  # the prefill attends to the whole (bucketed) cache
+    # the step writing slot 7 + k (k = 0..18) reads ceil((8 + k) / 8) * 8 slots: 8, then 16, then 24, then 32
+    assert steps == [-(-(8 + k) // 8) * 8 for k in range(19)]
+    assert backend.recorded == 3  # lengths 16, 24 and 32; the first two steps (8, 16 slots) ran as warm-ups
+    D._KEPT.pop(model, None)

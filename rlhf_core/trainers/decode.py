@@ -14,6 +14,10 @@ How it is laid out, for the GPU:
 - The KV cache is transformers' ``StaticCache``, allocated once for ``prompt width + max_new_tokens`` slots
   (rounded up to ``CACHE_BUCKET`` when the state is kept for a CUDA graph) and written in place: no per-token
   concatenation. Every other tensor the loop touches lives in one ``DecodeState``, also written in place.
+- With a graph backend, a token step attends to the cache's first ``visible`` slots only: the slots written so far
+  rounded up to ``KV_SEGMENT``, one captured graph per such length. A step then reads at most ``KV_SEGMENT - 1``
+  slots of K/V it does not need, not the whole bucketed cache (for 12-token prompts and 128 new tokens: ~1.0x the
+  K/V bytes the tokens need, where the whole 192-slot cache read 1.8x).
 - ``token_step`` (model forward of the last token, processors, sampling, bookkeeping) reads its step counter, cache
   slot and finished flags from tensors, so it has the same shape and the same kernels at every token: a CUDA graph
   captured once replays it (``StepRunner`` with ``rlhf_core.trainers.cuda_graphs``). On the CPU it runs eagerly,
@@ -33,7 +37,7 @@ import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -57,6 +61,8 @@ _MASKABLE_ATTENTION = {"sdpa", "eager"}
 # Cache slots are rounded up to a multiple of this when a state is kept for a captured step, so prompts of
 # slightly different widths reuse one CUDA graph (the extra slots are masked out: they cost attention FLOPs only).
 CACHE_BUCKET = 64
+# A captured token step attends to the written cache slots rounded up to a multiple of this (one graph per length).
+KV_SEGMENT = 32
 # Token steps between two host reads of "has every row finished?" on an accelerator (on the CPU: every step).
 EOS_CHECK_EVERY_ACCELERATOR = 8
 
@@ -196,6 +202,7 @@ class DecodeState:
                  mask_dtype: torch.dtype):
         text = model.config.get_text_config(decoder=True)
         self.settings, self.mask_dtype = settings, mask_dtype
+        self.visible: int | None = None  # the cache slots a step attends to (None: all; ``set_visible``)
         self.warpers = warpers(settings)
         self.cache = static_cache(text.num_hidden_layers, cache_len)
         long = {"dtype": torch.long, "device": device}
@@ -235,10 +242,18 @@ class DecodeState:
         self.logprobs.zero_()
         self.eos_blocked.fill_(settings.eos_blocked_steps)
 
+    def set_visible(self, visible: int | None) -> None:
+        """Let the next steps attend to the first ``visible`` cache slots only (None: all of them). The slots beyond
+        hold no key a query may see yet, so the outputs are the same to rounding; fewer K/V bytes are read."""
+        self.visible = visible
+        for layer in self.cache.layers:
+            layer.visible = visible
+
     def mask(self, query_slots: torch.Tensor) -> torch.Tensor:
         """Additive mask (b, 1, q, L) for queries at ``query_slots`` (q,): a key is seen iff it is no left padding
-        and no later than the query, which is what ``generate``'s mask allows."""
-        seen = self.key_ok[:, None, :] & (self.slots[None, None, :] <= query_slots[None, :, None])  # (b, q, L)
+        and no later than the query, which is what ``generate``'s mask allows (L: the ``visible`` slots)."""
+        width = self.visible or self.slots.shape[0]
+        seen = self.key_ok[:, None, :width] & (self.slots[None, None, :width] <= query_slots[None, :, None])
         blocked = torch.zeros(seen.shape, dtype=self.mask_dtype, device=seen.device)
         return blocked.masked_fill_(~seen, torch.finfo(self.mask_dtype).min)[:, None]  # (b, 1, q, L)
 
@@ -257,6 +272,14 @@ def _static_layer_class() -> type:
     from transformers.cache_utils import StaticLayer
 
     class ValuesInTheirDtype(StaticLayer):
+        visible: int | None = None  # ``DecodeState.set_visible``: attention reads only the first slots
+
+        def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = super().update(*args, **kwargs)
+            if self.visible is None:
+                return keys, values
+            return keys[:, :, :self.visible], values[:, :, :self.visible]
+
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
             if self.values.dtype != value_states.dtype:
@@ -331,21 +354,25 @@ class GraphBackend(Protocol):
 @dataclass
 class StepRunner:
     """Runs ``token_step`` on one state: eagerly, or (with a graph backend) as ``warmup_steps`` real eager steps
-    and then replays of a graph of the step recorded once. A recording that fails leaves the runner eager for good
-    (the reason goes to ``DECODE_STATS``)."""
+    and then replays of graphs of the step, one recorded per attended length (``segments``). A recording that
+    fails leaves the runner eager for good (the reason goes to ``DECODE_STATS``)."""
 
     step: Callable[[], None]
     backend: GraphBackend | None = None
-    replay: Callable[[], None] | None = None
+    state: DecodeState | None = None
+    """With ``state``: each step attends to the written slots rounded up to ``KV_SEGMENT`` (``set_visible``)."""
+    replays: dict[int | None, Callable[[], None]] = field(default_factory=dict)
     warmed: int = 0
 
-    def run(self, count: int) -> None:
-        """``count`` token steps."""
-        for _ in range(count):
-            if self.replay is None and self.backend is not None and self.warmed >= self.backend.warmup_steps:
-                self._record()
-            if self.replay is not None:
-                self.replay()
+    def run(self, count: int, first_slot: int = 0) -> None:
+        """``count`` token steps, the first of which writes cache slot ``first_slot`` (known on the host)."""
+        for i in range(count):
+            visible = self._visible(first_slot + i)
+            replay = self.replays.get(visible)
+            if replay is None and self.backend is not None and self.warmed >= self.backend.warmup_steps:
+                replay = self._record(visible)
+            if replay is not None:
+                replay()
                 DECODE_STATS["replays"] += 1
                 continue
             with self.backend.warmup() if self.backend is not None else contextlib.nullcontext():
@@ -353,13 +380,25 @@ class StepRunner:
             self.warmed += 1
             DECODE_STATS["eager_steps"] += 1
 
-    def _record(self) -> None:
+    def _visible(self, slot: int) -> int | None:
+        """The slots a step writing ``slot`` attends to (set on the state); None without a state (all of them)."""
+        if self.state is None:
+            return None
+        visible = min(-(-(slot + 1) // KV_SEGMENT) * KV_SEGMENT, self.state.slots.shape[0])
+        if visible != self.state.visible:
+            self.state.set_visible(visible)
+        return visible
+
+    def _record(self, visible: int | None) -> Callable[[], None] | None:
         try:
-            self.replay = self.backend.record(self.step)  # recording runs nothing: the state is not advanced
-            DECODE_STATS["captures"] += 1
+            replay = self.backend.record(self.step)  # recording runs nothing: the state is not advanced
         except Exception as exc:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
             DECODE_STATS["capture_failures"].append(f"{type(exc).__name__}: {exc}"[:500])
             self.backend = None
+            return None
+        DECODE_STATS["captures"] += 1
+        self.replays[visible] = replay
+        return replay
 
 
 DECODE_STATS: dict[str, Any] = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_failures": [],
@@ -395,7 +434,8 @@ def _state_and_runner(model: Any, batch: int, cache_len: int, settings: DecodeSe
     def new(length: int) -> _Kept:
         state = DecodeState(model, batch, length, settings, device, mask_dtype)
         ref = weakref.ref(model)  # a strong one in the kept runner would keep the model (the dict's key) alive
-        return _Kept(state, StepRunner(lambda: token_step(ref(), state), backend))
+        return _Kept(state, StepRunner(lambda: token_step(ref(), state), backend,
+                                       state=state if backend is not None else None))
 
     if backend is None:
         return new(cache_len)
@@ -431,11 +471,12 @@ def decode(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, se
                              _compute_dtype(model), graphs)
     state = kept.state
     state.start(input_ids, attention_mask, settings)
+    state.set_visible(None)  # the prefill attends to every slot (its own shape; eager)
     prefill(model, state, input_ids, attention_mask, takes_logits_to_keep)
     done = 1
     while done < settings.max_new_tokens and bool(state.unfinished.any()):
         count = min(every, settings.max_new_tokens - done)
-        kept.runner.run(count)
+        kept.runner.run(count, first_slot=width + done - 1)  # the step after ``done`` tokens writes this slot
         done += count
     new = int(state.lengths.max())
     return torch.cat([input_ids, state.out[:, :new]], dim=1), state.logprobs[:, :new].clone()
