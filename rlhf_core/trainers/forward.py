@@ -76,7 +76,7 @@ def response_forward(model: Any, batch: ModelBatch, *, positions: str = "span", 
     if positions not in LOGIT_POSITIONS:
         raise ValueError(f"positions must be one of {LOGIT_POSITIONS}, got {positions!r}")
     lm = language_model(model)
-    with native_dtype_outputs(model):
+    with native_dtype_outputs(model), checkpointing_in_eval(model):
         if positions != "all" and lm is not None and should_pack(model, lm, batch):
             scored = _packed(model, lm, batch)
         else:
@@ -242,6 +242,29 @@ def native_dtype_outputs(model: Any) -> Iterator[None]:
         yield
     finally:
         inner.forward = forward
+
+
+@contextlib.contextmanager
+def checkpointing_in_eval(model: Any) -> Iterator[None]:
+    """With gradients on, the layers whose activation checkpointing is enabled (``gradient_checkpointing_enable``)
+    checkpoint even when the model runs in eval mode (dropout off).
+
+    transformers checkpoints a layer only while ``layer.training``, and PPO, GRPO and RLOO run their gradient
+    forwards in eval mode (no dropout, as classic TRL): there ``gradient_checkpointing=True`` would silently keep
+    every activation. For the block the train flag is set on those layers alone (their dropout and attention
+    submodules keep theirs, so no dropout appears); the recomputation gives the same numbers. Without
+    checkpointing enabled, or without gradients, nothing changes.
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+              and not m.training and callable(getattr(m, "_gradient_checkpointing_func", None))] \
+        if torch.is_grad_enabled() else []
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
 
 
 # ---- packing: whether this forward packs its rows
