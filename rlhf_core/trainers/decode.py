@@ -16,8 +16,8 @@ How it is laid out, for the GPU:
   concatenation. Every other tensor the loop touches lives in one ``DecodeState``, also written in place.
 - With a graph backend, a token step attends to the cache's first ``visible`` slots only: the slots written so far
   rounded up to ``KV_SEGMENT``, one captured graph per such length. A step then reads at most ``KV_SEGMENT - 1``
-  slots of K/V it does not need, not the whole bucketed cache (for 12-token prompts and 128 new tokens: ~1.0x the
-  K/V bytes the tokens need, where the whole 192-slot cache read 1.8x).
+  slots of K/V it does not need, not the whole bucketed cache (for 12-token prompts and 128 new tokens: 1.2x the
+  K/V bytes the steps need on average, where the whole 192-slot cache read 2.5x).
 - ``token_step`` (model forward of the last token, processors, sampling, bookkeeping) reads its step counter, cache
   slot and finished flags from tensors, so it has the same shape and the same kernels at every token: a CUDA graph
   captured once replays it (``StepRunner`` with ``rlhf_core.trainers.cuda_graphs``). On the CPU it runs eagerly,
