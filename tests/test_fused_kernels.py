@@ -99,3 +99,15 @@ def test_a_ppo_step_with_the_cuda_fusion_forced_matches_the_eager_step(tokenizer
     # visible share of its lr=1e-3 step; 1e-4 is a tenth of one step, far below what another activation would move
     for a, b in zip(fused_w, eager_w):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_a_copy_of_a_fused_model_runs_its_own_weights(tokenizer):
+    """The bf16 sampling copy is a deepcopy: its fused norms must read the copy's weights, not the original's."""
+    model = _models(tokenizer)["llama"].eval()
+    fuse_kernels(model)
+    twin = copy.deepcopy(model)
+    assert twin.model.norm.forward.__self__ is twin.model.norm
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(2.0)
+    x = torch.randn(2, 3, 32)
+    torch.testing.assert_close(twin.model.norm(x), 2.0 * model.model.norm(x))
