@@ -69,6 +69,25 @@ def test_gradients_accumulate_in_fp32():
     assert (torch.tensor(1.0, dtype=torch.bfloat16) + 2.0 ** -9).item() == 1.0
 
 
+def test_master_gradients_live_in_one_flat_buffer_kept_across_steps(tokenizer):
+    """The masters' fp32 gradients are views of one buffer allocated once: a PPO step with gradient accumulation
+    and ``zero_grad(set_to_none=True)`` between steps reuses the same memory and no other gradient storage."""
+    trainer = _trainer(tokenizer, gradient_accumulation_steps=2)
+    master = trainer._master
+    queries, responses = _batch()
+    trainer.step(queries, responses, SCORES)
+    flat = master.flat_grad
+    assert flat is not None and flat.dtype == torch.float32 and flat.numel() == sum(m.numel() for m in master.masters)
+    start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * 4
+    trainer.step(queries, responses, SCORES)
+    assert master.flat_grad is flat  # kept, not reallocated
+    assert all(p.grad is None for p in master.params)  # the bf16 gradients were handed over and freed
+    for p in master.params:  # what a backward leaves
+        p.grad = torch.full_like(p, 0.5)
+    master.grads_to_masters()
+    assert all(start <= m.grad.data_ptr() < end and bool((m.grad == 0.5).all()) for m in master.masters)
+
+
 def test_ppo_trainer_holds_bf16_weights_and_fp32_masters(tokenizer):
     torch.manual_seed(0)
     initial = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))

@@ -56,7 +56,8 @@ def _greedy_margin(model, sequences, attention_mask, width):
 
 
 @pytest.mark.parametrize("kwargs", [{"max_new_tokens": 12}, {"max_new_tokens": 9, "min_new_tokens": 4},
-                                    {"max_new_tokens": 6, "suppress_tokens": [5, 6, 7]}])
+                                    {"max_new_tokens": 6, "suppress_tokens": [5, 6, 7]},
+                                    {"max_new_tokens": 12, "repetition_penalty": 1.3}])
 def test_greedy_tokens_equal_generate(setup, kwargs):
     tok, model, prompts = setup
     ours, logprobs = _ours(model, tok, prompts, do_sample=False, **kwargs)
@@ -66,12 +67,15 @@ def test_greedy_tokens_equal_generate(setup, kwargs):
     # the static cache's logits differ from generate's by ~1e-6 (another summation length): a margin 100x that
     # means no CPU kind can see another argmax
     batch = pad_queries(prompts, tok.pad_token_id, left=True)
-    if "suppress_tokens" not in kwargs and "min_new_tokens" not in kwargs:
+    if not {"suppress_tokens", "min_new_tokens", "repetition_penalty"} & set(kwargs):
         assert _greedy_margin(model, ours, batch["attention_mask"], 7) > 1e-4
 
 
 @pytest.mark.parametrize("kwargs", [{"max_new_tokens": 12, "top_k": 0, "top_p": 1.0},
-                                    {"max_new_tokens": 8, "temperature": 0.7, "top_k": 20, "top_p": 0.9}])
+                                    {"max_new_tokens": 8, "temperature": 0.7, "top_k": 20, "top_p": 0.9},
+                                    # Qwen2-Instruct's generation_config
+                                    {"max_new_tokens": 8, "temperature": 0.7, "top_k": 20, "top_p": 0.8,
+                                     "repetition_penalty": 1.1}])
 def test_sampled_tokens_equal_generate_for_the_same_seed(setup, kwargs):
     """Same random numbers in the same order. (A race decided by the last bit of a probability could still go
     the other way on some CPU: about 1e-6 per token, so this is ~1e-4 for the whole test.)"""
@@ -85,7 +89,8 @@ def test_sampled_tokens_equal_generate_for_the_same_seed(setup, kwargs):
 
 @pytest.mark.parametrize("kwargs", [{"temperature": 0.7, "top_k": 20, "top_p": 0.9},
                                     {"top_k": 0, "top_p": 0.8, "suppress_tokens": [5, 6]},
-                                    {"top_k": 50, "min_new_tokens": 5}])
+                                    {"top_k": 50, "min_new_tokens": 5},
+                                    {"repetition_penalty": 1.5, "min_p": 0.02, "temperature": 0.8}])
 def test_logprobs_are_generates_processed_distribution(setup, kwargs):
     """Along our own samples, each token's log-prob equals log-softmax of the scores generate's processors give
     for the same prefix (generate one token from each prefix with output_scores)."""
@@ -156,14 +161,14 @@ def test_sampling_matches_generates_distribution(setup):
         torch.manual_seed(1)
         import rlhf_core.trainers.generation as G
 
-        original = G.decode_settings
+        original = G.decode_plan
         if not fast:
-            G.decode_settings = lambda *a: None
+            G.decode_plan = lambda *a: "forced by the test"
         try:
             out = generate_batched(model, tok, prompt, device="cpu", batch_size=200, return_prompt=False,
                                    do_sample=True, top_k=20, temperature=0.8, max_new_tokens=1)
         finally:
-            G.decode_settings = original
+            G.decode_plan = original
         freq.append(torch.bincount(torch.stack([o[0] for o in out]), minlength=model.config.vocab_size).float() / 400)
     # same next-token distribution: total variation within sampling noise of 400 draws each
     assert 0.5 * (freq[0] - freq[1]).abs().sum() < 0.2
@@ -171,7 +176,9 @@ def test_sampling_matches_generates_distribution(setup):
 
 def test_other_settings_go_to_generate(setup):
     tok, model, _ = setup
-    assert decode_settings(model, 4, {"max_new_tokens": 3, "repetition_penalty": 1.3}) is None
+    assert decode_settings(model, 4, {"max_new_tokens": 3, "no_repeat_ngram_size": 2}) is None
+    assert D.decode_plan(model, 4, {"max_new_tokens": 3, "no_repeat_ngram_size": 2}) == \
+        "generation settings: no_repeat_ngram_size"
     assert decode_settings(model, 4, {"max_new_tokens": 3, "num_beams": 2}) is None
     assert decode_settings(model, 4, {"max_length": 9}) is None  # only max_new_tokens is implemented
     assert decode_settings(model, 4, {"max_new_tokens": 3, "top_p": 0.9, "temperature": 0.7}) is not None
@@ -199,7 +206,8 @@ def test_token_step_reads_no_value_on_the_host(build):
     """On the meta device every tensor has a shape and no value: the step runs only if nothing in it (model
     forward, processors, sampling, bookkeeping) reads a value back, as replaying one CUDA graph per token needs."""
     settings = D.DecodeSettings(max_new_tokens=8, do_sample=True, eos_ids=(0, 3), pad_id=1, suppress_ids=(1,),
-                                eos_blocked_steps=2, temperature=0.7, top_k=20, top_p=0.9)
+                                eos_blocked_steps=2, temperature=0.7, top_k=20, top_p=0.9,
+                                min_p=0.05, repetition_penalty=1.1)
     with torch.device("meta"):
         model = build().eval()
         state = D.DecodeState(model, 3, 16, settings, torch.device("meta"), torch.float32)
@@ -232,10 +240,11 @@ def test_token_step_calls_no_operator_that_reads_values(build):
             return func(*args, **(kwargs or {}))
 
     settings = D.DecodeSettings(max_new_tokens=8, do_sample=True, eos_ids=(0, 3), pad_id=1, suppress_ids=(1,),
-                                eos_blocked_steps=2, temperature=0.7, top_k=20, top_p=0.9)
+                                eos_blocked_steps=2, temperature=0.7, top_k=20, top_p=0.9,
+                                min_p=0.05, repetition_penalty=1.1)
     model = build().eval()
     state = D.DecodeState(model, 64, 16, settings, torch.device("cpu"), torch.float32)
-    state.start(torch.ones(64, 4, dtype=torch.long), settings)
+    state.start(torch.randint(0, 512, (64, 4)), torch.ones(64, 4, dtype=torch.long), settings)
     state.slot.fill_(4)
     with torch.no_grad(), Record() as record:
         D.token_step(model, state)
@@ -331,3 +340,65 @@ def test_a_rotary_model_decodes_under_autocast(setup):
     layer = D.static_cache(1, 8).layers[0]
     layer.lazy_initialization(torch.zeros(1, 2, 0, 4), torch.zeros(1, 2, 0, 4, dtype=torch.bfloat16))
     assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
+
+
+def test_no_graph_is_recorded_with_autocasts_weight_cast_cache_live(monkeypatch):
+    """A capture under autocast turns the weight-cast cache off (the cached casts die with the autocast region,
+    and a graph reading them would sample from freed memory). CUDA's graph calls are stand-ins here; the
+    autocast is the CPU's (the class reads the device type from ``device_type``)."""
+    from rlhf_core.trainers import cuda_graphs
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    backend = cuda_graphs.CudaGraphs()
+    backend.device_type = "cpu"
+    weight = torch.randn(8, 8)
+    seen = []
+
+    def step():
+        out = torch.randn(2, 8) @ weight  # a cast of the fp32 weight inside the capture
+        seen.append((torch.is_autocast_cache_enabled(), torch.is_autocast_enabled("cpu"), out.dtype))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step()  # eager (a warm-up step): the cache is on
+        backend.record(step)
+        step()  # back in the caller's region: its cache as it was
+    assert seen == [(True, True, torch.bfloat16), (False, True, torch.bfloat16), (True, True, torch.bfloat16)]
+    backend.record(step)  # outside autocast nothing changes
+    assert seen[-1][1:] == (False, torch.float32)
+
+
+def test_a_captured_step_reads_the_written_slots_rounded_to_a_segment(setup, monkeypatch):
+    """With a graph backend each step attends to the cache slots written so far rounded up to ``KV_SEGMENT`` (one
+    graph per length), not the whole bucketed cache: same tokens as eager, fewer K/V slots read."""
+    tok, model, prompts = setup
+    D._KEPT.pop(model, None)
+    monkeypatch.setattr(D, "KV_SEGMENT", 8)
+    layer_class = D._static_layer_class()
+    read = []
+    update = layer_class.update
+
+    def spy(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        read.append(keys.shape[2])
+        return keys, values
+
+    monkeypatch.setattr(layer_class, "update", spy)
+    torch.manual_seed(3)
+    eager, eager_lp = _ours(model, tok, prompts, do_sample=True, max_new_tokens=20, top_k=0)
+    backend = ReplayItself()
+    read.clear()
+    torch.manual_seed(3)
+    kept, kept_lp = _ours(model, tok, prompts, graphs=backend, do_sample=True, max_new_tokens=20, top_k=0)
+    assert torch.equal(kept, eager) and torch.allclose(kept_lp, eager_lp, atol=1e-5)
+    layers = model.config.n_layer
+    steps = read[layers:][::layers]  # the first layer's reads, after the prefill's
+    assert read[0] == D.CACHE_BUCKET  # the prefill attends to the whole (bucketed) cache
+    # the step writing slot 7 + k (k = 0..18) reads ceil((8 + k) / 8) * 8 slots: 8, then 16, then 24, then 32
+    assert steps == [-(-(8 + k) // 8) * 8 for k in range(19)]
+    assert backend.recorded == 3  # lengths 16, 24 and 32; the first two steps (8, 16 slots) ran as warm-ups
+    D._KEPT.pop(model, None)

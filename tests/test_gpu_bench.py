@@ -127,8 +127,28 @@ def test_the_plan_runs_every_workload_and_library_with_the_same_arguments_as_the
     assert smoke["gen"]["size"] == "tiny" and set(smoke["gen"]) == set(gpu_sizes["gen"])
     assert gpu_sizes["gen"]["num_prompts"] == 64 and gpu_sizes["gen"]["max_new_tokens"] == 128
     assert gpu_sizes["qwen"]["arch"] == "qwen2-0.5b" and gpu_sizes["qwen"]["bf16"]
+    # the target rows first: generate x3, the PPO default / TRL bf16 pair, GRPO and RLOO bf16 against TRL 1.16
+    assert [(r.label, r.lib) for r in rows[:9]] == [
+        ("generate", "ours"), ("generate", "trl"), ("generate", "hf"), ("ppo default", "ours"), ("ppo bf16", "trl"),
+        ("grpo bf16", "ours"), ("grpo bf16", "trl116"), ("rloo bf16", "trl116"), ("rloo bf16", "ours")]
+    assert all(r.label.startswith("qwen2") for r in rows[9:13])
+    assert gpu_sizes["step"]["warmup"] >= 4 and gpu_sizes["step"]["steps"] >= 5
     monkeypatch.setenv("PASSES", "1")
     assert not any(r.second for r in driver.plan())
+
+
+def test_results_reach_out_after_every_save(gpu, tmp_path, monkeypatch):
+    """The device tool returns only $OUT: every save copies the results and the log there."""
+    driver = gpu["driver"]
+    log = tmp_path / "log.txt"
+    log.write_text("a line")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("LOG", str(log))
+    report = {"rows": [], "probe": {}, "started": "t0"}
+    driver.save(report, tmp_path / "results-gpu.json")
+    assert json.loads((tmp_path / "out" / "results-gpu.json").read_text()) == report
+    assert (tmp_path / "out" / "results-gpu.md").read_text().startswith("# GPU bench results")
+    assert (tmp_path / "out" / "gpu-bench-log.txt").read_text() == "a line"
 
 
 def test_clock_waits_for_the_gpu_and_online_uses_it(monkeypatch):
@@ -162,7 +182,9 @@ def test_tables_compare_ours_with_the_peers_and_the_card(gpu):
         row("generate", "ours", "generate", gen, {"seconds": [0.1, 0.1], "generated_tokens": [8192, 8192],
                                                   "prompt_tokens": 512, "decode_stats": stats}),
         row("generate", "trl", "generate", gen, {"seconds": [2.0], "generated_tokens": [8192], "prompt_tokens": 512}),
-        row("ppo fp32", "ours", "step", {}, {"step_seconds": [1.0, 3.0, 2.0], "cuda_max_memory_allocated": 8e9}),
+        row("ppo fp32", "ours", "step", {}, {"step_seconds": [1.0, 3.0, 2.0], "cuda_max_memory_allocated": 8e9,
+                                             "matmul_params": 124e6, "rows": 64, "prompt_tokens_per_step": 3584,
+                                             "tokens_per_step": 10752, "size": "gpt2s", "ppo_epochs": 4}),
         row("ppo fp32", "trl", "step", {}, {"step_seconds": [4.0], "cuda_max_memory_allocated": 9e9}),
         row("qwen2-0.5b grpo", "ours", "online", {"completions_per_step": 64},
             {"step_seconds": [9.0, 2.0, 2.0, 2.0], "phase_seconds": [{}] + steps, "arch": "qwen2-0.5b",
@@ -172,10 +194,13 @@ def test_tables_compare_ours_with_the_peers_and_the_card(gpu):
     text = render.render({"rows": rows, "probe": {"device": device}, "started": "t0"})
     assert "| classic TRL 0.11.4 | fp32 (its generate ignores mixed precision) | 2 | 4,096 | 20 | 1 |" in text
     assert "126 CUDA-graph replays" in text and "H200 SXM" in text
-    assert "| ppo fp32 | 2 | 4 | 0.5 | trl | 8 / 9 |" in text
+    r = gpu["roofline"]
+    ppo = r.phase_flops("ppo", 124e6, r.shape("gpt2s"), 64, 3584, 10752 - 3584, 4)
+    ppo_mfu = 100 * (sum(ppo.values()) - ppo["generation"]) / 2.0 / 989.4e12  # the median step: 2 s
+    assert f"| ppo fp32 | 2 | 4 | 0.5 | trl | {ppo_mfu:.2g}% / - | 8 / 9 | 0.889 |" in text
+    assert "| generate [ours] | 1 | 126 | 2 | none | 0 |" in text  # every row that sampled: its DECODE_STATS
     # the policy update is the rest of the step: 2.0 - 1.0 - 0.1 - 0.4
     assert "| qwen2-0.5b grpo ours | policy update | 0.5 | 25% |" in text
-    r = gpu["roofline"]
     flops = r.phase_flops("online", 493961216, r.shape("qwen2-0.5b"), 64, 400, 8192)
     mfu = 100 * flops["generation"] / 1.0 / 989.4e12
     assert f"| qwen2-0.5b grpo ours | generation | 1 | 50% | 8,192 | {mfu:.2g}% |" in text

@@ -60,11 +60,15 @@ def test_greedy_logprobs_are_the_policys_teacher_forced_logprobs(setup):
         assert torch.allclose(logprobs, expected, atol=1e-5)  # static vs plain forward: ~1e-6 apart
 
 
-def test_settings_only_generate_implements_give_no_logprobs(setup):
+def test_settings_only_generate_implements_give_no_logprobs_and_are_counted(setup):
+    from rlhf_core.trainers.decode import DECODE_STATS
+
     tok, model, prompts = setup
+    before = DECODE_STATS["fallbacks"].get("generation settings: no_repeat_ngram_size", 0)
     done = sample_completions(model, tok, prompts, device="cpu", do_sample=False, max_new_tokens=4,
-                              repetition_penalty=1.3)
+                              no_repeat_ngram_size=2)
     assert done.logprobs is None and len(done.responses) == len(prompts)
+    assert DECODE_STATS["fallbacks"]["generation settings: no_repeat_ngram_size"] == before + 1
 
 
 def test_on_the_cpu_the_policy_samples_as_it_is(setup):
@@ -99,3 +103,24 @@ def test_a_half_copy_mirrors_the_weights_and_follows_updates(setup):
                                                                       "pad_token_id": tok.pad_token_id})
         outs.append(decode(lm, batch["input_ids"], batch["attention_mask"], settings, takes_logits_to_keep=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_a_fallback_samples_from_the_weights_the_fast_path_would(setup, monkeypatch):
+    """Where the fast path would sample from a half-precision copy (CUDA under bf16, forced here), a call that goes
+    to ``generate`` runs the copy's ``generate`` too, not the fp32 policy's."""
+    import contextlib
+
+    from rlhf_core.trainers import generation as G
+    from rlhf_core.trainers.sampling_precision import Sampler
+
+    tok, model, prompts = setup
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    called = []
+    original = copy.generate
+    monkeypatch.setattr(copy, "generate", lambda **kw: called.append("copy") or original(**kw))
+    monkeypatch.setattr(model, "generate", lambda **kw: called.append("policy"))
+    monkeypatch.setattr(G, "sampler_for", lambda lm, precision: Sampler(copy, contextlib.nullcontext(), copied=True))
+    done = sample_completions(model, tok, prompts, device="cpu", do_sample=False, max_new_tokens=3,
+                              no_repeat_ngram_size=2, mixed_precision="bf16")
+    assert called == ["copy"] and done.logprobs is None and len(done.responses) == len(prompts)

@@ -2,14 +2,16 @@
 
 Every row is a fresh process running one of ``bench/workloads/*.py`` with one library's environment (its
 ``--target`` folder first on ``PYTHONPATH``, or its own interpreter), under ``timeout``, within a global deadline.
-Rows run in priority order: every workload once (ours and the peer alternating which goes first), then what time
-allows (second runs in the opposite order, an fp32 generate of ours, parity on the GPU). A row is started only
-while ``min_s`` seconds are left; what ran is written to the results JSON after every row, so a run cut short
-keeps what finished. ``SMOKE=1``: the same rows at tiny sizes (a CPU can run them).
+Rows run in priority order: the target rows first (generate ours / classic TRL / transformers; the PPO step at
+its default against TRL's bf16 peer; GRPO and RLOO in bf16 against TRL 1.16), then the Qwen2-0.5B rows, then the
+rest, then what time allows (second runs in the opposite order, an fp32 generate of ours). A row is started only
+while ``min_s`` seconds are left; what ran is written to the results JSON (and, when ``OUT`` is set, copied
+there with the log) after every row, so a run cut short keeps what finished. ``SMOKE=1``: the same rows at tiny
+sizes (a CPU can run them).
 
 Environment (run.sh sets it): DEADLINE (epoch seconds), RESULTS (path prefix of the .json/.md), BENCH_CACHE,
 PY_<LIB> and SITE_<LIB> for LIB in OURS, TRL, TRL116 (interpreter; folder put first on PYTHONPATH, may be empty),
-THREADS (torch threads per process), SMOKE.
+THREADS (torch threads per process), SMOKE, OUT (the device tool's folder that comes back), LOG (run.sh's log).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -49,7 +52,7 @@ class Row:
 GPU_SIZES = {
     # PPO step on GPT-2 small's shape: batch 64, mini-batch 16, 4 epochs, queries 48-64 / responses 96-128 tokens
     "step": {"size": "gpt2s", "batch_size": 64, "mini_batch_size": 16, "ppo_epochs": 4, "query_len": [48, 64],
-             "response_len": [96, 128], "warmup": 2, "steps": 3},
+             "response_len": [96, 128], "warmup": 4, "steps": 5},
     # generate: 64 prompts of 4-12 tokens in one batch, 128 new tokens each, one warm-up call (graph capture)
     "gen": {"size": "gpt2s", "num_prompts": 64, "batch_size": 64, "query_len": [4, 12], "max_new_tokens": 128,
             "warmup": 1, "repeats": 3},
@@ -92,29 +95,32 @@ def plan() -> list[Row]:
     bf16 = {**s["step"], "mixed_precision": "bf16"}
     gen_bf16 = {**s["gen"], "mixed_precision": "bf16"}
     rows = [  # in priority order: a run short of time skips the last ones
+        # the targets: generate (>= 10x classic TRL, >= 4x transformers bf16), the PPO step at its default against
+        # TRL's bf16 (issue 23: bf16 weights, fp32 masters on a GPU; 4 warm-ups, 5 timed steps each), GRPO and
+        # RLOO in bf16 (what both libraries pick on a GPU by default; TRL 1.16: bf16 unless fp16)
         Row("generate", "generate", "ours", gen_bf16, 90, 30),
         Row("generate", "generate", "trl", s["gen"], 90, 30),
         Row("generate", "generate", "hf", {**s["gen"], "hf_dtype": "bf16"}, 90, 30),
-        Row("qwen2-0.5b grpo", "online", "ours", s["qwen"], 120, 50, "grpo"),
-        Row("qwen2-0.5b grpo", "online", "trl116", s["qwen"], 120, 50, "grpo"),
-        Row("qwen2-0.5b ppo", "ppo_loop", "ours", s["loop"], 120, 50),
-        # issue 23: the trainers' own precision (PPOConfig(bf16_weights=None): bf16 weights, fp32 masters on a GPU)
-        Row("qwen2-0.5b ppo default", "ppo_loop", "ours", {**s["loop"], "bf16_weights": "default"}, 120, 50),
-        Row("ppo fp32", "step", "trl", s["step"], 100, 45),
-        Row("ppo fp32", "step", "ours", s["step"], 100, 45),
-        Row("ppo default", "step", "ours", {**s["step"], "bf16_weights": "default"}, 90, 40),  # vs TRL's "ppo bf16"
-        Row("grpo", "online", "ours", s["online"], 90, 35, "grpo"),
-        Row("grpo", "online", "trl116", s["online"], 90, 35, "grpo"),
-        Row("rloo", "online", "trl116", s["online"], 90, 35, "rloo"),
-        Row("rloo", "online", "ours", s["online"], 90, 35, "rloo"),
-        Row("ppo bf16", "step", "ours", bf16, 90, 40),
-        Row("ppo bf16", "step", "trl", bf16, 90, 40),
-        Row("ppo bf16 weights", "step", "ours", {**bf16, "bf16_weights": True}, 90, 40),
-        # GRPO and RLOO in bf16: what both libraries pick on a GPU by default (TRL 1.16: bf16 unless fp16)
+        Row("ppo default", "step", "ours", {**s["step"], "bf16_weights": "default"}, 120, 45),
+        Row("ppo bf16", "step", "trl", bf16, 120, 45),
         Row("grpo bf16", "online", "ours", {**s["online"], "bf16": True}, 90, 35, "grpo"),
         Row("grpo bf16", "online", "trl116", {**s["online"], "bf16": True}, 90, 35, "grpo"),
         Row("rloo bf16", "online", "trl116", {**s["online"], "bf16": True}, 90, 35, "rloo"),
         Row("rloo bf16", "online", "ours", {**s["online"], "bf16": True}, 90, 35, "rloo"),
+        # the real size: Qwen2-0.5B's shape
+        Row("qwen2-0.5b grpo", "online", "ours", s["qwen"], 120, 50, "grpo"),
+        Row("qwen2-0.5b grpo", "online", "trl116", s["qwen"], 120, 50, "grpo"),
+        Row("qwen2-0.5b ppo default", "ppo_loop", "ours", {**s["loop"], "bf16_weights": "default"}, 120, 50),
+        Row("qwen2-0.5b ppo", "ppo_loop", "ours", s["loop"], 120, 50),
+        # the rest: fp32 and the other precisions
+        Row("ppo fp32", "step", "trl", s["step"], 120, 45),
+        Row("ppo fp32", "step", "ours", s["step"], 120, 45),
+        Row("ppo bf16", "step", "ours", bf16, 120, 45),
+        Row("ppo bf16 weights", "step", "ours", {**bf16, "bf16_weights": True}, 120, 45),
+        Row("grpo", "online", "ours", s["online"], 90, 35, "grpo"),
+        Row("grpo", "online", "trl116", s["online"], 90, 35, "grpo"),
+        Row("rloo", "online", "trl116", s["online"], 90, 35, "rloo"),
+        Row("rloo", "online", "ours", s["online"], 90, 35, "rloo"),
         Row("parity", "parity", "ours", s["parity"], 60, 20),
         Row("parity", "parity", "trl", s["parity"], 60, 20),
         # second pass: the same pairs in the other order, and ours' fp32 generate
@@ -254,6 +260,7 @@ def main() -> None:
                      "--archs", sizes()["online"]["arch"]], 300)
     print(ready.stdout.strip() or ready.stderr[-2000:], flush=True)
     background = prepare_in_background(qwen)
+    save(report, results_path)  # the environments and the probe, before the first row
     for row in plan():
         if row.label.startswith("qwen2") and background.poll() is None:
             wait_for(background)
@@ -274,7 +281,8 @@ def main() -> None:
 
 
 def save(report: dict, path: Path) -> None:
-    """The results so far: the JSON, and its tables (a rendering error is printed, the JSON is kept)."""
+    """The results so far: the JSON, and its tables (a rendering error is printed, the JSON is kept); copied with
+    the log into ``OUT`` when it is set (the device tool returns that folder even from a run cut short)."""
     path.write_text(json.dumps(report, indent=1))
     try:
         sys.path.insert(0, str(HERE))
@@ -283,6 +291,21 @@ def save(report: dict, path: Path) -> None:
         path.with_suffix(".md").write_text(render.render(report))
     except Exception as exc:  # noqa: BLE001 - the measurements matter more than their table
         print(f"rendering {path.with_suffix('.md')} failed: {type(exc).__name__}: {exc}", flush=True)
+    copy_out(path)
+
+
+def copy_out(path: Path) -> None:
+    """Copy the results (.json, .md) and the log to ``OUT``, each through a temporary name (never half-written)."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    log = os.environ.get("LOG")
+    pairs = [(path, path.name), (path.with_suffix(".md"), path.with_suffix(".md").name)]
+    for source, name in pairs + ([(Path(log), "gpu-bench-log.txt")] if log else []):
+        if source.exists():
+            shutil.copyfile(source, os.path.join(out, name + ".tmp"))
+            os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
 
 def wait_for(process: subprocess.Popen) -> None:

@@ -105,9 +105,37 @@ def generate_table(rows: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------- training steps
 
 
+def step_flops(result: dict) -> float | None:
+    """Model FLOPs of one step of a step row (``roofline``): PPO's old-policy and reference forwards and
+    ``ppo_epochs`` forward + backward passes; GRPO/RLOO's every phase, generation included. None without sizes."""
+    try:
+        if "ppo_epochs" in result:  # bench/workloads/ppo_step.py
+            rows, prompt = result["rows"], result["prompt_tokens_per_step"]
+            flops = roofline.phase_flops("ppo", result["matmul_params"], roofline.shape(result["size"]), rows,
+                                         prompt, result["tokens_per_step"] - prompt, result["ppo_epochs"])
+            return sum(flops.values()) - flops["generation"]  # the step gets its responses given
+        rows = result["completions_per_call"][0]
+        prompt = median(result["prompt_tokens"][1:] or result["prompt_tokens"])
+        completion = median(result["completion_tokens"][1:] or result["completion_tokens"])
+        return sum(roofline.phase_flops("online", result["matmul_params"], roofline.shape(result["arch"]), rows,
+                                        prompt, completion).values())
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def mfu(results: list[dict], seconds: float | None, device: str | None) -> str:
+    """Model FLOPs per second over the card's dense bf16 datasheet peak, as a percentage ('-' when unknown)."""
+    flops = median([step_flops(r) for r in results])
+    peak = peaks.peak(device, "bf16") if device else None
+    if not flops or not seconds or not peak:
+        return "-"
+    return fmt(100 * flops / seconds / (peak * 1e12), 2) + "%"
+
+
 def step_table(rows: list[dict]) -> list[str]:
-    out = ["| workload | ours s/step | peer s/step | ours / peer | peer | peak GPU memory ours / peer (GB) | device |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| workload | ours s/step | peer s/step | ours / peer | peer | MFU ours / peer (bf16 dense peak) | "
+           "peak GPU memory ours / peer (GB) | ours / peer memory | device |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for label, peer_label, peer in (("ppo fp32", "ppo fp32", "trl"), ("ppo bf16", "ppo bf16", "trl"),
                                     ("ppo bf16 weights", "ppo bf16", "trl"), ("ppo default", "ppo bf16", "trl"),
                                     ("grpo", "grpo", "trl116"), ("rloo", "rloo", "trl116"),
@@ -117,11 +145,36 @@ def step_table(rows: list[dict]) -> list[str]:
         o, p = (median([s for r in rs for s in r["step_seconds"][skip:]]) for rs in (ours, theirs))
         if o is None and p is None:
             continue
-        mem = [fmt(max(r["cuda_max_memory_allocated"] for r in rs) / 1e9)
-               if rs and all(r.get("cuda_max_memory_allocated") for r in rs) else "-" for rs in (ours, theirs)]
+        peak_bytes = [max(r["cuda_max_memory_allocated"] for r in rs)
+                      if rs and all(r.get("cuda_max_memory_allocated") for r in rs) else None for rs in (ours, theirs)]
+        mem = [fmt(b / 1e9) if b else "-" for b in peak_bytes]
+        mem_ratio = fmt(peak_bytes[0] / peak_bytes[1]) if all(peak_bytes) else "-"
         version = theirs[0]["lib"] if theirs else peer
+        device = (ours or theirs)[0].get("device")
         out.append(f"| {label} | {fmt(o)} | {fmt(p)} | {fmt(o / p) if o and p else '-'} | {version} | "
-                   f"{mem[0]} / {mem[1]} | {devices(rows, label)} |")
+                   f"{mfu(ours, o, device)} / {mfu(theirs, p, device)} | {mem[0]} / {mem[1]} | {mem_ratio} | "
+                   f"{devices(rows, label)} |")
+    out.append("")
+    out.append("MFU: model FLOPs of the step (bench/gpu/roofline.py: PPO's two scoring forwards and ppo_epochs "
+               "forward + backward passes; GRPO/RLOO's whole step, generation included) over the card's dense bf16 "
+               "datasheet peak (bench/gpu/peaks.py), for every precision. Targets: PPO default <= 0.25x TRL's bf16 "
+               "step, >= 30% MFU; peak memory <= 0.7x the peer's.")
+    return out
+
+
+def decode_stats_table(rows: list[dict]) -> list[str]:
+    """Per row that sampled with rlhf_core: captured graphs, replayed and eager token steps, the calls that went to
+    ``generate`` and why (``rlhf_core.trainers.decode.DECODE_STATS``: the counts of that row's process)."""
+    out = ["| row | captures | replays | eager steps | fallbacks to generate (reason: calls) | capture failures |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        stats = (r.get("result") or {}).get("decode_stats")
+        if not stats:
+            continue
+        fallbacks = "; ".join(f"{k}: {v}" for k, v in (stats.get("fallbacks") or {}).items()) or "none"
+        failures = len(stats.get("capture_failures") or [])
+        out.append(f"| {r['label']} [{r['lib']}] | {stats.get('captures')} | {stats.get('replays')} | "
+                   f"{stats.get('eager_steps')} | {fallbacks} | {failures} |")
     return out
 
 
@@ -189,6 +242,12 @@ def generation_title(rows: list[dict]) -> str:
             f"tokens x {args['max_new_tokens']} new tokens, one batch")
 
 
+def torch_versions(report: dict) -> str:
+    """Each library set's torch version (``environments``)."""
+    envs = report.get("environments") or {}
+    return ", ".join(f"{lib} {env.get('torch', '?')}" for lib, env in envs.items()) or "-"
+
+
 def render(report: dict) -> str:
     rows = report["rows"]
     probe = report.get("probe") or {}
@@ -197,13 +256,15 @@ def render(report: dict) -> str:
     lines = [f"# GPU bench results{' (SMOKE run: tiny sizes, not a measurement)' if report.get('smoke') else ''}", "",
              f"Run {report.get('started')} - {report.get('finished', 'unfinished')}; written by bench/gpu/run.sh "
              "(bench/gpu/driver.py); the raw rows, commands and environments are in the .json beside this file.", "",
-             f"Device: {device} ({card or 'not in bench/gpu/peaks.py'}); torch {probe.get('torch')}, CUDA "
+             f"Device: {device} ({card or 'not in bench/gpu/peaks.py'}); torch {probe.get('torch')} (the GPU image's; "
+             f"the CPU pin in requirements.lock may differ; per library set: {torch_versions(report)}), CUDA "
              f"{probe.get('cuda')}. Datasheet: {peaks.CARDS.get(card, {})}. Measured here: bf16 matmul "
              f"{fmt(probe.get('matmul_tflops_bfloat16'))} TFLOP/s, fp32 {fmt(probe.get('matmul_tflops_float32'))} "
              f"TFLOP/s, copy {fmt(probe.get('copy_tb_s'))} TB/s.", "",
              f"## Generation ({generation_title(rows)})", "", *generate_table(rows), "",
              "## Training steps (medians; ratio < 1: ours faster)", "", *step_table(rows), "",
-             "## Qwen2-0.5B shape (random weights), bf16 mixed precision, by phase", "", *real_size_table(rows), ""]
+             "## Qwen2-0.5B shape (random weights), bf16 mixed precision, by phase", "", *real_size_table(rows), "",
+             "## The static decode in every row that sampled (DECODE_STATS)", "", *decode_stats_table(rows), ""]
     parity = report.get("parity")
     if parity:
         lines += ["## PPO parity with classic TRL on this device (tiny model, one step, fp32)", "",

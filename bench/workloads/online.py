@@ -247,6 +247,10 @@ def main():
               "phase_seconds": phases.steps, "prompt_tokens": tokens["prompt"],
               "completion_tokens": tokens["completion"], "arch": args["arch"], "bf16": bool(args["bf16"]),
               "matmul_params": common.matmul_params(model)}
+    if lib == "ours":  # whether generation ran the static decode (replayed graphs) or fell back, and why
+        from rlhf_core.trainers.decode import DECODE_STATS
+
+        result["decode_stats"] = DECODE_STATS
     common.emit(result)
 
 

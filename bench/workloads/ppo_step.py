@@ -49,6 +49,10 @@ def main():
         "response_tokens_per_step": int(sum(len(r) for r in responses)),
         "padded_tokens_per_step": int(len(queries) * width),
         "num_params": int(sum(p.numel() for p in trainer.accelerator.unwrap_model(trainer.model).parameters())),
+        # the model FLOPs of a step (bench/gpu/roofline.py; the GPU bench's MFU column)
+        "matmul_params": common.matmul_params(trainer.accelerator.unwrap_model(trainer.model)),
+        "prompt_tokens_per_step": int(sum(len(q) for q in queries)), "rows": len(queries),
+        "size": size, "ppo_epochs": args["ppo_epochs"],
         "last_loss_total": float(np.asarray(stats["ppo/loss/total"]).mean()),
     })
 

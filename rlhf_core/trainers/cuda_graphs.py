@@ -23,11 +23,25 @@ def graphs_enabled(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and os.environ.get("RLHF_CORE_CUDA_GRAPHS", "1") != "0"
 
 
+def uncached_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Inside an autocast region on ``device_type``: the same autocast with its weight-cast cache off; else nothing.
+
+    Autocast keeps the bf16 cast of each fp32 weight for the rest of its region, and frees the casts when the
+    region exits. A graph captured while that cache is live reads the cached casts' memory, not the weights: after
+    the region, replays would read freed (reused) memory, and even inside it they would miss weight updates. With
+    the cache off the capture records the casts themselves (one more read of each weight per step).
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
+
+
 class CudaGraphs:
     """``decode.GraphBackend`` on CUDA: warm-up steps on a side stream, then one recorded step."""
 
     # Real steps run eagerly before recording (lazy kernel/workspace set-up happens outside the capture).
     warmup_steps = 2
+    device_type = "cuda"  # whose autocast state the capture reads (``uncached_autocast``)
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:
@@ -40,6 +54,6 @@ class CudaGraphs:
     def record(self, step: Callable[[], None]) -> Callable[[], None]:
         """Capture ``step`` (nothing runs while capturing) and return the replay of the graph."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph), uncached_autocast(self.device_type):
             step()
         return graph.replay

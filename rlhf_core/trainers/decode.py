@@ -1,7 +1,8 @@
 """The sampling loop of every trainer: a static KV cache and a token step that never reads a value on the host.
 
-For a decoder-only LM with plain settings (greedy or sampling with temperature / top-k / top-p, suppressed tokens,
-a minimum length, EOS and pad ids, ``max_new_tokens``) this loop makes the model calls ``generate`` makes (the same
+For a decoder-only LM with plain settings (greedy or sampling with temperature / top-k / top-p / min-p, a repetition
+penalty, suppressed tokens, a minimum length, EOS and pad ids, ``max_new_tokens``: what released instruct models'
+``generation_config`` files set, Qwen2-Instruct's ``repetition_penalty=1.1`` included) this loop makes the model calls ``generate`` makes (the same
 inputs and position ids; a 4-d attention mask that allows exactly the keys ``generate``'s mask allows), applies the
 logits processors ``generate`` applies, in its order, and samples as ``torch.multinomial(probs, 1)`` does: an
 exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` per token (token i with probability p_i exactly), drawn from
@@ -13,6 +14,10 @@ How it is laid out, for the GPU:
 - The KV cache is transformers' ``StaticCache``, allocated once for ``prompt width + max_new_tokens`` slots
   (rounded up to ``CACHE_BUCKET`` when the state is kept for a CUDA graph) and written in place: no per-token
   concatenation. Every other tensor the loop touches lives in one ``DecodeState``, also written in place.
+- With a graph backend, a token step attends to the cache's first ``visible`` slots only: the slots written so far
+  rounded up to ``KV_SEGMENT``, one captured graph per such length. A step then reads at most ``KV_SEGMENT - 1``
+  slots of K/V it does not need, not the whole bucketed cache (for 12-token prompts and 128 new tokens: 1.2x the
+  K/V bytes the steps need on average, where the whole 192-slot cache read 2.5x).
 - ``token_step`` (model forward of the last token, processors, sampling, bookkeeping) reads its step counter, cache
   slot and finished flags from tensors, so it has the same shape and the same kernels at every token: a CUDA graph
   captured once replays it (``StepRunner`` with ``rlhf_core.trainers.cuda_graphs``). On the CPU it runs eagerly,
@@ -20,8 +25,9 @@ How it is laid out, for the GPU:
 - Whether every row has finished is read back to the host only every ``eos_check_every`` tokens (CUDA: 8; the CPU,
   where a read costs nothing: every token, so a call draws exactly the random numbers ``generate`` draws).
 
-Any other setting, or a model that does not fit (encoder-decoder, prompt-learning adapter, sliding-window or
-non-SDPA/eager attention, no ``StaticCache`` support), goes to ``generate``.
+Any other setting, or a model that does not fit (encoder-decoder, prompt-learning adapter, an attention window
+shorter than prompt + new tokens, non-SDPA/eager attention, no ``StaticCache`` support), goes to ``generate``; the
+reason is counted in ``DECODE_STATS["fallbacks"]`` (``decode_plan`` names it).
 """
 
 from __future__ import annotations
@@ -31,13 +37,15 @@ import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from rlhf_core.models.sliding_window import attention_window, window_binds
+
 # Generation settings the loop implements exactly; any other non-default field sends the call to `generate`.
-_SUPPORTED = {"do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "min_length", "min_new_tokens",
+_SUPPORTED = {"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "min_length", "min_new_tokens",
               "suppress_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "use_cache",
               "transformers_version", "_from_model_config", "decoder_start_token_id"}
 # Output options that change nothing while they are off (model configs often spell them out as False).
@@ -53,6 +61,8 @@ _MASKABLE_ATTENTION = {"sdpa", "eager"}
 # Cache slots are rounded up to a multiple of this when a state is kept for a captured step, so prompts of
 # slightly different widths reuse one CUDA graph (the extra slots are masked out: they cost attention FLOPs only).
 CACHE_BUCKET = 64
+# A captured token step attends to the written cache slots rounded up to a multiple of this (one graph per length).
+KV_SEGMENT = 32
 # Token steps between two host reads of "has every row finished?" on an accelerator (on the CPU: every step).
 EOS_CHECK_EVERY_ACCELERATOR = 8
 
@@ -71,27 +81,45 @@ class DecodeSettings:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    """generate's ``RepetitionPenaltyLogitsProcessor``: the logit of every token already in the row (real prompt
+    tokens and generated ones) divided by it where positive, multiplied where negative."""
 
     def step_key(self) -> tuple:
         """Everything a captured token step bakes in (the rest is read from tensors at every replay)."""
         return (self.do_sample, self.eos_ids, self.pad_id, self.suppress_ids, self.eos_blocked_steps > 0,
-                self.temperature, self.top_k, self.top_p)
+                self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
 
 
 def decode_settings(model: Any, prompt_len: int, kwargs: dict[str, Any]) -> DecodeSettings | None:
     """The loop's settings for ``model.generate(**kwargs)``, or None when ``generate`` must run it."""
+    plan = decode_plan(model, prompt_len, kwargs)
+    return plan if isinstance(plan, DecodeSettings) else None
+
+
+def decode_plan(model: Any, prompt_len: int, kwargs: dict[str, Any]) -> DecodeSettings | str:
+    """``decode_settings``, or instead of None the reason ``generate`` must run the call (one short phrase: the
+    key of ``DECODE_STATS["fallbacks"]``)."""
     from transformers import GenerationConfig
 
-    if not static_cache_fits(model):
-        return None
+    reason = static_cache_misfit(model)
+    if reason:
+        return reason
     merged = GenerationConfig(**model.generation_config.to_dict())
     unknown = merged.update(**kwargs)
     active = {k for k, v in merged.to_diff_dict().items()
               if not (k in _OFF_OPTIONS and not v) and not (k in _NEUTRAL and v == _NEUTRAL[k])}
-    if unknown or not active <= _SUPPORTED or not merged.use_cache:
-        return None
+    if unknown:
+        return "unknown generation kwargs: " + ",".join(sorted(unknown))
+    if not active <= _SUPPORTED:
+        return "generation settings: " + ",".join(sorted(active - _SUPPORTED))
+    if not merged.use_cache:
+        return "use_cache=False"
     if merged.max_new_tokens is None or merged.max_new_tokens < 1:
-        return None
+        return "no max_new_tokens"
+    if window_binds(model.config, prompt_len + int(merged.max_new_tokens)):
+        return f"attention window {attention_window(model.config)} < prompt + new tokens"
     eos = merged.eos_token_id
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     pad = merged.pad_token_id if merged.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
@@ -101,33 +129,50 @@ def decode_settings(model: Any, prompt_len: int, kwargs: dict[str, Any]) -> Deco
     if eos_ids and merged.min_new_tokens is not None and merged.min_new_tokens > 0:
         blocked = max(blocked, merged.min_new_tokens)
     sample = bool(merged.do_sample)
+    if merged.top_k is None:  # generate's global default (``_get_default_generation_params``) where nothing set one
+        merged.top_k = 50
     return DecodeSettings(
         max_new_tokens=int(merged.max_new_tokens), do_sample=sample, eos_ids=eos_ids, pad_id=pad,
         suppress_ids=tuple(merged.suppress_tokens or ()), eos_blocked_steps=max(0, blocked),
         temperature=merged.temperature if sample and merged.temperature not in (None, 1.0) else None,
         top_k=merged.top_k if sample and merged.top_k not in (None, 0) else None,
-        top_p=merged.top_p if sample and merged.top_p is not None and merged.top_p < 1.0 else None)
+        top_p=merged.top_p if sample and merged.top_p is not None and merged.top_p < 1.0 else None,
+        min_p=merged.min_p if sample and merged.min_p is not None else None,
+        repetition_penalty=float(merged.repetition_penalty) if merged.repetition_penalty not in (None, 1.0) else None)
 
 
 def static_cache_fits(model: Any) -> bool:
     """A decoder-only transformers LM that runs on a ``StaticCache`` with a custom 4-d mask (full attention)."""
+    return not static_cache_misfit(model)
+
+
+def static_cache_misfit(model: Any) -> str:
+    """Why ``model`` cannot run the static decode (a short phrase), or "" when it can.
+
+    A Mistral-style config (no ``layer_types``, ``sliding_window`` set) fits here: its window is compared with the
+    call's length in ``decode_plan`` (Mistral-7B's 4096 binds no RLHF prompt + response)."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(model, "generation_config"):
-        return False
+    if config is None or not hasattr(model, "generation_config"):
+        return "not a transformers LM"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder"
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
-        return False  # virtual tokens: generate handles them
+        return "prompt-learning adapter"  # virtual tokens: generate handles them
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's transformer
     if not getattr(base, "_can_compile_fullgraph", False):  # transformers' flag for static-cache models
-        return False
+        return "no static cache support"
     text = config.get_text_config(decoder=True)
-    if getattr(text, "_attn_implementation", None) not in _MASKABLE_ATTENTION:
-        return False
-    return all(kind == "full_attention" for kind in (getattr(text, "layer_types", None) or ["full_attention"]))
+    attention = getattr(text, "_attn_implementation", None)
+    if attention not in _MASKABLE_ATTENTION:
+        return f"attention {attention} takes no 4-d mask"
+    if not all(kind == "full_attention" for kind in (getattr(text, "layer_types", None) or ["full_attention"])):
+        return "layer types " + ",".join(sorted(set(text.layer_types) - {"full_attention"}))
+    return ""
 
 
 def warpers(settings: DecodeSettings) -> list[Callable]:
     """``generate``'s sampling warpers for these settings, in its order (transformers' own classes)."""
-    from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     out: list[Callable] = []
     if settings.temperature is not None:
@@ -136,6 +181,8 @@ def warpers(settings: DecodeSettings) -> list[Callable]:
         out.append(TopKLogitsWarper(top_k=settings.top_k, min_tokens_to_keep=1))
     if settings.top_p is not None:
         out.append(TopPLogitsWarper(top_p=settings.top_p, min_tokens_to_keep=1))
+    if settings.min_p is not None:
+        out.append(MinPLogitsWarper(min_p=settings.min_p, min_tokens_to_keep=1))
     return out
 
 
@@ -155,6 +202,7 @@ class DecodeState:
                  mask_dtype: torch.dtype):
         text = model.config.get_text_config(decoder=True)
         self.settings, self.mask_dtype = settings, mask_dtype
+        self.visible: int | None = None  # the cache slots a step attends to (None: all; ``set_visible``)
         self.warpers = warpers(settings)
         self.cache = static_cache(text.num_hidden_layers, cache_len)
         long = {"dtype": torch.long, "device": device}
@@ -173,11 +221,17 @@ class DecodeState:
         ids = torch.arange(text.vocab_size, device=device)
         self.is_eos = torch.isin(ids, self.eos)  # (V,)
         self.suppressed = torch.isin(ids, torch.tensor(settings.suppress_ids, **long))  # (V,)
+        # (b, V + 1) the tokens already in each row (the repetition penalty's set; column V: padding, never read)
+        self.seen = torch.zeros(batch, text.vocab_size + 1, dtype=torch.bool, device=device) \
+            if settings.repetition_penalty is not None else None
 
-    def start(self, attention_mask: torch.Tensor, settings: DecodeSettings) -> None:
-        """Refill every buffer for a new call on left-padded prompts with ``attention_mask`` (b, T)."""
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: DecodeSettings) -> None:
+        """Refill every buffer for a new call on left-padded prompts ``input_ids`` with ``attention_mask`` (b, T)."""
         width = attention_mask.shape[1]
         self.cache.reset()
+        if self.seen is not None:  # generate ignores the left padding (``prompt_ignore_length``)
+            self.seen.zero_()
+            self.seen.scatter_(1, input_ids.masked_fill(attention_mask == 0, self.seen.shape[1] - 1), True)
         self.key_ok.fill_(True)
         self.key_ok[:, :width] = attention_mask.bool()
         self.slot.fill_(width)
@@ -188,10 +242,18 @@ class DecodeState:
         self.logprobs.zero_()
         self.eos_blocked.fill_(settings.eos_blocked_steps)
 
+    def set_visible(self, visible: int | None) -> None:
+        """Let the next steps attend to the first ``visible`` cache slots only (None: all of them). The slots beyond
+        hold no key a query may see yet, so the outputs are the same to rounding; fewer K/V bytes are read."""
+        self.visible = visible
+        for layer in self.cache.layers:
+            layer.visible = visible
+
     def mask(self, query_slots: torch.Tensor) -> torch.Tensor:
         """Additive mask (b, 1, q, L) for queries at ``query_slots`` (q,): a key is seen iff it is no left padding
-        and no later than the query, which is what ``generate``'s mask allows."""
-        seen = self.key_ok[:, None, :] & (self.slots[None, None, :] <= query_slots[None, :, None])  # (b, q, L)
+        and no later than the query, which is what ``generate``'s mask allows (L: the ``visible`` slots)."""
+        width = self.visible or self.slots.shape[0]
+        seen = self.key_ok[:, None, :width] & (self.slots[None, None, :width] <= query_slots[None, :, None])
         blocked = torch.zeros(seen.shape, dtype=self.mask_dtype, device=seen.device)
         return blocked.masked_fill_(~seen, torch.finfo(self.mask_dtype).min)[:, None]  # (b, 1, q, L)
 
@@ -210,6 +272,14 @@ def _static_layer_class() -> type:
     from transformers.cache_utils import StaticLayer
 
     class ValuesInTheirDtype(StaticLayer):
+        visible: int | None = None  # ``DecodeState.set_visible``: attention reads only the first slots
+
+        def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = super().update(*args, **kwargs)
+            if self.visible is None:
+                return keys, values
+            return keys[:, :, :self.visible], values[:, :, :self.visible]
+
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
             if self.values.dtype != value_states.dtype:
@@ -243,6 +313,10 @@ def take_token(state: DecodeState, logits: torch.Tensor) -> None:
     """Process ``logits`` (b, V) as ``generate`` does, draw the next token, and record it at ``state.step``."""
     settings = state.settings
     scores = logits.to(dtype=torch.float32, copy=True)  # (b, V)
+    if settings.repetition_penalty is not None:  # generate's first processor of these
+        penalty = settings.repetition_penalty
+        penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(state.seen[:, :scores.shape[1]], penalised, scores)
     if settings.suppress_ids:
         scores = torch.where(state.suppressed, -float("inf"), scores)
     if settings.eos_blocked_steps > 0:  # generate's MinLength / MinNewTokens: EOS impossible for the first steps
@@ -261,6 +335,8 @@ def take_token(state: DecodeState, logits: torch.Tensor) -> None:
     state.lengths.add_(state.unfinished)
     if settings.eos_ids:  # (isin sorts and uniques its inputs on CUDA beyond a few elements: a host read)
         state.unfinished.logical_and_(~(tokens[:, None] == state.eos[None, :]).any(dim=-1))
+    if state.seen is not None:  # generate's input_ids grow by this token (pad on a finished row)
+        state.seen.scatter_(1, tokens[:, None], True)
     state.tokens.copy_(tokens[:, None])
     state.step.add_(1)
 
@@ -278,21 +354,25 @@ class GraphBackend(Protocol):
 @dataclass
 class StepRunner:
     """Runs ``token_step`` on one state: eagerly, or (with a graph backend) as ``warmup_steps`` real eager steps
-    and then replays of a graph of the step recorded once. A recording that fails leaves the runner eager for good
-    (the reason goes to ``DECODE_STATS``)."""
+    and then replays of graphs of the step, one recorded per attended length (``segments``). A recording that
+    fails leaves the runner eager for good (the reason goes to ``DECODE_STATS``)."""
 
     step: Callable[[], None]
     backend: GraphBackend | None = None
-    replay: Callable[[], None] | None = None
+    state: DecodeState | None = None
+    """With ``state``: each step attends to the written slots rounded up to ``KV_SEGMENT`` (``set_visible``)."""
+    replays: dict[int | None, Callable[[], None]] = field(default_factory=dict)
     warmed: int = 0
 
-    def run(self, count: int) -> None:
-        """``count`` token steps."""
-        for _ in range(count):
-            if self.replay is None and self.backend is not None and self.warmed >= self.backend.warmup_steps:
-                self._record()
-            if self.replay is not None:
-                self.replay()
+    def run(self, count: int, first_slot: int = 0) -> None:
+        """``count`` token steps, the first of which writes cache slot ``first_slot`` (known on the host)."""
+        for i in range(count):
+            visible = self._visible(first_slot + i)
+            replay = self.replays.get(visible)
+            if replay is None and self.backend is not None and self.warmed >= self.backend.warmup_steps:
+                replay = self._record(visible)
+            if replay is not None:
+                replay()
                 DECODE_STATS["replays"] += 1
                 continue
             with self.backend.warmup() if self.backend is not None else contextlib.nullcontext():
@@ -300,17 +380,36 @@ class StepRunner:
             self.warmed += 1
             DECODE_STATS["eager_steps"] += 1
 
-    def _record(self) -> None:
+    def _visible(self, slot: int) -> int | None:
+        """The slots a step writing ``slot`` attends to (set on the state); None without a state (all of them)."""
+        if self.state is None:
+            return None
+        visible = min(-(-(slot + 1) // KV_SEGMENT) * KV_SEGMENT, self.state.slots.shape[0])
+        if visible != self.state.visible:
+            self.state.set_visible(visible)
+        return visible
+
+    def _record(self, visible: int | None) -> Callable[[], None] | None:
         try:
-            self.replay = self.backend.record(self.step)  # recording runs nothing: the state is not advanced
-            DECODE_STATS["captures"] += 1
+            replay = self.backend.record(self.step)  # recording runs nothing: the state is not advanced
         except Exception as exc:  # noqa: BLE001 - a step that cannot be captured still runs eagerly
             DECODE_STATS["capture_failures"].append(f"{type(exc).__name__}: {exc}"[:500])
             self.backend = None
+            return None
+        DECODE_STATS["captures"] += 1
+        self.replays[visible] = replay
+        return replay
 
 
-DECODE_STATS: dict[str, Any] = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_failures": []}
-"""Process-wide counters of the token steps run (the GPU bench reports whether its steps were replayed graphs)."""
+DECODE_STATS: dict[str, Any] = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_failures": [],
+                                "fallbacks": {}}
+"""Process-wide counters of the token steps run (the GPU bench reports whether its steps were replayed graphs),
+and per reason the calls that went to ``generate`` instead (``count_fallback``)."""
+
+
+def count_fallback(reason: str) -> None:
+    """Count one call sent to ``generate`` for ``reason`` (``decode_plan``'s phrase)."""
+    DECODE_STATS["fallbacks"][reason] = DECODE_STATS["fallbacks"].get(reason, 0) + 1
 
 
 @dataclass
@@ -335,7 +434,8 @@ def _state_and_runner(model: Any, batch: int, cache_len: int, settings: DecodeSe
     def new(length: int) -> _Kept:
         state = DecodeState(model, batch, length, settings, device, mask_dtype)
         ref = weakref.ref(model)  # a strong one in the kept runner would keep the model (the dict's key) alive
-        return _Kept(state, StepRunner(lambda: token_step(ref(), state), backend))
+        return _Kept(state, StepRunner(lambda: token_step(ref(), state), backend,
+                                       state=state if backend is not None else None))
 
     if backend is None:
         return new(cache_len)
@@ -370,12 +470,13 @@ def decode(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, se
     kept = _state_and_runner(model, batch, width + settings.max_new_tokens, settings, device,
                              _compute_dtype(model), graphs)
     state = kept.state
-    state.start(attention_mask, settings)
+    state.start(input_ids, attention_mask, settings)
+    state.set_visible(None)  # the prefill attends to every slot (its own shape; eager)
     prefill(model, state, input_ids, attention_mask, takes_logits_to_keep)
     done = 1
     while done < settings.max_new_tokens and bool(state.unfinished.any()):
         count = min(every, settings.max_new_tokens - done)
-        kept.runner.run(count)
+        kept.runner.run(count, first_slot=width + done - 1)  # the step after ``done`` tokens writes this slot
         done += count
     new = int(state.lengths.max())
     return torch.cat([input_ids, state.out[:, :new]], dim=1), state.logprobs[:, :new].clone()

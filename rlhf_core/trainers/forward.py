@@ -35,6 +35,7 @@ from accelerate.utils.operations import ConvertOutputsToFp32
 from rlhf_core.core import rowwise_logit_stats, token_logprobs
 from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.reference import create_reference_model
+from rlhf_core.models.sliding_window import window_binds
 from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.experience import ModelBatch
 from rlhf_core.trainers.packing import can_pack, pack_rows, packing_pays, unpack_slots
@@ -77,7 +78,7 @@ def response_forward(model: Any, batch: ModelBatch, *, positions: str = "span", 
     if positions not in LOGIT_POSITIONS:
         raise ValueError(f"positions must be one of {LOGIT_POSITIONS}, got {positions!r}")
     lm = language_model(model)
-    with native_dtype_outputs(model):
+    with native_dtype_outputs(model), checkpointing_in_eval(model):
         if positions != "all" and lm is not None and should_pack(model, lm, batch):
             scored = _packed(model, lm, batch)
         else:
@@ -139,7 +140,7 @@ def _packed(model: Any, lm: Any, batch: ModelBatch) -> _Scored:
     """The real tokens of every row as one sequence (``packing``); the LM head only where a slot is scored."""
     packed = pack_rows(batch)
     # without a mask transformers builds the block-diagonal one from the restarting position ids
-    mask = packed_mask(packed.segments) if explicit_masks(lm, packed.input_ids.device) else None
+    mask = packed_mask(packed.segments) if own_masks(lm, packed.input_ids) else None
     model_logits, values = _outputs(model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                           attention_mask=mask, logits_to_keep=packed.score_positions,
                                           **_call_options(model, lm)))
@@ -166,6 +167,14 @@ def explicit_masks(lm: Any, device: torch.device) -> bool:
     return device.type == "cuda" and lm is not None and getattr(lm.config, "_attn_implementation", None) == "sdpa"
 
 
+def own_masks(lm: Any, input_ids: torch.Tensor) -> bool:
+    """Build the 4-d mask here for this forward over ``input_ids`` (B, T): ``explicit_masks``, and no attention
+    window of ``lm`` shorter than T. The masks built here are plain causal; a sliding-window (or chunked) layer
+    over a longer sequence sees fewer keys, which only the model's own mask code knows (its layers may differ),
+    so such a forward takes transformers' path (``models.sliding_window``)."""
+    return explicit_masks(lm, input_ids.device) and not window_binds(lm.config, input_ids.shape[-1])
+
+
 def padded_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) bool: query t sees key s <= t of its own row when s is a real token, and itself (a left-padding
     query has no real key before it: with none at all its softmax would be NaN, which the backward would spread)."""
@@ -186,7 +195,7 @@ def _with_explicit_mask(inputs: dict[str, torch.Tensor], lm: Any) -> dict[str, t
     """``inputs`` with the 4-d mask (``explicit_masks``) in place of the 2-d one, when that applies (a causal LM:
     ``lm`` is not None)."""
     mask = inputs.get("attention_mask")
-    if lm is None or mask is None or mask.dim() != 2 or not explicit_masks(lm, mask.device):
+    if lm is None or mask is None or mask.dim() != 2 or not own_masks(lm, mask):
         return inputs
     return {**inputs, "attention_mask": padded_mask(mask)}
 
@@ -235,6 +244,29 @@ def native_dtype_outputs(model: Any) -> Iterator[None]:
         yield
     finally:
         inner.forward = forward
+
+
+@contextlib.contextmanager
+def checkpointing_in_eval(model: Any) -> Iterator[None]:
+    """With gradients on, the layers whose activation checkpointing is enabled (``gradient_checkpointing_enable``)
+    checkpoint even when the model runs in eval mode (dropout off).
+
+    transformers checkpoints a layer only while ``layer.training``, and PPO, GRPO and RLOO run their gradient
+    forwards in eval mode (no dropout, as classic TRL): there ``gradient_checkpointing=True`` would silently keep
+    every activation. For the block the train flag is set on those layers alone (their dropout and attention
+    submodules keep theirs, so no dropout appears); the recomputation gives the same numbers. Without
+    checkpointing enabled, or without gradients, nothing changes.
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+              and not m.training and callable(getattr(m, "_gradient_checkpointing_func", None))] \
+        if torch.is_grad_enabled() else []
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
 
 
 # ---- packing: whether this forward packs its rows

@@ -21,7 +21,7 @@ from rlhf_core.models.peft_support import is_peft_model
 from rlhf_core.models.prepacked_linear import prepacked_linears
 from rlhf_core.models.unwrap import language_model
 from rlhf_core.trainers.cuda_graphs import CudaGraphs, graphs_enabled
-from rlhf_core.trainers.decode import decode, decode_settings
+from rlhf_core.trainers.decode import DecodeSettings, count_fallback, decode, decode_plan
 from rlhf_core.trainers.sampling_precision import Sampler, sampler_for
 
 # Queries generated together. Every decoding step is one forward pass over the whole chunk with the KV cache,
@@ -140,9 +140,13 @@ def _sample_chunk(model, sampler: Sampler, tokenizer, chunk: list[torch.Tensor],
         kwargs["max_new_tokens"] = length_sampler()
     batch = pad_queries([q.to(device) for q in chunk], pad_id_of(tokenizer), left=not is_encoder_decoder)
     width = 0 if is_encoder_decoder else batch["input_ids"].shape[1]
-    settings = None if is_encoder_decoder else decode_settings(sampler.model, width, kwargs)
-    if settings is None:
-        generated, logprobs = model.generate(**batch, **kwargs), None  # (b, T + A) / encoder-decoder: (b, A)
+    settings = "encoder-decoder" if is_encoder_decoder else decode_plan(sampler.model, width, kwargs)
+    if not isinstance(settings, DecodeSettings):
+        count_fallback(settings)
+        # the weights the fast path would sample from: the half-precision copy where there is one (the value-head
+        # wrapper's generate is its transformer's, so sampling from ``sampler.model`` skips nothing)
+        generator = sampler.model if sampler.copied else model
+        generated, logprobs = generator.generate(**batch, **kwargs), None  # (b, T + A) / encoder-decoder: (b, A)
     else:
         lm = sampler.model
         graphs = CudaGraphs() if graphs_enabled(batch["input_ids"].device) and not is_peft_model(lm) else None

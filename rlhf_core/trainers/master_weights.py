@@ -11,6 +11,10 @@ training (Micikevicius et al. 2018), the optimizer works on fp32 master copies:
 
 The optimizer's parameter groups are switched to the masters, so its state (Adam moments) is fp32 and any
 ``torch.optim`` optimizer, lr scheduler or ``accelerate`` wrapper works unchanged.
+
+The masters' fp32 gradients are views into one flat buffer allocated once: ``zero_grad(set_to_none=True)`` drops
+the views, not the memory, so a step allocates no gradient memory (no allocator churn, no fragmentation between
+the rollout's and the update's tensors), and the copy / accumulation is one ``foreach`` call over all of them.
 """
 
 from __future__ import annotations
@@ -30,22 +34,43 @@ class MasterWeights:
         for group in optimizer.param_groups:
             group["params"] = [master_of[id(p)] for p in group["params"]]
         model.to(dtype)  # in place: the same Parameter objects now hold bf16 data
+        self.flat_grad: torch.Tensor | None = None
+        """(N,) fp32, N = the masters' numel: their gradients' storage (``grad_views``), allocated at first use."""
 
     def to(self, device: torch.device) -> None:
         """Move the masters next to the model's weights (after ``accelerate`` placed the model)."""
         for master in self.masters:
             master.data = master.data.to(device)
+            master.grad = None
+        self.flat_grad = None  # reallocated on the masters' device
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """One fp32 view per master, shaped like it, into ``flat_grad`` (allocated once)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros(sum(m.numel() for m in self.masters), dtype=torch.float32,
+                                         device=self.masters[0].device)
+            self._views = [chunk.view_as(m) for chunk, m in
+                           zip(self.flat_grad.split([m.numel() for m in self.masters]), self.masters)]
+        return self._views
 
     @torch.no_grad()
     def grads_to_masters(self) -> None:
         """Add the bf16 gradients into the masters' fp32 gradients (accumulation stays in fp32) and clear them."""
-        for param, master in zip(self.params, self.masters):
+        fresh: tuple[list, list] = ([], [])  # (master grad views, bf16 grads): a master without a gradient yet
+        accumulate: tuple[list, list] = ([], [])
+        for param, master, view in zip(self.params, self.masters, self.grad_views()):
             if param.grad is None:
                 continue
             if master.grad is None:
-                master.grad = param.grad.to(master.dtype)
+                master.grad = view
+                fresh[0].append(view), fresh[1].append(param.grad)
             else:
-                master.grad.add_(param.grad)
+                accumulate[0].append(master.grad), accumulate[1].append(param.grad)
+        if fresh[0]:
+            torch._foreach_copy_(*fresh)  # bf16 -> fp32 exactly
+        if accumulate[0]:
+            torch._foreach_add_(*accumulate)
+        for param in self.params:
             param.grad = None
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
+from rlhf_core.models.fused_kernels import fuse_kernels, fuses_on
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     TrackingOptions,
@@ -177,6 +178,9 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         self._last_samples: list[tuple[str, str, float]] = []
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
+        if fuses_on(self.args.device):  # one-kernel GELU / RMSNorm on CUDA (the CPU stays byte-identical)
+            fuse_kernels(self.model)
+            fuse_kernels(self.ref_model)
         for reward_model in self.reward_funcs:
             if isinstance(reward_model, torch.nn.Module):
                 reward_model.to(self.args.device).eval()

@@ -36,6 +36,7 @@ from rlhf_core.core import (
 )
 from rlhf_core.losses import gae_advantages, kl_penalty, per_token_rewards, ppo_losses
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
+from rlhf_core.models.fused_kernels import fuse_kernels, fuses_on
 from rlhf_core.models.value_head import PreTrainedModelWrapper
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
@@ -175,6 +176,9 @@ class PPOTrainer:
         """Hand model, optimizer, scheduler and dataloader to accelerate; put the reference model on the device."""
         if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
+        if fuses_on(self.accelerator.device):  # one-kernel GELU / RMSNorm on CUDA (the CPU stays byte-identical)
+            fuse_kernels(model)
+            fuse_kernels(self.ref_model)
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
         if self.dataloader is not None:
             self.dataloader = ppo_state.track_data_position(
