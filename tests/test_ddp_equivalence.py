@@ -31,6 +31,26 @@ GLOBAL_BATCH = 4
 LR = 0.5
 TOLERANCE = 1e-5  # see the module docstring
 TRAINERS = ("sft", "reward", "dpo", "kto", "grpo", "rloo", "ppo")
+SHARDING = os.environ.get("RLHF_TEST_SHARDING")
+"""Unset: CPU ranks (gloo). ``ddp`` or ``fsdp2``: the same runs on CUDA devices, plain or through accelerate's FSDP2
+plugin (tests/test_fsdp2.py compares the two; on CPU ranks accelerate ignores the plugin)."""
+FSDP2_CONFIG = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "reshard_after_forward": True}
+
+
+def _sharding_args() -> dict:
+    """TrainingArguments for ``SHARDING``: the CPU, or CUDA with accelerate's FSDP2 plugin."""
+    if SHARDING is None:
+        return {"use_cpu": True}
+    return {"use_cpu": False, **({"fsdp": "full_shard", "fsdp_config": FSDP2_CONFIG} if SHARDING == "fsdp2" else {})}
+
+
+def _ppo_accelerator_kwargs() -> dict:
+    if SHARDING != "fsdp2":
+        return {}
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                          transformer_cls_names_to_wrap=["GPT2Block"])}
 
 SFT_TEXTS = ["a lovely film with a warm story", "great acting", "the music was wonderful and the cast excellent",
              "a boring mess"]
@@ -51,8 +71,8 @@ def _hf_args(out: Path, name: str, world: int, **extra):
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=str(out / name), max_steps=1, per_device_train_batch_size=GLOBAL_BATCH // world,
-                             learning_rate=LR, optim="sgd", lr_scheduler_type="constant", seed=0, use_cpu=True,
-                             report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **extra)
+                             learning_rate=LR, optim="sgd", lr_scheduler_type="constant", seed=0, report_to=[],
+                             save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **_sharding_args(), **extra)
 
 
 def _sft(out, tok, world):
@@ -92,8 +112,8 @@ def _kto(out, tok, world):
     from rlhf_core.models.tiny import tiny_causal_lm
 
     args = KTOConfig(output_dir=str(out / "kto"), max_steps=1, per_device_train_batch_size=GLOBAL_BATCH // world,
-                     learning_rate=LR, optim="sgd", lr_scheduler_type="constant", seed=0, use_cpu=True,
-                     report_to="none", save_strategy="no", disable_tqdm=True, max_length=32, dataloader_num_workers=0)
+                     learning_rate=LR, optim="sgd", lr_scheduler_type="constant", seed=0, report_to="none",
+                     save_strategy="no", disable_tqdm=True, max_length=32, dataloader_num_workers=0, **_sharding_args())
     return KTOTrainer(model=tiny_causal_lm(tok, seed=0), args=args, train_dataset=Dataset.from_dict(KTO_ROWS),
                       processing_class=tok)
 
@@ -110,14 +130,15 @@ def _online(out, tok, world, name):
     config_cls, trainer_cls = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[name]
     args = config_cls(output_dir=str(out / name), report_to=[], per_device_train_batch_size=GLOBAL_BATCH // world,
                       num_generations=4, max_completion_length=8, max_steps=1, save_strategy="no", learning_rate=LR,
-                      optim="sgd", lr_scheduler_type="constant", seed=0, beta=0.04)
+                      optim="sgd", lr_scheduler_type="constant", seed=0, beta=0.04, **_sharding_args())
     trainer = trainer_cls(tiny_causal_lm(tok, seed=0), count_e, args=args, train_dataset=prompt_dataset(),
                           processing_class=tok)
 
     def fixed_sample(prompt_texts, conversational):  # the row at global position p gets COMPLETIONS[p]
         first = trainer.accelerator.process_index * len(prompt_texts)
-        queries = [torch.tensor(ids) for ids in tok(prompt_texts)["input_ids"]]
-        responses = [torch.tensor(tok(COMPLETIONS[first + i])["input_ids"] + [tok.eos_token_id])
+        device = trainer.args.device
+        queries = [torch.tensor(ids, device=device) for ids in tok(prompt_texts)["input_ids"]]
+        responses = [torch.tensor(tok(COMPLETIONS[first + i])["input_ids"] + [tok.eos_token_id], device=device)
                      for i in range(len(prompt_texts))]
         return queries, responses
 
@@ -135,7 +156,8 @@ def _ppo_step(tok, world, rank):
     local = GLOBAL_BATCH // world
     torch.manual_seed(0)  # the value head's initial weights are drawn from the global RNG
     policy = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tok, seed=0))
-    config = PPOConfig(batch_size=local, mini_batch_size=local, ppo_epochs=1, learning_rate=LR, seed=0)
+    config = PPOConfig(batch_size=local, mini_batch_size=local, ppo_epochs=1, learning_rate=LR, seed=0,
+                       accelerator_kwargs=_ppo_accelerator_kwargs())
     trainer = PPOTrainer(config, policy, None, tok, optimizer=torch.optim.SGD(policy.parameters(), lr=LR))
     g = torch.Generator().manual_seed(7)
     queries = [torch.randint(3, 300, (3 + i % 2,), generator=g) for i in range(GLOBAL_BATCH)]
@@ -144,6 +166,20 @@ def _ppo_step(tok, world, rank):
     mine = slice(rank * local, (rank + 1) * local)
     trainer.step(queries[mine], responses[mine], scores[mine])
     return trainer.accelerator.unwrap_model(trainer.model)
+
+
+def _full_state(model) -> dict:
+    """The model's floating-point weights, whole (FSDP2 shards gathered), tied weights once, on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    state, seen = {}, set()
+    for key, value in model.state_dict().items():
+        storage = (value.to_local() if isinstance(value, DTensor) else value).data_ptr()
+        if storage not in seen and value.is_floating_point():
+            seen.add(storage)
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            state[key] = value.detach().to("cpu", copy=True).contiguous()
+    return state
 
 
 def _worker(out: Path, names: list[str]) -> None:
@@ -164,12 +200,8 @@ def _worker(out: Path, names: list[str]) -> None:
             trainer = builders[name](out, tok, world)
             trainer.train()
             model = trainer.accelerator.unwrap_model(trainer.model)
+        state = _full_state(model)  # every rank: gathering FSDP2 shards is a collective
         if rank == 0:
-            state, seen = {}, set()
-            for key, value in model.state_dict().items():  # tied weights once
-                if value.data_ptr() not in seen and value.is_floating_point():
-                    seen.add(value.data_ptr())
-                    state[key] = value.detach().clone().contiguous()
             save_file(state, str(out / f"{name}-world{world}.safetensors"))
     (out / f"done-{world}-{rank}.json").write_text(json.dumps(names))
 
