@@ -23,8 +23,10 @@ from flows.process import configure_logging, exit_promptly  # noqa: E402
 from flows.summary import end_block, report  # noqa: E402
 from tasks.process.locking import add_wait_argument  # noqa: E402
 from tasks.process.outcome import EXIT_STOPPED, ConfigError, classify  # noqa: E402
+from tasks.run.parallel_stages import parallel_groups  # noqa: E402
+from tasks.run.parallel_stages import policy_workers as policy_workers_setting  # noqa: E402
 from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
-from tasks.stages import NAMES  # noqa: E402
+from tasks.stages import NAMES, POLICY_STAGES  # noqa: E402
 from tasks.stages.common.scoring import read_results  # noqa: E402
 from tasks.store.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
 
@@ -38,13 +40,16 @@ def flow_run_name() -> str:
 
 
 @flow(name="rlhf-pipeline", flow_run_name=flow_run_name, log_prints=False)  # log_prints: see flows/process.py
-def pipeline(root: str = ".", force: bool = False, run_registry: bool = True) -> dict:
-    """Run every stale stage of the pipeline in ``root``, then the registry step (holding the checkout lock)."""
+def pipeline(root: str = ".", force: bool = False, run_registry: bool = True,
+             policy_workers: int | None = None) -> dict:
+    """Run every stale stage of the pipeline in ``root``, then the registry step (holding the checkout lock).
+    ``policy_workers``: how many policy stages run side by side (None: ``$RLHF_POLICY_WORKERS``, else 1)."""
     configure_logging()  # a deployed run's process was not started by ``main`` (prefect.yaml's entry point)
+    workers = policy_workers_setting(policy_workers)
     with pipeline_run(root, COMMAND) as run:
         with run.parent_run():
-            for name in NAMES:  # a disabled stage (``enabled: false``) runs too: placeholder outputs, recorded
-                run.stage(name, force=force)
+            for group in parallel_groups(NAMES, POLICY_STAGES):  # a disabled stage runs too: placeholders, recorded
+                run.stages(group, force=force, workers=workers)
             if run_registry:
                 run.registry()
         results = read_results(run.root, run.params.paths)
@@ -65,11 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
     parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
+    parser.add_argument("--policy-workers", type=int, default=None, metavar="N",
+                        help="run up to N policy stages side by side, each in its own process and on its own GPU(s) "
+                             "when several are visible (default $RLHF_POLICY_WORKERS, else 1: one after another)")
     add_wait_argument(parser)
     args = parser.parse_args(argv)
     try:
+        policy_workers_setting(args.policy_workers)  # a bad value: exit 2 before anything starts
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
         with PipelineRun(args.root, COMMAND):  # the lock and the configuration, before Prefect starts
-            summary = pipeline(args.root, force=args.force, run_registry=not args.no_register)
+            summary = pipeline(args.root, force=args.force, run_registry=not args.no_register,
+                               policy_workers=args.policy_workers)
     except Exception as error:  # noqa: BLE001 - mapped to an exit status, or re-raised
         if (status := classify(error).exit_status) is None:
             raise

@@ -7,6 +7,7 @@ Tensors in, tensors (and a dict of detached stats) out. Shapes: ``B`` batch, ``A
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,19 +61,20 @@ def per_token_rewards(
 
 def gae_advantages(
     values: torch.Tensor, rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float,
-    whiten_rewards: bool = False,
+    whiten_rewards: bool = False, whiten: Callable[..., torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response tokens.
 
     values, rewards, response_mask: (B, A). Values and rewards are zeroed where the mask is 0, so the
     value after the last real token is 0 (the episode ends there). Returns ``(values, advantages,
     returns)`` where ``returns = advantages + values`` and the advantages are whitened over the mask.
+    ``whiten(values, mask, shift_mean=...)``: ``masked_whiten``, or one whose statistics span several processes.
     """
     mask = response_mask.to(values.dtype)
     values = values * mask
     rewards = rewards * mask
     if whiten_rewards:
-        rewards = masked_whiten(rewards, mask, shift_mean=False)
+        rewards = whiten(rewards, mask, shift_mean=False)
     length = rewards.shape[-1]
     last_gae = torch.zeros_like(rewards[:, 0])  # (B,)
     reversed_advantages = []
@@ -83,7 +85,7 @@ def gae_advantages(
         reversed_advantages.append(last_gae)
     advantages = torch.stack(reversed_advantages[::-1], dim=1)  # (B, A)
     returns = advantages + values
-    advantages = masked_whiten(advantages, mask).detach()
+    advantages = whiten(advantages, mask).detach()
     return values, advantages, returns
 
 

@@ -2,8 +2,8 @@
 
 What docs/scale.md "The pipeline's training stages on a multi-GPU node" promises, on this CPU machine: torchrun with two
 gloo processes and ``ACCELERATE_USE_CPU=1`` (what ``accelerate launch`` runs; its CPU config would start ONE
-process without MPI). A tiny project runs ``prepare`` single-process, then ``sft``, ``reward_model``, ``ppo`` and
-``dpo`` each under the launcher, with MLflow in the project's SQLite store and a Prefect test server.
+process without MPI). A tiny project runs ``prepare`` single-process, then every training stage (``sft``,
+``reward_model``, ``ppo``, ``dpo``, ``grpo``, ``rloo``, ``kto``) under the launcher, with MLflow in the project's SQLite store and a Prefect test server.
 
 Checked: exit 0 and loadable outputs; one MLflow run and one Prefect flow run per stage (rank 0's); the ranks end
 with identical weights (each stage checks and logs it); PPO's metrics show 2 processes and 2 x batch_size
@@ -27,7 +27,7 @@ import pytest
 from _launch import torchrun
 from _pipeline_project import make_project, mlflow_client
 
-TRAINING = ("sft", "reward_model", "ppo", "dpo")
+TRAINING = ("sft", "reward_model", "ppo", "dpo", "grpo", "rloo", "kto")
 
 AUDIT_HOOK = r'''
 """Test-only: record what a launched rank writes under $RLHF_AUDIT_ROOT (one line per event) in $RLHF_AUDIT_LOG."""
@@ -111,7 +111,7 @@ def _expected_change(stage: str, path: str) -> bool:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Run prepare (refused under the launcher, then single-process) and the four training stages launched."""
+    """Run prepare (refused under the launcher, then single-process) and every training stage launched."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness

@@ -8,6 +8,7 @@ process group, the checkout's lock is taken (once: a second run waits or refuses
 - ``run.stage(name)``: the pipeline runs the stage if DVC says it is stale and records it in dvc.lock after;
   one stage run by ``dvc repro`` (``records=False``) always runs and DVC records it. Either way it is stopped first
   if a stop was requested, guarded against its inputs changing while it runs, and its abandoned resume states go.
+- ``run.stages(names, workers=N)``: stages that depend only on earlier ones (the policies), side by side when N > 1.
 - ``run.registry()``: the registry step.
 - ``run.parent_run()``: the pipeline's MLflow parent run, ended with the status ``tasks.process.outcome.classify``
   gives the run's exception (a stop, inputs that changed, any other failure), or ``FINISHED``.
@@ -32,6 +33,7 @@ from tasks.process.outcome import ConfigError, classify
 from tasks.process.prefect_context import in_prefect_run, rename_flow_run
 from tasks.registry.gate import registry_task
 from tasks.run.orphans import clean_after_dead_runs, detach_temporary_server
+from tasks.run.parallel_stages import raise_for_status, run_side_by_side
 from tasks.run.stage_task import run_stage, run_stage_task
 from tasks.spec.params import PARAMS_FILE, Params
 from tasks.spec.paths import remove_stage_checkpoints
@@ -124,22 +126,52 @@ class PipelineRun:
         self.current = name
         if not is_main_process():  # a rank of a launch besides rank 0, which supervises: the stage's body alone
             return run_stage(name, self.root, self.parent_run_id)
-        if stop_requested():  # a signal during a stage without step checks (prepare, evaluate): stop here
-            raise Preempted(f"stop requested before stage {name}")
-        if self.records:
-            changes = self._changes(name)
-            if not (changes or force):
-                get_logger().info("stage %s: up to date, skipped", name)
-                self.skipped.append(name)
-                return None
-            get_logger().info("stage %s: running (%s)", name, describe_changes(changes) if changes else "forced")
+        if not self._due(name, force):
+            return None
         with inputs_unchanged(self.root, name):  # params/deps edited mid-run: not recorded (issue 12.1)
             result = self._run(name)
+        self._finish(name)
+        return result
+
+    def stages(self, names: tuple[str, ...], force: bool = False, workers: int = 1) -> None:
+        """Run the stages ``names``, which depend only on stages before them: one after another with ``workers``
+        1, else the stale ones side by side, each in its own ``flows.stage`` process (``tasks/run/parallel_stages.py``),
+        recorded in ``names``' order once all ended; a failed or stopped one raises after the others are recorded."""
+        if workers <= 1 or len(names) == 1 or not is_main_process():
+            for name in names:
+                self.stage(name, force=force)
+            return
+        due = [name for name in names if self._due(name, force)]
+        if not due:
+            return
+        self.current = ",".join(due)
+        codes = run_side_by_side(due, self.root, self.parent_run_id, workers)
+        for name in due:  # each process checked its own inputs (exit 75 when they changed): record those that ran
+            if codes[name] == 0:
+                self._finish(name)
+        raise_for_status(codes)
+
+    def _due(self, name: str, force: bool) -> bool:
+        """Whether ``name`` runs now (stale, forced, or a stage run that DVC records); raises ``Preempted`` when a
+        stop was requested."""
+        if stop_requested():  # a signal during a stage without step checks (prepare, evaluate): stop here
+            raise Preempted(f"stop requested before stage {name}")
+        if not self.records:
+            return True
+        changes = self._changes(name)
+        if not (changes or force):
+            get_logger().info("stage %s: up to date, skipped", name)
+            self.skipped.append(name)
+            return False
+        get_logger().info("stage %s: running (%s)", name, describe_changes(changes) if changes else "forced")
+        return True
+
+    def _finish(self, name: str) -> None:
+        """``name`` completed: its abandoned resume states go, the pipeline records it in dvc.lock."""
         self._forget_abandoned_states(name)
         if self.records:
             record_stage(str(self.root), name)
         self.ran.append(name)
-        return result
 
     def _changes(self, name: str) -> dict:
         """What DVC says changed for ``name`` ({} when up to date); for prepare also the file ``prepare.source``

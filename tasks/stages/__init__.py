@@ -38,14 +38,17 @@ _TRAINING = (
     Stage("grpo", grpo.GRPOParams, grpo.body,
           deps={"prompts_train": "{data}/prompts_train.jsonl", "sft": "{models}/sft",
                 "reward_model": "{models}/reward_model"},
-          outs={"model": "{models}/grpo"}, plot_columns=grpo.COLUMNS, plot=grpo.PLOT, policy=True),
+          outs={"model": "{models}/grpo"}, plot_columns=grpo.COLUMNS, plot=grpo.PLOT, policy=True,
+          launchable=True),
     Stage("rloo", rloo.RLOOParams, rloo.body,
           deps={"prompts_train": "{data}/prompts_train.jsonl", "sft": "{models}/sft",
                 "reward_model": "{models}/reward_model"},
-          outs={"model": "{models}/rloo"}, plot_columns=rloo.COLUMNS, plot=rloo.PLOT, policy=True),
+          outs={"model": "{models}/rloo"}, plot_columns=rloo.COLUMNS, plot=rloo.PLOT, policy=True,
+          launchable=True),
     Stage("kto", kto.KTOParams, kto.body,
           deps={"ratings": "{data}/ratings.jsonl", "sft": "{models}/sft", "prompts_eval": "{data}/prompts_eval.jsonl"},
-          outs={"model": "{models}/kto"}, plot_columns=kto.COLUMNS, plot=kto.PLOT, policy=True, windows=True),
+          outs={"model": "{models}/kto"}, plot_columns=kto.COLUMNS, plot=kto.PLOT, policy=True, windows=True,
+          launchable=True),
 )
 
 STAGES: tuple[Stage, ...] = (

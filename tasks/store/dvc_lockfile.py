@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +30,8 @@ LOCKFILE = "dvc.lock"
 JOURNAL = "dvc.lock.complete"
 """The copy of the last complete ``dvc.lock``, in ``.dvc/tmp``."""
 TMP_MARK = ".rlhf-tmp-"
-"""Temporary files of the atomic writer: ``.<name>.rlhf-tmp-<pid>`` beside the target."""
+"""Temporary files of the atomic writer: ``.<name>.rlhf-tmp-<pid>-<thread>`` beside the target (the thread too: two
+threads of one process recording at the same moment must not share a temporary file)."""
 
 
 class LockfileTorn(ValueError):
@@ -44,7 +46,7 @@ def _atomic_dump_data(original):
         target = Path(os.fspath(path))
         if (fs is not None and getattr(fs, "protocol", None) != "local") or ".dvc" in target.parts[:-1]:
             return original(path, data, dumper, fs=fs, **dumper_args)
-        tmp = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+        tmp = _temporary(target)
         mode = target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~_umask()
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -59,6 +61,11 @@ def _atomic_dump_data(original):
 
     dump_data.rlhf_atomic = True
     return dump_data
+
+
+def _temporary(target: Path) -> Path:
+    """The temporary file beside ``target`` that this process and thread writes before renaming it over."""
+    return target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
 
 
 def _umask() -> int:
@@ -117,15 +124,15 @@ def repair_lockfile(root: str | Path) -> str | None:
 
 def _copy_atomically(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+    tmp = _temporary(target)
     shutil.copy2(source, tmp)
     os.replace(tmp, target)
 
 
 def _remove_dead_temporaries(root: Path) -> None:
-    """Temporary files of atomic writes whose writer died (``.dvc.lock.rlhf-tmp-<pid>``)."""
+    """Temporary files of atomic writes whose writer died (``.dvc.lock.rlhf-tmp-<pid>-<thread>``)."""
     for tmp in [*root.glob(f".*{TMP_MARK}*"), *(root / ".dvc" / "tmp").glob(f".*{TMP_MARK}*")]:
-        pid = tmp.name.rsplit(TMP_MARK, 1)[1]
+        pid = tmp.name.rsplit(TMP_MARK, 1)[1].split("-")[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
 

@@ -15,8 +15,10 @@ the edited values, records nothing.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,12 +58,31 @@ def stage_status(root: str, stage: str) -> dict:
         return repo.status(targets=[stage])
 
 
+_RECORDING = threading.Lock()
+"""One recorder at a time in this process (the file lock below is per open file, so it also orders threads, but
+a thread waiting here costs no polling)."""
+
+
+@contextlib.contextmanager
+def one_recorder(root: str | Path) -> Iterator[None]:
+    """Hold the checkout's recording lock (``.dvc/tmp/rlhf-record.lock``) for the block: stages that end at the same
+    moment (side by side, or two processes) update dvc.lock one after another. DVC's own repo lock would make the
+    second recorder fail after a few retries rather than wait, and dvc.lock is read, changed and written whole, so
+    two unordered writers would lose an entry."""
+    path = Path(root) / ".dvc" / "tmp" / "rlhf-record.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _RECORDING, open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 @task(name="dvc-commit", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def record_stage(root: str, stage: str) -> None:
     """Write ``stage``'s dvc.lock entry and cache its outputs (only after the stage succeeded)."""
-    with _repo(root) as repo:
-        repo.commit(stage, force=True)
-    repair_lockfile(root)  # the complete lock, kept: a torn one later goes back to this
+    with one_recorder(root):
+        with _repo(root) as repo:
+            repo.commit(stage, force=True)
+        repair_lockfile(root)  # the complete lock, kept: a torn one later goes back to this
     get_logger().info("dvc: recorded stage %s in dvc.lock", stage)
 
 

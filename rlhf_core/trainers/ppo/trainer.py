@@ -16,6 +16,7 @@ the first mini-batch's probability ratio is exactly 1 and rollout and learning s
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from rlhf_core.core import (
     WANDB_PADDING,
     convert_to_scalar,
     logprobs_from_logits,
+    masked_whiten,
     set_seed,
     stack_dicts,
 )
@@ -42,6 +44,7 @@ from rlhf_core import checkpointing as ckpt
 from rlhf_core.cpu_allocator import keep_freed_cpu_memory
 from rlhf_core.tracking import Tracker, make_tracker
 from rlhf_core.trainers.ppo import hub as ppo_hub, setup as ppo_setup, state as ppo_state, stats as ppo_stats
+from rlhf_core.trainers.ppo.global_batch import global_masked_whiten, token_share
 from rlhf_core.trainers.ppo.guards import UpdateGuard
 from rlhf_core.trainers.generation import (
     DEFAULT_GENERATION_BATCH_SIZE,
@@ -500,8 +503,16 @@ class PPOTrainer:
         return rewards, non_score, kls
 
     def compute_advantages(self, values, rewards, mask):
-        """GAE advantages (whitened), returns and masked values: all (B, A)."""
-        return gae_advantages(values, rewards, mask, self.config.gamma, self.config.lam, self.config.whiten_rewards)
+        """GAE advantages (whitened), returns and masked values: all (B, A). Under several processes the
+        whitening's mean and variance are those of every process's tokens (``ppo.global_batch``)."""
+        whiten = masked_whiten
+        if self.accelerator.num_processes > 1:
+            whiten = functools.partial(global_masked_whiten, reduce=self._sum_over_processes)
+        return gae_advantages(values, rewards, mask, self.config.gamma, self.config.lam, self.config.whiten_rewards,
+                              whiten=whiten)
+
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, "sum")
 
     # ------------------------------------------------------------------ minibatch epochs
 
@@ -606,6 +617,9 @@ class PPOTrainer:
         pg_loss, vf_loss = pg_loss * keep, vf_loss * keep
         loss_v = self.config.vf_coef * vf_loss
         stats.update({"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "loss/total": (pg_loss + loss_v).detach()})
+        if self.accelerator.num_processes > 1:  # the global mini-batch's token mean, once DDP averages (global_batch)
+            share = token_share(mask, self._sum_over_processes, self.accelerator.num_processes).to(pg_loss.dtype)
+            pg_loss, loss_v = pg_loss * share, loss_v * share
         return pg_loss, loss_v, stats
 
     def _early_stop(self, policykl: torch.Tensor) -> bool:
