@@ -28,7 +28,8 @@ from pathlib import Path
 
 from rlhf_core.checkpointing import Preempted, on_stop_signal, stop_requested
 from tasks.distributed import LauncherError, is_main_process, require_single_process
-from tasks.dvc_ops import StageInputsChanged, inputs_unchanged, record_stage, stage_status
+from tasks.dvc_ops import (StageInputsChanged, changed_inputs, inputs_unchanged, record_stage, stage_snapshot,
+                           stage_status)
 from tasks.locking import EXIT_LOCKED, CheckoutLocked, checkout_lock
 from tasks.logs import get_logger
 from tasks.mlflow_runs import end_pipeline_run, start_pipeline_run
@@ -191,8 +192,12 @@ class PipelineRun:
         if not due:
             return
         self.current = ",".join(due)
+        before = {name: stage_snapshot(self.root, name) for name in due}
         codes = run_side_by_side(due, self.root, self.parent_run_id, workers)
-        for name in due:  # each process checked its own inputs (exit 75 when they changed): record those that ran
+        for name in due:  # inputs edited after a stage ended, before it is recorded: not recorded (issue 12.1)
+            if codes[name] == 0 and changed_inputs(before[name], stage_snapshot(self.root, name)):
+                get_logger().warning("stage %s: its params or deps changed while it ran: NOT recorded", name)
+                codes[name] = EXIT_STOPPED
             if codes[name] == 0:
                 self._finish(name)
         raise_for_status(codes)
