@@ -75,8 +75,8 @@ clean: ## remove .venv and pytest caches
 # One thread per process: on a shared 2-core machine two threads per process made PPO ~10x slower.
 .PHONY: run pipeline repro mlflow-ui prefect-ui retrain land-retrain serve-retrain
 
-# POLICY_WORKERS=N runs up to N policy stages side by side, each in its own process (on its own GPU(s) when several
-# are visible); unset, the environment's RLHF_POLICY_WORKERS or 1 (one after another: the CPU default). Hardware, not a param.
+# POLICY_WORKERS=N runs up to N policy stages side by side, each in its own process (its own GPU(s) when several
+# are visible); unset: $RLHF_POLICY_WORKERS, else 1 (one after another, the CPU default). Hardware, not a param.
 POLICY_WORKERS ?=
 run: setup remote ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline $(if $(POLICY_WORKERS),--policy-workers $(POLICY_WORKERS))

@@ -230,3 +230,31 @@ def test_policies_side_by_side_give_what_one_after_another_gives(tmp_path):
     assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))  # some really ran side by side
     status = _dvc(root, "status")
     assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
+
+
+def test_side_by_side_records_what_succeeded_with_unchanged_inputs_then_fails(tmp_path, monkeypatch):
+    from tasks.run import supervisor
+
+    run = supervisor.PipelineRun(tmp_path, "test")
+    snapshots = {"ppo": iter([{"lr": 1}, {"lr": 1}]), "dpo": iter([{"beta": 1}, {"beta": 2}]),
+                 "kto": iter([{}, {}])}  # dpo's params.yaml edited while it ran
+    monkeypatch.setattr(supervisor, "stage_snapshot", lambda root, name: next(snapshots[name]))
+    monkeypatch.setattr(run, "_due", lambda name, force: True)
+    monkeypatch.setattr(supervisor, "run_side_by_side", lambda names, root, parent, workers: {
+        "ppo": 0, "dpo": 0, "kto": 1})
+    recorded = []
+    monkeypatch.setattr(run, "_finish", recorded.append)
+    with pytest.raises(RuntimeError, match=r"kto \(exit 1\)"):
+        run.stages(("ppo", "dpo", "kto"), workers=2)
+    assert recorded == ["ppo"]  # dpo ran on inputs that changed since: not recorded, like a sequential stage
+
+
+def test_one_worker_runs_the_group_one_after_another(tmp_path, monkeypatch):
+    from tasks.run import supervisor
+
+    run = supervisor.PipelineRun(tmp_path, "test")
+    monkeypatch.setattr(supervisor, "run_side_by_side", lambda *a: pytest.fail("no process may be launched"))
+    ran = []
+    monkeypatch.setattr(run, "stage", lambda name, force=False: ran.append(name))
+    run.stages(("ppo", "dpo"), workers=1)
+    assert ran == ["ppo", "dpo"]

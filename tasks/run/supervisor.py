@@ -40,7 +40,7 @@ from tasks.spec.paths import remove_stage_checkpoints
 from tasks.stages import DEFAULT_STAGES, LAUNCHABLE, load_params
 from tasks.stages.common.scoring import read_results
 from tasks.stages.common.source import check_source, source_changed
-from tasks.store.dvc_ops import inputs_unchanged, record_stage, stage_status
+from tasks.store.dvc_ops import changed_inputs, inputs_unchanged, record_stage, stage_snapshot, stage_status
 from tasks.store.mlflow_runs import end_pipeline_run, start_pipeline_run
 
 def install_stop_handlers() -> dict:
@@ -145,8 +145,12 @@ class PipelineRun:
         if not due:
             return
         self.current = ",".join(due)
+        before = {name: stage_snapshot(self.root, name) for name in due}
         codes = run_side_by_side(due, self.root, self.parent_run_id, workers)
-        for name in due:  # each process checked its own inputs (exit 75 when they changed): record those that ran
+        for name in due:  # inputs edited after a stage ended, before it is recorded: not recorded (issue 12.1)
+            if codes[name] == 0 and changed_inputs(before[name], stage_snapshot(self.root, name)):
+                get_logger().warning("stage %s: its params or deps changed while it ran: NOT recorded", name)
+                codes[name] = EXIT_STOPPED
             if codes[name] == 0:
                 self._finish(name)
         raise_for_status(codes)
