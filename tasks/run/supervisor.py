@@ -29,7 +29,7 @@ from rlhf_core.checkpointing import Preempted, on_stop_signal, stop_requested
 from tasks.process.distributed import is_main_process, require_single_process
 from tasks.process.locking import checkout_lock
 from tasks.process.logs import get_logger
-from tasks.process.outcome import ConfigError, classify
+from tasks.process.outcome import EXIT_STOPPED, ConfigError, classify
 from tasks.process.prefect_context import in_prefect_run, rename_flow_run
 from tasks.registry.gate import registry_task
 from tasks.run.orphans import clean_after_dead_runs, detach_temporary_server
