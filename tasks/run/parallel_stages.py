@@ -32,13 +32,12 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from rlhf_core.checkpointing import Preempted, stop_requested
 from tasks.process.logs import get_logger
+from tasks.process.outcome import EXIT_STOPPED  # a stage process stopped with its state saved
 from tasks.store.mlflow_runs import PARENT_ENV
 
 WORKERS_ENV = "RLHF_POLICY_WORKERS"
 RUNNER_ENV = "RLHF_TASK_RUNNER"
 RUNNERS = ("threads", "dask", "ray")
-EXIT_STOPPED = 75
-"""A stage process stopped by SIGTERM/SIGINT with its state saved (``flows.stage``'s status)."""
 POLL_S = 0.5
 
 
