@@ -273,6 +273,10 @@ class DataCollatorForCompletionOnlyLM:
         width = max(len(r) for r in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        if self.tokenizer.pad_token_id is None:
+            # as TRL's (its tokenizer.pad refuses); torch.full(..., None) would fail with no word of the tokenizer
+            raise ValueError("DataCollatorForCompletionOnlyLM: the tokenizer has no pad token to pad the batch "
+                             "with; set one first, e.g. tokenizer.pad_token = tokenizer.eos_token")
         side = self._padding_side()
         input_ids = pad_to_length(rows, self.tokenizer.pad_token_id, width, side)  # (B, T)
         mask = pad_to_length([[1] * len(r) for r in rows], 0, width, side)  # (B, T)
