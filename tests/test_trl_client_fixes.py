@@ -71,3 +71,27 @@ def test_generate_refuses_rows_that_are_not_tensors(tokenizer):
         trainer.generate([[5, 6, 7], [8, 9]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"query_tensor\[1\] must be 1-d"):
         trainer.generate([torch.tensor([5, 6]), torch.tensor([[5, 6]])], max_new_tokens=2)
+
+
+def test_sentiment_pipeline_accepts_return_all_scores(tokenizer):
+    """TRL 0.11's PPO clients read ``pipe(texts, return_all_scores=True)[i][1]["score"]``: every label, label order."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, pipeline
+
+    from rlhf_core import transformers_compat
+
+    transformers_compat.install()
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification(GPT2Config(
+        n_embd=16, n_layer=1, n_head=2, vocab_size=len(tokenizer), num_labels=2, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)).eval()
+    pipe = pipeline("sentiment-analysis", model=model, tokenizer=tokenizer, device="cpu")
+    texts = ["a film", "a good film"]
+    with pytest.warns(FutureWarning, match="return_all_scores.*top_k=None"):
+        old = pipe(texts, return_all_scores=True, function_to_apply="none")
+    with torch.no_grad():
+        logits = [model(**tokenizer(t, return_tensors="pt")).logits[0] for t in texts]  # (2,) per text
+    assert [[d["label"] for d in row] for row in old] == [["LABEL_0", "LABEL_1"]] * 2  # label order, not sorted
+    for row, logit in zip(old, logits):
+        # the same forward on one row vs a batch: equal to float32 rounding (batched kernels sum in another order)
+        assert [d["score"] for d in row] == pytest.approx(logit.tolist(), abs=1e-5)
+    assert isinstance(pipe(texts, function_to_apply="none")[0], dict)  # a call without it is untouched

@@ -63,6 +63,7 @@ from rlhf_core.trainers.master_weights import MasterWeights, bf16_by_default
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo.config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
+from rlhf_core import transformers_compat
 from rlhf_core.trainers.ppo.validation import (
     check_generate_queries,
     check_generation_lengths,
@@ -71,6 +72,8 @@ from rlhf_core.trainers.ppo.validation import (
     check_step_inputs,
     position_limit,
 )
+
+transformers_compat.install()  # TRL 0.11 PPO clients: sentiment pipelines with return_all_scores
 
 
 # Where every process holds whole, already-synchronised gradients, so a local norm is the global one.
