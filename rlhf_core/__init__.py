@@ -15,5 +15,5 @@ __version__ = "0.1.0"
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__, globals(), "rlhf_core.core", "rlhf_core.import_utils", "rlhf_core.kl_control", "rlhf_core.trainers",
     "rlhf_core.models.value_head", "rlhf_core.models.reference",
-    "rlhf_core.models.chat_format", "rlhf_core.scripts", "rlhf_core.ddpo.config", "rlhf_core.ddpo.trainer",
+    "rlhf_core.models.chat_format", "rlhf_core.scripts", "rlhf_core.data_utils", "rlhf_core.ddpo.config", "rlhf_core.ddpo.trainer",
     "rlhf_core.ddpo.pipeline")
