@@ -163,3 +163,29 @@ def test_setup_chat_format(tokenizer):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="already has a chat template"):
         setup_chat_format(model, tokenizer)
+
+
+def test_trl_parser_one_trust_remote_code_for_model_and_trainer_config(tmp_path):
+    """TRL 0.11's ModelConfig and TRL 1.x's trainer configs both have trust_remote_code: one option fills both."""
+    from rlhf_core import KTOConfig
+
+    training, model = TrlParser([KTOConfig, ModelConfig]).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--trust_remote_code", "--model_name_or_path", "m"])
+    assert training.trust_remote_code is True and model.trust_remote_code is True
+
+
+def test_extras_dataset_formatting(tokenizer):
+    from datasets import Dataset
+
+    from rlhf_core.extras.dataset_formatting import (conversations_formatting_function,
+                                                     get_formatting_func_from_dataset)
+    from rlhf_core.models.chat_format import SIMPLE_CHAT_TEMPLATE
+
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    render = conversations_formatting_function(tokenizer, "messages")
+    assert render({"messages": chat}) == "User: hi\n\nAssistant: yo\n\n"
+    assert render({"messages": [chat, chat[:1]]}) == ["User: hi\n\nAssistant: yo\n\n", "User: hi\n\n"]
+    pairs = Dataset.from_dict({"prompt": ["hi"], "completion": ["yo"]})
+    assert get_formatting_func_from_dataset(pairs, tokenizer)(pairs[0]) == "User: hi\n\nAssistant: yo\n\n"
+    assert get_formatting_func_from_dataset(Dataset.from_dict({"text": ["a"]}), tokenizer) is None

@@ -58,7 +58,9 @@ def datasets(root: Path) -> None:
     pairs = [{"chosen": [user(ZEN[i]), assistant(ZEN[i + 1])], "rejected": [user(ZEN[i]), assistant(ZEN[i + 2])],
               "score_chosen": 8.0, "score_rejected": 2.0} for i in range(16)]
     write_dataset(root, "trl-lib/ultrafeedback_binarized", {"train": pairs, "test": pairs[:4]})
-    kto = [{"prompt": [user(ZEN[i])], "completion": [assistant(ZEN[i + 1])], "label": i % 2 == 0} for i in range(16)]
+    # as the hub's kto-mix-14k of 2024, which TRL 0.11's kto.py reads: the completion holds the whole conversation
+    kto = [{"prompt": [user(ZEN[i])], "completion": [user(ZEN[i]), assistant(ZEN[i + 1])], "label": i % 2 == 0}
+           for i in range(16)]
     write_dataset(root, "trl-lib/kto-mix-14k", {"train": kto, "test": kto[:4]})
     tldr = [{"prompt": f"SUBREDDIT: r/zen\nPOST: {review(i, 20)}\nTL;DR:", "completion": f" {ZEN[i % 19]}"}
             for i in range(16)]

@@ -27,6 +27,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from clients import CLIENTS  # noqa: E402
 
+
 BASELINES = {"0.11": HERE.parent / ".trl-era-venv" / "bin" / "python",
              "1.x": HERE.parent / ".trl116-venv" / "bin" / "python"}
 BASELINE_NAMES = {"0.11": "trl 0.11.4 (release-era libraries)", "1.x": "trl 1.16.0"}
@@ -107,14 +108,20 @@ def fixtures_for(python: Path, work: Path, label: str) -> Path:
 
 
 def run_client(client: dict, trees: dict[str, Path], rlhf_python: Path, work: Path, timeout: int) -> dict:
-    source = client_source(client, trees)
     row = {"name": client["name"], "era": client["era"]}
+    try:
+        source = client_source(client, trees)
+    except (ValueError, IndexError, OSError) as error:  # e.g. a notebook that is not valid JSON as published
+        failed = {"ok": False, "rc": None, "seconds": 0.0, "error": f"not runnable as published: {error}"[:220]}
+        print(f"{client['name']:60s} both      {failed['error']}", flush=True)
+        return {**row, "trl": failed, "rlhf_core": dict(failed)}
     for side, python, code in (("trl", BASELINES[client["era"]], source),
                                ("rlhf_core", rlhf_python, rewrite_imports(source))):
         hub = fixtures_for(python, work, "rlhf_core" if side == "rlhf_core" else client["era"])
         folder = work / "runs" / re.sub(r"\W+", "_", client["name"]) / side
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(hub, folder, symlinks=True)
+        shutil.copytree(HERE / "stubs", folder, dirs_exist_ok=True)  # offline wandb, for both sides alike
         script = folder / "client.py"
         script.write_text(code, encoding="utf-8")
         args = [a.replace("{out}", str(folder / "out")) for a in client["args"]]

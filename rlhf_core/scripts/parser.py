@@ -8,6 +8,8 @@ the environment. Options of the transformers of TRL 0.11's era are mapped or ref
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -71,8 +73,33 @@ class TrlParser(HfArgumentParser):
             types = []
         elif not isinstance(types, Iterable):
             types = [types]
+        # TRL 0.11's ModelConfig and TRL 1.x's trainer configs both declare trust_remote_code: one option then
+        # fills both (HfArgumentParser hands a parsed value to every dataclass with that field) instead of argparse
+        # refusing the pair
+        kwargs.setdefault("conflict_handler", "resolve")
         super().__init__(list(types), **kwargs)
         self.ignore_extra_args = ignore_extra_args
+
+    def parse_args_into_dataclasses(self, args: Any = None, return_remaining_strings: bool = False,
+                                    **_: Any) -> tuple:
+        """As ``HfArgumentParser``'s, but a field that several dataclasses declare (``trust_remote_code``) is given
+        to each of them (transformers' hands it to the first and then fails on the next)."""
+        namespace, remaining = self.parse_known_args(args=args)
+        values = vars(namespace)
+        outputs: list[Any] = []
+        used: set[str] = set()
+        for dtype in self.dataclass_types:
+            keys = {f.name for f in dataclasses.fields(dtype) if f.init}
+            outputs.append(dtype(**{k: v for k, v in values.items() if k in keys}))
+            used |= keys
+        extra = {k: v for k, v in values.items() if k not in used}
+        if extra:
+            outputs.append(argparse.Namespace(**extra))
+        if return_remaining_strings:
+            return (*outputs, remaining)
+        if remaining:
+            raise ValueError(f"Some specified arguments are not used by the HfArgumentParser: {remaining}")
+        return tuple(outputs)
 
     def known_destinations(self) -> set[str]:
         return {action.dest for action in self._actions}
