@@ -21,6 +21,8 @@ from fixtures import PER_TYPE, ZEN, build_tokenizer, save_tiny_diffusion  # noqa
 # causal LMs (GPT-2 shaped) under the ids the clients name by default or that the harness passes on the command line
 CAUSAL = ("gpt2", "lvwerra/gpt2-imdb", "Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
           "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped")
+# those whose hub checkpoint ships a chat template (ChatML, as Qwen's): the others have none, as gpt2's
+CHAT_MODELS = ("Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "trl-lib/qwen1.5-1.8b-sft")
 # sentiment classifiers: label 0 NEGATIVE, 1 POSITIVE (the label names the PPO clients read)
 CLASSIFIERS = ("lvwerra/distilbert-imdb",)
 # scalar reward models (one label) for TRL 1.x's --reward_model_name_or_path
@@ -28,8 +30,8 @@ REWARD_MODELS = ("trl-lib/Qwen2-0.5B-Reward",)
 WORDS = " ".join(ZEN).split()
 
 
-def review(i: int, n_words: int = 48) -> str:
-    """A deterministic "review" longer than 200 characters (ppo.py keeps only those)."""
+def review(i: int, n_words: int = 110) -> str:
+    """A deterministic "review" longer than 500 characters (ppo.py keeps those over 200, the notebooks over 500)."""
     return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n_words))
 
 
@@ -50,7 +52,8 @@ def assistant(text: str) -> dict:
 
 
 def datasets(root: Path) -> None:
-    imdb = [{"text": review(i), "label": i % 2} for i in range(32)]
+    # 160 rows: one full batch of PPOConfig's default batch_size (128), as the notebooks use it
+    imdb = [{"text": review(i), "label": i % 2} for i in range(160)]
     for name in ("imdb", "stanfordnlp/imdb"):
         write_dataset(root, name, {"train": imdb, "test": imdb[:8]})
     guanaco = [{"text": f"### Human: {ZEN[i % len(ZEN)]}### Assistant: {ZEN[(i + 1) % len(ZEN)]}"} for i in range(24)]
@@ -82,21 +85,25 @@ def models(root: Path) -> None:
     tokenizer = build_tokenizer()
     tokenizer.chat_template = None  # as gpt2's: clients set their own (SIMPLE_CHAT_TEMPLATE, setup_chat_format)
     ids = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    chat_tokenizer = build_tokenizer()  # keeps the ChatML-style template of bench/trl_tests/fixtures.py
     for name in CAUSAL:
         torch.manual_seed(0)
         config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids)
-        save(AutoModelForCausalLM.from_config(config), tokenizer, root / name)
+        save(AutoModelForCausalLM.from_config(config), chat_tokenizer if name in CHAT_MODELS else tokenizer, root / name)
+    classifier_tokenizer = build_tokenizer()
+    classifier_tokenizer.chat_template = None
+    classifier_tokenizer.pad_token = classifier_tokenizer.eos_token  # a classifier's tokenizer pads (distilbert's)
     for name in CLASSIFIERS:
         torch.manual_seed(1)
         config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids, num_labels=2,
                                       id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1},
                                       pad_token_id=tokenizer.eos_token_id)
-        save(AutoModelForSequenceClassification.from_config(config), tokenizer, root / name)
+        save(AutoModelForSequenceClassification.from_config(config), classifier_tokenizer, root / name)
     for name in REWARD_MODELS:
         torch.manual_seed(2)
         config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids, num_labels=1,
                                       pad_token_id=tokenizer.eos_token_id)
-        save(AutoModelForSequenceClassification.from_config(config), tokenizer, root / name)
+        save(AutoModelForSequenceClassification.from_config(config), classifier_tokenizer, root / name)
     save_tiny_diffusion(root, build_tokenizer())
 
 

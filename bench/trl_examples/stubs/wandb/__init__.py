@@ -29,11 +29,13 @@ class Run:
 
 
 run = None
+config = _Config()
 
 
 def init(*args, **kwargs):
-    global run
+    global run, config
     run = Run(**kwargs)
+    config = run.config
     return run
 
 
