@@ -165,13 +165,23 @@ def test_setup_chat_format(tokenizer):
         setup_chat_format(model, tokenizer)
 
 
-def test_trl_parser_one_trust_remote_code_for_model_and_trainer_config(tmp_path):
-    """TRL 0.11's ModelConfig and TRL 1.x's trainer configs both have trust_remote_code: one option fills both."""
+def test_trust_remote_code_in_both_eras(tmp_path):
+    """TRL 0.11's ModelConfig and TRL 1.x's trainer configs both carry trust_remote_code: one option fills both,
+    and transformers' own parser takes the pair as TRL 0.11's kto.py builds it."""
+    from transformers import HfArgumentParser
+
     from rlhf_core import KTOConfig
 
     training, model = TrlParser([KTOConfig, ModelConfig]).parse_args_and_config(
         ["--output_dir", str(tmp_path), "--trust_remote_code", "--model_name_or_path", "m"])
     assert training.trust_remote_code is True and model.trust_remote_code is True
+    # TRL 0.11 scripts pair ModelConfig with configs that lack the option: the parser declares it for them
+    (training, model) = TrlParser([SFTConfig, ModelConfig]).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--trust_remote_code", "true"])
+    assert model.trust_remote_code is True
+    assert TrlParser([ModelConfig]).parse_args_and_config([])[0].trust_remote_code is False
+    HfArgumentParser((KTOConfig, ModelConfig))  # no conflicting --trust_remote_code
+    assert ModelConfig(trust_remote_code=True).trust_remote_code is True and not ModelConfig().trust_remote_code
 
 
 def test_extras_dataset_formatting(tokenizer):

@@ -64,6 +64,18 @@ def test_completion_only_collator_names_a_missing_pad_token(tokenizer):
         collator([{"input_ids": ids}, {"input_ids": ids[:-1]}])
 
 
+def test_reward_collator_names_a_missing_pad_token(tokenizer):
+    """TRL 0.11's reward_modeling.py on a tokenizer without a pad token: TRL says so; so does rlhf_core."""
+    from rlhf_core import RewardDataCollatorWithPadding
+
+    tokenizer.pad_token = None
+    collator = RewardDataCollatorWithPadding(tokenizer)
+    rows = [{"input_ids_chosen": [5, 6, 7], "attention_mask_chosen": [1, 1, 1], "input_ids_rejected": [5, 6],
+             "attention_mask_rejected": [1, 1]}] * 2
+    with pytest.raises(ValueError, match="no pad token.*tokenizer.pad_token = tokenizer.eos_token"):
+        collator(rows)
+
+
 def test_generate_refuses_rows_that_are_not_tensors(tokenizer):
     model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer))
     trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=1), model, None, tokenizer)

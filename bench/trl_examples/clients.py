@@ -1,7 +1,7 @@
 """The TRL clients the harness runs: where each one's source is, and the command line it gets.
 
 ``source`` is ``("file", path)`` (a script, run as published), ``("notebook", path)`` (its code cells in order, the
-IPython-only lines ``%...`` / ``!...`` left out) or ``("doc", path, n)`` (the n-th ```python block of a docs page).
+IPython-only lines ``%...`` / ``!...`` left out, after ``display = print`` for IPython's builtin) or ``("doc", path, n)`` (the n-th ```python block of a docs page).
 ``era`` picks the TRL tree the path is in and the TRL baseline it runs beside: ``"0.11"`` (a TRL v0.11.4 checkout:
 trl 0.11.4 with its release-era libraries) or ``"1.x"`` (a tree holding ``trl/scripts``: trl 1.16). Command lines
 name only the tiny local fixtures (``fixtures.py``) and small sizes; the sources are never edited but for their
@@ -64,6 +64,9 @@ CLIENTS: list[dict] = [
      "note": "the file in TRL's repository is not valid JSON; it also calls `model.cuda()`"},
     # TRL v0.11.4: docs snippets that run on their own
     {"name": "docs quickstart.mdx #1", "era": "0.11", "source": ("doc", "docs/source/quickstart.mdx", 0), "args": []},
+    *({"name": f"docs {page} #{n + 1}", "era": "0.11", "source": ("doc", f"docs/source/{page}", n), "args": []}
+      for page, blocks in (("sft_trainer.mdx", (0, 1, 3, 12, 16)), ("customization.mdx", (1, 4, 5)))
+      for n in blocks),
     # TRL 1.16: its example scripts (trl/scripts, what `trl sft|dpo|reward|kto|grpo|rloo` runs)
     {"name": "trl 1.16 trl/scripts/sft.py", "era": "1.x", "source": ("file", "trl/scripts/sft.py"), "note": OLD_API,
      "args": ["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--dataset_name", "trl-lib/Capybara",

@@ -20,7 +20,8 @@ from fixtures import PER_TYPE, ZEN, build_tokenizer, save_tiny_diffusion  # noqa
 
 # causal LMs (GPT-2 shaped) under the ids the clients name by default or that the harness passes on the command line
 CAUSAL = ("gpt2", "lvwerra/gpt2-imdb", "Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
-          "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped")
+          "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped", "EleutherAI/gpt-neo-125m",
+          "bigscience/bloom-560m")
 # those whose hub checkpoint ships a chat template (ChatML, as Qwen's): the others have none, as gpt2's
 CHAT_MODELS = ("Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "trl-lib/qwen1.5-1.8b-sft")
 # sentiment classifiers: label 0 NEGATIVE, 1 POSITIVE (the label names the PPO clients read)
@@ -86,6 +87,7 @@ def models(root: Path) -> None:
     tokenizer.chat_template = None  # as gpt2's: clients set their own (SIMPLE_CHAT_TEMPLATE, setup_chat_format)
     ids = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     chat_tokenizer = build_tokenizer()  # keeps the ChatML-style template of bench/trl_tests/fixtures.py
+    chat_tokenizer.pad_token = chat_tokenizer.eos_token  # Qwen's tokenizers pad with <|endoftext|>
     for name in CAUSAL:
         torch.manual_seed(0)
         config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids)

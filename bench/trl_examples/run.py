@@ -48,9 +48,13 @@ def rewrite_imports(source: str) -> str:
     return "\n".join(one(line) for line in source.split("\n"))
 
 
+# what the notebook runtime (IPython) provides that a script lacks: its `display` builtin, printing here
+NOTEBOOK_PRELUDE = "display = print  # IPython's builtin (harness prelude)"
+
+
 def notebook_code(text: str) -> str:
     cells = json.loads(text)["cells"]
-    lines = []
+    lines = [NOTEBOOK_PRELUDE]
     for cell in cells:
         if cell["cell_type"] == "code":
             source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])

@@ -21,7 +21,11 @@ class ModelConfig:
     torch_dtype: str | None = field(default=None, metadata={
         "help": "Load dtype (TRL 0.11 name of `dtype`).", "choices": DTYPES})
     dtype: str | None = field(default=None, metadata={"help": "Load dtype (TRL 1.x name).", "choices": DTYPES})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Run modelling code shipped with the checkpoint."})
+    # not an argparse field (init=False): TRL 1.x's trainer configs declare --trust_remote_code, and a second
+    # declaration makes HfArgumentParser((..., KTOConfig, ModelConfig)) (TRL 0.11's kto.py) fail; ModelConfig still
+    # takes it as a keyword (__init__ below) and TrlParser sets it from the command line (rlhf_core.scripts.parser)
+    trust_remote_code: bool = field(default=False, init=False, metadata={
+        "help": "Run modelling code shipped with the checkpoint."})
     attn_implementation: str | None = field(default=None, metadata={"help": "Attention kernel (eager, sdpa, ...)."})
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the full model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -54,3 +58,14 @@ class ModelConfig:
         # TRL unwraps a one-element list (peft then matches that module name as a regex, not a list entry)
         if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
             self.lora_target_modules = self.lora_target_modules[0]
+
+
+_dataclass_init = ModelConfig.__init__
+
+
+def _init_with_trust_remote_code(self: ModelConfig, *args, trust_remote_code: bool = False, **kwargs) -> None:
+    _dataclass_init(self, *args, **kwargs)
+    self.trust_remote_code = trust_remote_code
+
+
+ModelConfig.__init__ = _init_with_trust_remote_code  # ModelConfig(trust_remote_code=True) as in TRL 0.11

@@ -19,8 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from rlhf_core.scripts import legacy_args
+
+
+# the one option both eras' dataclasses carry (TRL 0.11: ModelConfig; TRL 1.x: the trainer configs)
+SHARED_OPTION = "trust_remote_code"
 
 
 def init_zero_verbose() -> None:
@@ -73,17 +78,18 @@ class TrlParser(HfArgumentParser):
             types = []
         elif not isinstance(types, Iterable):
             types = [types]
-        # TRL 0.11's ModelConfig and TRL 1.x's trainer configs both declare trust_remote_code: one option then
-        # fills both (HfArgumentParser hands a parsed value to every dataclass with that field) instead of argparse
-        # refusing the pair
-        kwargs.setdefault("conflict_handler", "resolve")
         super().__init__(list(types), **kwargs)
         self.ignore_extra_args = ignore_extra_args
+        if SHARED_OPTION not in self.known_destinations():
+            # ModelConfig's trust_remote_code is no argparse field (rlhf_core.scripts.model_config): TRL 0.11's
+            # scripts pair it with configs that lack the option, so the parser declares it for them
+            self.add_argument(f"--{SHARED_OPTION}", type=string_to_bool, nargs="?", const=True, default=False,
+                              help="Run modelling code shipped with the checkpoint.")
 
     def parse_args_into_dataclasses(self, args: Any = None, return_remaining_strings: bool = False,
                                     **_: Any) -> tuple:
-        """As ``HfArgumentParser``'s, but a field that several dataclasses declare (``trust_remote_code``) is given
-        to each of them (transformers' hands it to the first and then fails on the next)."""
+        """As ``HfArgumentParser``'s, and ``--trust_remote_code`` is given to every parsed object that has it
+        (a TRL 1.x trainer config declares it, TRL 0.11's ModelConfig reads it)."""
         namespace, remaining = self.parse_known_args(args=args)
         values = vars(namespace)
         outputs: list[Any] = []
@@ -92,6 +98,11 @@ class TrlParser(HfArgumentParser):
             keys = {f.name for f in dataclasses.fields(dtype) if f.init}
             outputs.append(dtype(**{k: v for k, v in values.items() if k in keys}))
             used |= keys
+        if SHARED_OPTION in values:
+            for output in outputs:
+                if hasattr(output, SHARED_OPTION):
+                    setattr(output, SHARED_OPTION, values[SHARED_OPTION])
+            used.add(SHARED_OPTION)
         extra = {k: v for k, v in values.items() if k not in used}
         if extra:
             outputs.append(argparse.Namespace(**extra))

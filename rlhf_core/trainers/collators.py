@@ -96,6 +96,10 @@ def pad_to_length(
     """Pad ragged integer rows into a (B, T) LongTensor, on the right or the left."""
     if side not in ("right", "left"):
         raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+    if value is None:
+        # a tokenizer's pad_token_id when it has none; torch.full would fail with no word of the tokenizer
+        raise ValueError("cannot pad: the tokenizer has no pad token; set one first, "
+                         "e.g. tokenizer.pad_token = tokenizer.eos_token")
     width = max([len(r) for r in rows] + [length or 0])
     out = torch.full((len(rows), width), value, dtype=torch.long)  # (B, T)
     for i, row in enumerate(rows):
