@@ -1,7 +1,8 @@
 """The TRL clients the harness runs: where each one's source is, and the command line it gets.
 
 ``source`` is ``("file", path)`` (a script, run as published), ``("notebook", path)`` (its code cells in order, the
-IPython-only lines ``%...`` / ``!...`` left out, after ``display = print`` for IPython's builtin) or ``("doc", path, n)`` (the n-th ```python block of a docs page).
+IPython-only lines ``%...`` / ``!...`` left out, after ``display = print`` for IPython's builtin) or
+``("doc", path, n)`` (the n-th ```python block of a docs page).
 ``era`` picks the TRL tree the path is in and the TRL baseline it runs beside: ``"0.11"`` (a TRL v0.11.4 checkout:
 trl 0.11.4 with its release-era libraries) or ``"1.x"`` (a tree holding ``trl/scripts``: trl 1.16). Command lines
 name only the tiny local fixtures (``fixtures.py``) and small sizes; the sources are never edited but for their
