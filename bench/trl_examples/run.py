@@ -163,7 +163,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl", type=Path, required=True, help="a TRL v0.11.4 checkout (examples/, docs/)")
     parser.add_argument("--trl1", type=Path, default=default_trl1(), help="a tree holding trl/scripts of TRL 1.x")
-    parser.add_argument("--python", type=Path, default=ROOT / ".venv" / "bin" / "python", help="rlhf_core's python")
+    parser.add_argument("--python", type=Path, default=Path(sys.executable),
+                        help="the python rlhf_core runs under (default: this one, e.g. the project's .venv)")
     parser.add_argument("--work", type=Path, default=HERE / ".work")
     parser.add_argument("--only", default="", help="run the clients whose name contains this")
     parser.add_argument("--timeout", type=int, default=600)
