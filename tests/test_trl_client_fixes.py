@@ -107,3 +107,19 @@ def test_sentiment_pipeline_accepts_return_all_scores(tokenizer):
         # the same forward on one row vs a batch: equal to float32 rounding (batched kernels sum in another order)
         assert [d["score"] for d in row] == pytest.approx(logit.tolist(), abs=1e-5)
     assert isinstance(pipe(texts, function_to_apply="none")[0], dict)  # a call without it is untouched
+
+
+def test_kto_config_maps_warmup_ratio(tmp_path):
+    """TRL 0.11's kto.py passes --warmup_ratio through transformers' own HfArgumentParser: KTOConfig takes it."""
+    from transformers import HfArgumentParser
+
+    from rlhf_core import KTOConfig
+    from rlhf_core.trainers.base import portable_training_args
+
+    with pytest.warns(FutureWarning, match="warmup_ratio.*warmup_steps=0.1"):
+        (config,) = HfArgumentParser(KTOConfig).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--warmup_ratio", "0.1"])
+    assert config.warmup_steps == 0.1
+    assert "warmup_ratio" not in portable_training_args(config)  # training_args.json keeps its bytes
+    with pytest.raises(ValueError, match="set warmup_steps only"):
+        KTOConfig(output_dir=str(tmp_path), warmup_ratio=0.1, warmup_steps=5)
