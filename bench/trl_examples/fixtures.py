@@ -20,10 +20,13 @@ from fixtures import PER_TYPE, ZEN, build_tokenizer, save_tiny_diffusion  # noqa
 
 # causal LMs (GPT-2 shaped) under the ids the clients name by default or that the harness passes on the command line
 CAUSAL = ("gpt2", "lvwerra/gpt2-imdb", "Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
-          "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped", "EleutherAI/gpt-neo-125m",
-          "bigscience/bloom-560m")
+          "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped", "EleutherAI/gpt-neo-125m")
 # those whose hub checkpoint ships a chat template (ChatML, as Qwen's): the others have none, as gpt2's
 CHAT_MODELS = ("Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "trl-lib/qwen1.5-1.8b-sft")
+# those whose hub tokenizer has a pad token (gpt2's and gpt-neo's have none)
+PADDED = CHAT_MODELS + ("facebook/opt-350m", "EleutherAI/pythia-1b-deduped")
+# as the hub checkpoints: 1024+ positions (the SFT docs use max_seq_length=512)
+GPT2_SHAPE = dict(PER_TYPE["gpt2"], n_positions=1024)
 # sentiment classifiers: label 0 NEGATIVE, 1 POSITIVE (the label names the PPO clients read)
 CLASSIFIERS = ("lvwerra/distilbert-imdb",)
 # scalar reward models (one label) for TRL 1.x's --reward_model_name_or_path
@@ -88,22 +91,30 @@ def models(root: Path) -> None:
     ids = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
     chat_tokenizer = build_tokenizer()  # keeps the ChatML-style template of bench/trl_tests/fixtures.py
     chat_tokenizer.pad_token = chat_tokenizer.eos_token  # Qwen's tokenizers pad with <|endoftext|>
+    padded_tokenizer = build_tokenizer()
+    padded_tokenizer.chat_template = None
+    padded_tokenizer.pad_token = padded_tokenizer.eos_token
     for name in CAUSAL:
         torch.manual_seed(0)
-        config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids)
-        save(AutoModelForCausalLM.from_config(config), chat_tokenizer if name in CHAT_MODELS else tokenizer, root / name)
+        config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **GPT2_SHAPE, **ids)
+        chosen = chat_tokenizer if name in CHAT_MODELS else padded_tokenizer if name in PADDED else tokenizer
+        save(AutoModelForCausalLM.from_config(config), chosen, root / name)
+    # a BLOOM, as the checkpoint the customization docs share layers of (create_reference_model(num_shared_layers=6))
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("bloom", vocab_size=len(tokenizer), **dict(PER_TYPE["bloom"], n_layer=8), **ids)
+    save(AutoModelForCausalLM.from_config(config), padded_tokenizer, root / "bigscience/bloom-560m")
     classifier_tokenizer = build_tokenizer()
     classifier_tokenizer.chat_template = None
     classifier_tokenizer.pad_token = classifier_tokenizer.eos_token  # a classifier's tokenizer pads (distilbert's)
     for name in CLASSIFIERS:
         torch.manual_seed(1)
-        config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids, num_labels=2,
+        config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **GPT2_SHAPE, **ids, num_labels=2,
                                       id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1},
                                       pad_token_id=tokenizer.eos_token_id)
         save(AutoModelForSequenceClassification.from_config(config), classifier_tokenizer, root / name)
     for name in REWARD_MODELS:
         torch.manual_seed(2)
-        config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **PER_TYPE["gpt2"], **ids, num_labels=1,
+        config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **GPT2_SHAPE, **ids, num_labels=1,
                                       pad_token_id=tokenizer.eos_token_id)
         save(AutoModelForSequenceClassification.from_config(config), classifier_tokenizer, root / name)
     save_tiny_diffusion(root, build_tokenizer())

@@ -125,7 +125,8 @@ def run_client(client: dict, trees: dict[str, Path], rlhf_python: Path, work: Pa
         folder = work / "runs" / re.sub(r"\W+", "_", client["name"]) / side
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(hub, folder, symlinks=True)
-        shutil.copytree(HERE / "stubs", folder, dirs_exist_ok=True)  # offline wandb, for both sides alike
+        if client["source"][0] == "notebook":  # they log to wandb by name: an offline stand-in, both sides alike
+            shutil.copytree(HERE / "stubs", folder, dirs_exist_ok=True)
         script = folder / "client.py"
         script.write_text(code, encoding="utf-8")
         args = [a.replace("{out}", str(folder / "out")) for a in client["args"]]
