@@ -12,7 +12,7 @@ export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: help setup test test-slow examples bench trl-tests lock clean plots exps
+.PHONY: help setup test test-slow examples bench trl-tests trl-examples lock clean plots exps
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## (.*)$$/\1\t\2/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -52,6 +52,15 @@ test-slow: setup ## run the slow end-to-end checks (pipeline, retraining, signal
 TRL_TESTS_FLAGS ?= --all
 trl-tests: setup ## classic TRL 0.11.4's own tests: trl 0.11.4 (2024 and today's libraries) and rlhf_core, compared (TRL=<checkout>)
 	bash bench/trl_tests/run.sh $(TRL_TESTS_FLAGS) $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout))
+
+# TRL's own clients (v0.11.4's example scripts, notebooks and docs snippets; TRL 1.16's trl/scripts) run as published,
+# beside real TRL (each in its own venv) and against rlhf_core with only their `trl` import lines changed, on tiny
+# local fixtures; prints and writes the table docs/trl_clients.md (TRL=path to a trl v0.11.4 checkout). Long: not in
+# `make test`. See bench/trl_examples/README.md.
+trl-examples: setup ## TRL's example scripts/notebooks/docs snippets: real TRL vs rlhf_core, table in docs/trl_clients.md (TRL=<checkout>)
+	bash bench/setup_trl_era_venv.sh
+	bash bench/setup_trl116_venv.sh
+	$(PY) bench/trl_examples/run.py --trl $(or $(TRL),$(error set TRL=path/to/trl-v0.11.4 checkout)) --out docs/trl_clients.md
 
 # Side by side with classic TRL 0.11.4 (its own cached venv in bench/.trl-venv); writes bench/results.{md,json}.
 bench: setup ## benchmark against classic TRL 0.11.4 (PPO) and TRL 1.16.0 (GRPO, RLOO), each in its own venv; writes bench/results.{md,json}

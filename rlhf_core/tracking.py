@@ -1,6 +1,7 @@
 """Trackers: the small object through which trainers report metrics and tables.
 
-Trainers only call ``log``/``log_table``/``log_params``; which backend receives them is chosen by
+Trainers only call ``log``/``log_table``/``log_params`` (and a DDPO image hook ``log_images``, as on accelerate's
+trackers, which TRL 0.11's ``image_samples_hook`` receives); which backend receives them is chosen by
 ``log_with`` (``"mlflow"``, ``"tensorboard"`` or ``None``). Backends are imported lazily so
 ``rlhf_core`` imports on a machine without MLflow or TensorBoard.
 
@@ -92,8 +93,34 @@ class Tracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log run parameters (secret-looking keys are dropped)."""
 
+    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Log named images (CHW or HWC tensors / arrays, floats in [0, 1] or uint8, or PIL images), as
+        accelerate's trackers do: the call TRL 0.11's DDPO example makes from its ``image_samples_hook``."""
+
     def finish(self) -> None:
         """Flush and close the backend."""
+
+
+def image_array(value: Any) -> Any:
+    """An image as a HWC uint8 numpy array: from a PIL image, a (1,)C,H,W tensor or a H,W,C array (either layout
+    when the shape is unambiguous) whose floats are in [0, 1] (clipped) or whose values are uint8 already."""
+    import numpy as np
+
+    if hasattr(value, "convert") and hasattr(value, "size"):  # a PIL image
+        return np.asarray(value.convert("RGB"))
+    is_tensor = hasattr(value, "detach")
+    array = value.detach().float().cpu().numpy() if is_tensor else np.asarray(value)
+    if array.ndim == 4 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 3:
+        raise ValueError(f"log_images: an image must be C,H,W or H,W,C (or 1,C,H,W), got shape {array.shape}")
+    # channels first for a tensor (torch's layout), last for an array (numpy's), unless the shape says otherwise
+    channels_first = array.shape[0] in (1, 3, 4) and (is_tensor or array.shape[-1] not in (1, 3, 4))
+    if channels_first:
+        array = array.transpose(1, 2, 0)  # CHW -> HWC
+    if array.dtype != np.uint8:
+        array = (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+    return array
 
 
 class NullTracker(Tracker):
@@ -109,9 +136,13 @@ class MemoryTracker(Tracker):
         self.metrics: list[tuple[int | None, dict[str, float]]] = []
         self.tables: list[tuple[str, list[str], list[list[Any]], int | None]] = []
         self.params: dict[str, Any] = {}
+        self.images: list[tuple[int | None, dict[str, Any]]] = []
 
     def log(self, metrics, step=None):
         self.metrics.append((step, scalar_metrics(metrics)))
+
+    def log_images(self, values, step=None, **kwargs):
+        self.images.append((step, {name: image_array(v) for name, v in values.items()}))
 
     def log_table(self, name, columns, rows, step=None):
         self.tables.append((name, list(columns), [list(r) for r in rows], step))
@@ -159,6 +190,12 @@ class MLflowTracker(Tracker):
         if clean:
             self._mlflow.log_params(clean, run_id=self.run_id)
 
+    def log_images(self, values, step=None, **kwargs):
+        for name, value in values.items():
+            suffix = f"_step{int(step):06d}" if step is not None else ""
+            self._mlflow.log_image(image_array(value), artifact_file=f"images/{_safe_name(name)}{suffix}.png",
+                                   run_id=self.run_id)
+
     def finish(self):
         active = self._mlflow.active_run()
         if self._owns_run and active is not None and active.info.run_id == self.run_id:
@@ -189,6 +226,10 @@ class TensorBoardTracker(Tracker):
         header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
         body = "".join("| " + " | ".join(str(c).replace("|", "/") for c in row) + " |\n" for row in rows)
         self._writer.add_text(name, header + body, global_step=step)
+
+    def log_images(self, values, step=None, **kwargs):
+        for name, value in values.items():
+            self._writer.add_image(name, image_array(value), global_step=step, dataformats="HWC")
 
     def log_params(self, params):
         self._writer.add_text("params", "\n".join(f"{k}: {v}" for k, v in public_params(params).items()))
@@ -470,6 +511,10 @@ class SpoolingTracker(Tracker):
     def log_params(self, params):
         clean = public_params(params)
         self._call("log_params", {"kind": "params", "data": clean}, clean)
+
+    def log_images(self, values, step=None, **kwargs):
+        # offline, the spool keeps only the names (pixels are no JSON); upload_spool skips the record
+        self._call("log_images", {"kind": "images", "names": list(values), "step": step}, values, step=step)
 
     def finish(self):
         if self.backend is not None:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlhf_core.tracking import Tracker, public_params, scalar_metrics
+from rlhf_core.tracking import Tracker, image_array, public_params, scalar_metrics
 
 
 def wandb_mode() -> str:
@@ -44,6 +44,9 @@ class WandbTracker(Tracker):
 
     def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int | None = None) -> None:
         self._run.log({name: self._wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
+
+    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self._run.log({name: self._wandb.Image(image_array(v)) for name, v in values.items()}, step=step)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         self._run.config.update(public_params(params), allow_val_change=True)

@@ -10,4 +10,5 @@ from rlhf_core._lazy import lazy_exports
 
 # the modules whose public names (rlhf_core._lazy.PUBLIC) this package exports
 __all__, __getattr__, __dir__ = lazy_exports(
-    __name__, globals(), "rlhf_core.trainers", "rlhf_core.kl_control", "rlhf_core.ddpo.config", "rlhf_core.ddpo.trainer")
+    __name__, globals(), "rlhf_core.trainers", "rlhf_core.kl_control", "rlhf_core.ddpo.config", "rlhf_core.ddpo.trainer",
+    "rlhf_core.scripts.model_config", "rlhf_core.scripts.model_helpers")

@@ -47,11 +47,34 @@ ARGS_FOR_CARD = (
 # ``training_args.json`` saved beside the weights, so the same training saved from another directory, terminal
 # or launcher rank gives the same bytes (a DVC-tracked model directory keeps its hash).
 RUN_ENVIRONMENT_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "disable_tqdm", "local_rank")
+# transformers 4 options a config accepts and maps onto today's (map_warmup_ratio): what they set is in the mapped
+# field, so they are left out of ``training_args.json`` too (its bytes stay those of a config without them)
+LEGACY_ARGS = ("warmup_ratio",)
 
 
 def portable_training_args(args: TrainingArguments) -> dict[str, Any]:
-    """``args.to_dict()`` without ``RUN_ENVIRONMENT_ARGS`` (scratch paths, progress display, process index)."""
-    return {key: value for key, value in args.to_dict().items() if key not in RUN_ENVIRONMENT_ARGS}
+    """``args.to_dict()`` without ``RUN_ENVIRONMENT_ARGS`` (scratch paths, progress display, process index) and the
+    mapped ``LEGACY_ARGS``."""
+    dropped = RUN_ENVIRONMENT_ARGS + LEGACY_ARGS
+    return {key: value for key, value in args.to_dict().items() if key not in dropped}
+
+
+def map_warmup_ratio(args: TrainingArguments) -> None:
+    """transformers 4's ``warmup_ratio`` (gone from transformers 5, where a ``warmup_steps`` below 1 is that share):
+    copied into ``warmup_steps`` with a FutureWarning; call it before ``TrainingArguments.__post_init__``."""
+    ratio = getattr(args, "warmup_ratio", None)
+    if ratio is None:
+        return
+    name = type(args).__name__
+    if not 0 <= ratio < 1:
+        raise ValueError(f"{name}.warmup_ratio={ratio}: a share of the training steps, in [0, 1)")
+    if args.warmup_steps:
+        raise ValueError(f"{name}: warmup_ratio={ratio} and warmup_steps={args.warmup_steps} are one option in "
+                         "transformers 5 (warmup_steps below 1 is a share); set warmup_steps only")
+    warnings.warn(f"{name}.warmup_ratio is transformers 4's option; mapped to warmup_steps={ratio} (transformers 5 "
+                  "reads a warmup_steps below 1 as the share of steps): write warmup_steps", FutureWarning,
+                  stacklevel=4)
+    args.warmup_steps = ratio
 
 
 def resolve_bf16(args: TrainingArguments) -> None:

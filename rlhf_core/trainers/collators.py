@@ -96,6 +96,10 @@ def pad_to_length(
     """Pad ragged integer rows into a (B, T) LongTensor, on the right or the left."""
     if side not in ("right", "left"):
         raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
+    if value is None:
+        # a tokenizer's pad_token_id when it has none; torch.full would fail with no word of the tokenizer
+        raise ValueError("cannot pad: the tokenizer has no pad token; set one first, "
+                         "e.g. tokenizer.pad_token = tokenizer.eos_token")
     width = max([len(r) for r in rows] + [length or 0])
     out = torch.full((len(rows), width), value, dtype=torch.long)  # (B, T)
     for i, row in enumerate(rows):
@@ -273,6 +277,10 @@ class DataCollatorForCompletionOnlyLM:
         width = max(len(r) for r in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        if self.tokenizer.pad_token_id is None:
+            # as TRL's (its tokenizer.pad refuses); torch.full(..., None) would fail with no word of the tokenizer
+            raise ValueError("DataCollatorForCompletionOnlyLM: the tokenizer has no pad token to pad the batch "
+                             "with; set one first, e.g. tokenizer.pad_token = tokenizer.eos_token")
         side = self._padding_side()
         input_ids = pad_to_length(rows, self.tokenizer.pad_token_id, width, side)  # (B, T)
         mask = pad_to_length([[1] * len(r) for r in rows], 0, width, side)  # (B, T)

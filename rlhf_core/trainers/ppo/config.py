@@ -142,6 +142,8 @@ class PPOConfig:
     none of those three is in use; False otherwise (every CPU run: its results do not change). The trainer writes
     the value it chose back here (so it is logged and in the model card). ``False`` keeps fp32 on a GPU.
     """
+    dataset_num_proc: Optional[int] = None
+    """Processes a script uses to map its dataset (TRL 0.11's field; the trainer itself reads no dataset with it)."""
     is_encoder_decoder: Optional[bool] = None
     """Set by the trainer from the model: whether the policy is an encoder-decoder."""
     is_peft_model: Optional[bool] = None

@@ -66,13 +66,17 @@ from rlhf_core.trainers.master_weights import MasterWeights, bf16_by_default
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.trainers.ppo.config import PPOConfig
 from rlhf_core.trainers.timing import phase_timer
+from rlhf_core import transformers_compat
 from rlhf_core.trainers.ppo.validation import (
+    check_generate_queries,
     check_generation_lengths,
     check_movable,
     check_sequence_lengths,
     check_step_inputs,
     position_limit,
 )
+
+transformers_compat.install()  # TRL 0.11 PPO clients: sentiment pipelines with return_all_scores
 
 
 # Where every process holds whole, already-synchronised gradients, so a local norm is the global one.
@@ -250,6 +254,7 @@ class PPOTrainer:
         which leaves most of a CPU or GPU idle per decoding step); each response is cut after its
         first EOS (kept) and never contains padding. A 1-d tensor returns the raw (1, L) output.
         """
+        check_generate_queries(query_tensor)
         if isinstance(query_tensor, (list, tuple)):
             run = lambda model: generate_batched(  # noqa: E731
                 self.accelerator.unwrap_model(model), self.tokenizer, list(query_tensor), device=self.accelerator.device,

@@ -129,3 +129,23 @@ def check_generation_lengths(queries, max_new_tokens: int | None, limit: int | N
         if needed > limit:
             raise ValueError(f"query_tensor[{i}] ({len(query)} tokens) + max_new_tokens ({new}) is longer than the "
                              f"model's {limit} positions: truncate the query or lower max_new_tokens")
+
+
+NOT_TENSOR_HINT = ("a datasets.Dataset gives its columns as Python lists unless it was given "
+                   "dataset.set_format(type='torch') (TRL's examples call it after tokenising); or pass torch.tensor(ids)")
+
+
+def check_generate_queries(query_tensor) -> None:
+    """``generate``'s queries are a 1-d token tensor or a list of them; anything else (lists of ints from a dataset
+    never set to torch format) is refused here, by index, instead of failing inside the model's ``generate``."""
+    if isinstance(query_tensor, torch.Tensor):
+        return
+    if not isinstance(query_tensor, (list, tuple)):
+        raise ValueError(f"generate: query_tensor must be a 1-d torch.Tensor or a list of them, got "
+                         f"{type(query_tensor).__name__}; {NOT_TENSOR_HINT}")
+    for i, query in enumerate(query_tensor):
+        if not isinstance(query, torch.Tensor):
+            raise ValueError(f"generate: query_tensor[{i}] is a {type(query).__name__}, not a 1-d torch.Tensor; "
+                             f"{NOT_TENSOR_HINT}")
+        if query.dim() != 1:
+            raise ValueError(f"generate: query_tensor[{i}] must be 1-d (seq_len,), got shape {tuple(query.shape)}")

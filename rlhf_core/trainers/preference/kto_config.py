@@ -16,7 +16,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from rlhf_core.losses import KTO_LOSS_TYPES
-from rlhf_core.trainers.base import resolve_bf16
+from rlhf_core.trainers.base import map_warmup_ratio, resolve_bf16
 
 
 @dataclass
@@ -50,6 +50,10 @@ class KTOConfig(TrainingArguments):
     for a reference model loaded the same way). Ignored, with a warning, for an instantiated model."""
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow models/tokenizers with custom code."})
     """Allow loading models and tokenizers that ship their own Python code (off: never run downloaded code)."""
+    warmup_ratio: float | None = field(default=None, metadata={
+        "help": "transformers 4's warmup share (TRL 0.11's kto.py passes it): mapped to warmup_steps, with a warning."})
+    """transformers 4's option, gone from transformers 5: TRL 0.11's kto.py command line passes it through
+    ``HfArgumentParser``, which only knows fields. Copied into ``warmup_steps`` (below 1: a share) with a warning."""
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE load-balancing loss weight."})
     """Weight of a Mixture-of-Experts load-balancing loss. Only None or 0.0 are supported here (no MoE models)."""
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model and reference."})
@@ -95,6 +99,7 @@ class KTOConfig(TrainingArguments):
             text = self.pad_to_multiple_of.strip().lower()
             self.pad_to_multiple_of = None if text in ("none", "null", "") else int(text)
         resolve_bf16(self)
+        map_warmup_ratio(self)
         super().__post_init__()
         if self.pad_to_multiple_of == "auto":
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
