@@ -402,3 +402,28 @@ def test_a_captured_step_reads_the_written_slots_rounded_to_a_segment(setup, mon
     assert steps == [-(-(8 + k) // 8) * 8 for k in range(19)]
     assert backend.recorded == 3  # lengths 16, 24 and 32; the first two steps (8, 16 slots) ran as warm-ups
     D._KEPT.pop(model, None)
+
+
+def test_the_opt_in_compiled_token_step_gives_the_eager_tokens_once_compiled_per_length(setup, monkeypatch):
+    """``RLHF_CORE_COMPILE_DECODE=1``: the kept step runs through torch.compile (a counting stand-in backend here:
+    dynamo's guards decide recompilation, not the backend): one compilation per attended length, none for a second
+    call of the same shape, and the eager tokens."""
+    tok, model, prompts = setup
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(len(graph_module.graph.nodes))
+        return graph_module.forward
+
+    monkeypatch.setenv("RLHF_CORE_COMPILE_DECODE", "1")
+    monkeypatch.setattr(D, "DECODE_COMPILE_BACKEND", counting)
+    torch._dynamo.reset()
+    D._KEPT.pop(model, None)
+    eager, _ = _ours(model, tok, prompts, do_sample=False, max_new_tokens=40)
+    assert not graphs  # no backend: nothing kept, nothing compiled
+    for _ in range(2):
+        compiled, _ = _ours(model, tok, prompts, graphs=ReplayItself(), do_sample=False, max_new_tokens=40)
+        assert torch.equal(compiled, eager)
+    assert len(graphs) == 2  # 7 + 40 slots: steps attend to 32, then 64 (the bucket); the second call compiles none
+    torch._dynamo.reset()
+    D._KEPT.pop(model, None)

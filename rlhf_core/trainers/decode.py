@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -63,6 +64,9 @@ _MASKABLE_ATTENTION = {"sdpa", "eager"}
 CACHE_BUCKET = 64
 # A captured token step attends to the written cache slots rounded up to a multiple of this (one graph per length).
 KV_SEGMENT = 32
+# ``RLHF_CORE_COMPILE_DECODE=1``: kept token steps run through torch.compile with this backend (fewer, fused kernels
+# inside the captured graph); tests count compilations with a stand-in.
+DECODE_COMPILE_BACKEND: Any = "inductor"
 # Token steps between two host reads of "has every row finished?" on an accelerator (on the CPU: every step).
 EOS_CHECK_EVERY_ACCELERATOR = 8
 
@@ -428,14 +432,27 @@ def _model_key(model: Any) -> tuple:
     return (tuple(p.data_ptr() for p in model.parameters()), tuple(m.training for m in model.modules()))
 
 
+def compile_decode() -> bool:
+    """``RLHF_CORE_COMPILE_DECODE=1`` (opt-in): the token step of a kept state (the graph path) runs compiled.
+
+    One compilation per attended length (``KV_SEGMENT``) per state, each captured in its own graph afterwards;
+    nothing recompiles across calls of the same shape. torch.compile's cache (``torch._dynamo.config.
+    cache_size_limit``, 8 by default) bounds the compiled variants of the step: beyond it a step runs eagerly, which
+    gives the same tokens.
+    """
+    return os.environ.get("RLHF_CORE_COMPILE_DECODE", "0") == "1"
+
+
 def _state_and_runner(model: Any, batch: int, cache_len: int, settings: DecodeSettings, device: torch.device,
                       mask_dtype: torch.dtype, backend: GraphBackend | None) -> _Kept:
     """A fresh state (eager), or with a graph backend the kept one for this shape, settings and model state."""
     def new(length: int) -> _Kept:
         state = DecodeState(model, batch, length, settings, device, mask_dtype)
         ref = weakref.ref(model)  # a strong one in the kept runner would keep the model (the dict's key) alive
-        return _Kept(state, StepRunner(lambda: token_step(ref(), state), backend,
-                                       state=state if backend is not None else None))
+        step = lambda: token_step(ref(), state)  # noqa: E731
+        if backend is not None and compile_decode():
+            step = torch.compile(step, dynamic=False, backend=DECODE_COMPILE_BACKEND)
+        return _Kept(state, StepRunner(step, backend, state=state if backend is not None else None))
 
     if backend is None:
         return new(cache_len)

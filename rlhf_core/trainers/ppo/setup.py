@@ -28,13 +28,17 @@ def list_collator(rows: list[Any]) -> Any:
     return default_collate(rows)
 
 
+# torch.compile's backend for ``torch_compile`` (its own default; tests count compilations with a stand-in)
+COMPILE_BACKEND: Any = "inductor"
+
+
 def compile_transformers(*wrappers) -> None:
     """``torch_compile``: the transformer under each value-head wrapper runs compiled from now on (in place,
     so parameters, state-dict keys and saving are unchanged). ``dynamic=True``: mini-batches differ in length,
     so one graph serves them all instead of one compilation per shape."""
     for wrapper in wrappers:
         if wrapper is not None:
-            wrapper.pretrained_model.compile(dynamic=True)
+            wrapper.pretrained_model.compile(dynamic=True, backend=COMPILE_BACKEND)
 
 
 def empty_device_cache() -> None:
