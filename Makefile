@@ -82,10 +82,10 @@ run: setup remote ## set up, then run the whole pipeline on the offline default 
 
 pipeline: run ## same as run
 
-# The same stages through DVC, then the registry step (the flow finds nothing stale). `python -m tasks.dvc_lockfile`
+# The same stages through DVC, then the registry step (the flow finds nothing stale). `python -m tasks.store.dvc_lockfile`
 # is dvc with its dvc.lock writes made atomic (a kill never tears the lock) and a torn lock repaired first.
 repro: setup ## run the stages through dvc repro, then the registry step
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m tasks.dvc_lockfile repro
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m tasks.store.dvc_lockfile repro
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
 
 # Prints where to open it (the training runs' view, the policies side by side), then runs `mlflow ui` (same PID).

@@ -2,7 +2,7 @@
 the ``rlhf-collect-feedback`` deployment of prefect.yaml (daily in team mode).
 
 Collects the ratings and side-by-side choices reviewers made on served generations since the last collection
-(MLflow assessments: ``tasks/feedback_intake.py``), and ingests them as ``make intake`` ingests a file: the same
+(MLflow assessments: ``tasks/feedback/collect.py``), and ingests them as ``make intake`` ingests a file: the same
 checks, a DVC-versioned batch per kind with each row's trace id, assessment id and reviewer, the manifest, a git
 commit, the ``rlhf.feedback.ingested`` event. Then retraining starts exactly as after a file intake: with a Prefect
 server (``PREFECT_API_URL``) the event triggers the ``rlhf-retrain`` deployment; without one it runs here and now
@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from flows.intake import add_intake_options, intake_options, retrain_now, run_intake  # noqa: E402
-from tasks.feedback_intake import Collection, collect  # noqa: E402
+from tasks.feedback.collect import Collection, collect  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

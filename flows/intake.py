@@ -27,8 +27,8 @@ from typing import TypeVar  # noqa: E402
 
 from rlhf_core.data import DataFormatError  # noqa: E402
 from rlhf_core.feedback import IntakeLimits  # noqa: E402
-from tasks.intake import IntakeError, ingest  # noqa: E402
-from tasks.params import PARAMS_FILE  # noqa: E402
+from tasks.feedback.intake import IntakeError, ingest  # noqa: E402
+from tasks.spec.params import PARAMS_FILE  # noqa: E402
 from tasks.stages import load_params  # noqa: E402
 
 EXIT_BAD_INPUT = 65  # EX_DATAERR

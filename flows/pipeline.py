@@ -4,7 +4,7 @@ For each stage in order, ask DVC whether it is stale; if so run it and record it
 says ``enabled: false`` writes placeholder outputs and is recorded too, so ``dvc status`` is clean). Then register
 the evaluated policy. A second run with nothing changed trains nothing; changing a PPO parameter re-runs ppo and
 evaluate only. ``dvc repro`` runs the same stages through ``flows.stage``. The supervision (lock, stops, the MLflow
-parent run and how it ends) is ``tasks/supervisor.py``.
+parent run and how it ends) is ``tasks/run/supervisor.py``.
 """
 
 from flows.process import configure_process
@@ -21,11 +21,11 @@ from prefect.runtime import flow_run  # noqa: E402
 
 from flows.process import configure_logging, exit_promptly  # noqa: E402
 from flows.summary import end_block, report  # noqa: E402
-from tasks.locking import add_wait_argument  # noqa: E402
-from tasks.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
-from tasks.scoring import read_results  # noqa: E402
+from tasks.process.locking import add_wait_argument  # noqa: E402
+from tasks.store.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
+from tasks.stages.common.scoring import read_results  # noqa: E402
 from tasks.stages import NAMES  # noqa: E402
-from tasks.supervisor import EXIT_STOPPED, ConfigError, PipelineRun, exit_status, pipeline_run  # noqa: E402
+from tasks.run.supervisor import EXIT_STOPPED, ConfigError, PipelineRun, exit_status, pipeline_run  # noqa: E402
 
 COMMAND = "python -m flows.pipeline"
 

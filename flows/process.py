@@ -19,7 +19,7 @@ import sys
 from collections.abc import MutableMapping
 
 from rlhf_core.tracking import install_log_redaction
-from tasks.logs import quiet_known_messages
+from tasks.process.logs import quiet_known_messages
 
 ENVIRONMENT_DEFAULTS = {
     # telemetry off; our own loggers stream into the Prefect run alongside the flow/task loggers
@@ -30,7 +30,7 @@ ENVIRONMENT_DEFAULTS = {
     # the thread count, so a plain `dvc repro` on a 2-core machine wrote other weights (other hashes) than `make run`
     "OMP_NUM_THREADS": "1",
     # no "Loading weights"/"Map"/"Downloading artifacts" bars (the registry logs and re-reads models): one progress
-    # bar per training stage (tasks/logs.py), none off a terminal
+    # bar per training stage (tasks/process/logs.py), none off a terminal
     "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     # a loaded 2-core machine can take longer than the default 20 s to start the temporary server
@@ -75,7 +75,7 @@ def pin_cpu_kernels(environ: MutableMapping[str, str] = os.environ) -> dict[str,
 def configure_process(environ: MutableMapping[str, str] = os.environ) -> None:
     """Everything a pipeline process needs before it does anything: :data:`ENVIRONMENT_DEFAULTS`, the CPU kernel pins
     (:func:`pin_cpu_kernels`), credentials in tracking URIs redacted from every log, and known harmless third-party
-    messages dropped (``tasks/logs.py``: ``KNOWN_HARMLESS`` says why each). Idempotent."""
+    messages dropped (``tasks/process/logs.py``: ``KNOWN_HARMLESS`` says why each). Idempotent."""
     for key, value in ENVIRONMENT_DEFAULTS.items():
         environ.setdefault(key, value)
     pin_cpu_kernels(environ)
@@ -112,7 +112,7 @@ def exit_promptly(code: int, drain_s: float = 2.0, server_grace_s: float = 2.0) 
             worker.drain_all(timeout=drain_s)
     except Exception as error:  # noqa: BLE001 - lost log lines must not keep the process alive
         print(f"warning: Prefect logs not flushed at exit: {error}", file=sys.stderr)
-    from tasks.orphans import stop_temporary_server  # loads torch: this module must load before torch does
+    from tasks.run.orphans import stop_temporary_server  # loads torch: this module must load before torch does
 
     stop_temporary_server(grace_s=server_grace_s)
     for stream in (sys.stdout, sys.stderr):

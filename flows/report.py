@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from flows.process import configure_process
-from tasks.params import PARAMS_FILE, load_paths
-from tasks.scoring import read_results
+from tasks.spec.params import PARAMS_FILE, load_paths
+from tasks.stages.common.scoring import read_results
 
 START = "<!-- results:start -->"
 END = "<!-- results:end -->"

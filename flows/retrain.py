@@ -35,12 +35,12 @@ from prefect import flow
 
 from flows.pipeline import pipeline
 from flows.report import refresh_readme
-from tasks.dvc_ops import push_outputs
-from tasks.locking import add_wait_argument, checkout_lock
-from tasks.mlflow_runs import mlflow_setup, tracking_uri
-from tasks.orphans import detach_temporary_server
-from tasks.supervisor import exit_status, install_stop_handlers
-from tasks.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
+from tasks.store.dvc_ops import push_outputs
+from tasks.process.locking import add_wait_argument, checkout_lock
+from tasks.store.mlflow_runs import mlflow_setup, tracking_uri
+from tasks.run.orphans import detach_temporary_server
+from tasks.run.supervisor import exit_status, install_stop_handlers
+from tasks.run.worktree import (GitError, close_worktree, current_branch, git, land_result, open_worktree, record_result,
                             restore_checkout_outputs)
 
 DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00; prefect.yaml holds the deployed schedule
@@ -108,7 +108,7 @@ def land(root: str, ref: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status as ``python -m flows.pipeline``'s (``tasks.supervisor.exit_status``): 75 when SIGTERM/SIGINT
+    """Exit status as ``python -m flows.pipeline``'s (``tasks.run.supervisor.exit_status``): 75 when SIGTERM/SIGINT
     stopped a training stage after saving its state, 73 when another run holds the checkout."""
     parser = argparse.ArgumentParser(prog="python -m flows.retrain", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=".", help="project directory (default: current)")

@@ -2,7 +2,7 @@
 
 Reviewers rate served answers (good / bad) and choose the better of two answers to the same prompt (champion vs
 challenger); every judgement is an MLflow assessment on the answer's trace, with the reviewer's name as its source
-(``tasks/review_page.py``, ``tasks/review.py``). Needs the served policy (``make serve-model``) for the side-by-side
+(``tasks/feedback/review_page.py``, ``tasks/feedback/assessments.py``). Needs the served policy (``make serve-model``) for the side-by-side
 answers; ``make intake-feedback`` turns the judgements into versioned feedback batches.
 """
 
@@ -22,8 +22,8 @@ import mlflow  # noqa: E402
 
 from flows.serve import HOST  # noqa: E402
 from flows.serve_model import DEFAULT_PORT as MODEL_PORT  # noqa: E402
-from tasks.mlflow_runs import mlflow_setup  # noqa: E402
-from tasks.review_page import ReviewSettings, make_server  # noqa: E402
+from tasks.store.mlflow_runs import mlflow_setup  # noqa: E402
+from tasks.feedback.review_page import ReviewSettings, make_server  # noqa: E402
 
 DEFAULT_PORT = 5002
 

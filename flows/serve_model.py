@@ -1,6 +1,6 @@
 """Serve the champion: ``python -m flows.serve_model`` (``make serve-model``), on http://127.0.0.1:5001.
 
-Writes the served model (``tasks/policy_server.py``: code and settings, no weights) to ``.serve/policy-server`` and then
+Writes the served model (``tasks/serving/alias_server.py``: code and settings, no weights) to ``.serve/policy-server`` and then
 becomes MLflow's scoring server on it (``mlflow models serve --env-manager local``, same PID: Ctrl-C or a SIGTERM
 to it stops the server). It answers with the version holding ``registry.model_name@champion`` (``--alias``), looks
 the alias up again at most every ``--reload-s`` seconds at a request (a promotion is served within that time, no
@@ -27,10 +27,10 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 
 from flows.serve import HOST, STATE_DIR, _bin  # noqa: E402
 from rlhf_core.tracking import redact  # noqa: E402
-from tasks.mlflow_runs import mlflow_setup, tracking_uri  # noqa: E402
-from tasks.params import PARAMS_FILE  # noqa: E402
-from tasks.registry import CHAMPION, pinned_requirements  # noqa: E402
-from tasks.policy_server import ServerConfig, save_server  # noqa: E402
+from tasks.store.mlflow_runs import mlflow_setup, tracking_uri  # noqa: E402
+from tasks.spec.params import PARAMS_FILE  # noqa: E402
+from tasks.registry.gate import CHAMPION, pinned_requirements  # noqa: E402
+from tasks.serving.alias_server import ServerConfig, save_server  # noqa: E402
 from tasks.stages import load_params  # noqa: E402
 
 DEFAULT_PORT = 5001

@@ -1,6 +1,6 @@
 """One stage on its own: what ``dvc.yaml`` runs (``python -m flows.stage <name>``).
 
-Runs the same stage as the pipeline flow (``tasks/stage_task.py``), supervised the same way (``tasks/supervisor.py``);
+Runs the same stage as the pipeline flow (``tasks/run/stage_task.py``), supervised the same way (``tasks/run/supervisor.py``);
 DVC itself records the stage in dvc.lock afterwards. SIGTERM/SIGINT make a training stage save its state at the
 next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command) resumes from
 that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created), else it is
@@ -10,7 +10,7 @@ Under a launcher (``accelerate launch ... -m flows.stage sft``, or ``torchrun``)
 Only the main process (global rank 0) runs the stage as a Prefect flow run; every other rank runs the stage
 directly, without Prefect. Two flow runs would record the same stage twice, and with no ``PREFECT_API_URL`` each
 process would start its own temporary Prefect server on the same database. The ranks still train together (the
-trainers' DDP collectives), and only rank 0 writes (``tasks/distributed.py``). Stages that are not launchable in the
+trainers' DDP collectives), and only rank 0 writes (``tasks/process/distributed.py``). Stages that are not launchable in the
 stage table (prepare, evaluate, ...) exit with status 2 and a message under a launcher with several processes.
 """
 
@@ -27,12 +27,12 @@ from pathlib import Path  # noqa: E402
 from prefect import flow  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
-from tasks.distributed import destroy_process_group, is_main_process, require_single_process  # noqa: E402
-from tasks.locking import add_wait_argument  # noqa: E402
-from tasks.mlflow_runs import PARENT_ENV  # noqa: E402
-from tasks.params import PARAMS_FILE, as_dict  # noqa: E402
+from tasks.process.distributed import destroy_process_group, is_main_process, require_single_process  # noqa: E402
+from tasks.process.locking import add_wait_argument  # noqa: E402
+from tasks.store.mlflow_runs import PARENT_ENV  # noqa: E402
+from tasks.spec.params import PARAMS_FILE, as_dict  # noqa: E402
 from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
-from tasks.supervisor import PipelineRun, exit_status, pipeline_run  # noqa: E402
+from tasks.run.supervisor import PipelineRun, exit_status, pipeline_run  # noqa: E402
 
 NAME_KEYS = (("learning_rate", "lr"), ("beta", "beta"), ("total_steps", "steps"), ("num_train_epochs", "epochs"),
              ("source", "source"))

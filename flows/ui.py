@@ -3,7 +3,7 @@
 MLflow 3's UI starts a fresh browser in its GenAI view (traces, "Evaluation runs"); this project's runs are
 training runs. So before it starts the server this prints the two addresses to open: the experiment's runs in
 the "Model training" view, and the run comparison of the latest evaluation's policies (one run per policy,
-same metric keys: ``tasks/stage_run.py`` ``log_child_runs``). Then it becomes ``mlflow ui`` (same PID: stop
+same metric keys: ``tasks/store/stage_run.py`` ``log_child_runs``). Then it becomes ``mlflow ui`` (same PID: stop
 it with Ctrl-C or by that PID).
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from flows.process import configure_process
-from tasks.mlflow_runs import mlflow_compare_link, mlflow_setup, tracking_uri
+from tasks.store.mlflow_runs import mlflow_compare_link, mlflow_setup, tracking_uri
 
 
 def ui_links(root: Path) -> dict[str, str]:

@@ -30,7 +30,7 @@ such "word" is one pre-token for a byte-level BPE (a 1 MB one made tokenizer tra
 PROMPT_BYTES_PER_WORD = 12
 """Prompt budget: a prompt of ``prompt_max_words`` words may have at most this many UTF-8 bytes per word. A
 byte-level BPE never makes more tokens than bytes, so ``prompt_max_words * PROMPT_BYTES_PER_WORD`` bounds a
-prompt in tokens; ``tasks/param_rules.py`` checks that it plus the sampled tokens fits the model's positions."""
+prompt in tokens; ``tasks/spec/param_rules.py`` checks that it plus the sampled tokens fits the model's positions."""
 
 
 class DataFormatError(ValueError):

@@ -92,6 +92,29 @@ def gae_advantages(
 # --------------------------------------------------------------------------------------------
 
 
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, delta: float | None = None,
+) -> torch.Tensor:
+    """PPO's clipped surrogate, negated to be minimised: ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``,
+    with ``r`` capped at ``delta`` in the unclipped term when given (two-sided clipping). The one copy PPO, GRPO and
+    RLOO call. ratio and advantages broadcast: (B, A) and (B, A) for PPO, (B, A) or (B, 1) and (B, 1) for GRPO, (B,)
+    for RLOO. -> their broadcast shape, with grad.
+
+    Example: r = 1.5, A = 2, eps = 0.2: -min(3.0, 1.2 * 2) = -2.4 (clipped); A = -2: -min(-3.0, -2.4) = 3.0.
+    """
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.min(unclipped * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages)
+
+
+def clipped_fraction(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float,
+                     ) -> torch.Tensor:
+    """Where the clipped term is the one :func:`clipped_surrogate` takes (``clip(r) * A < r * A``): 1.0, else 0.0.
+    PPO's ``policy/clipfrac`` is its masked mean."""
+    with torch.no_grad():
+        return torch.gt(-advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high),
+                        -advantages * ratio).float()
+
+
 def ppo_losses(
     old_logprobs: torch.Tensor,
     old_values: torch.Tensor,
@@ -117,11 +140,8 @@ def ppo_losses(
     vf_losses2 = (vpred_clipped - returns) ** 2
     vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), response_mask)
 
-    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses1, pg_losses2), response_mask)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    pg_loss = masked_mean(clipped_surrogate(ratio, advantages, cliprange, cliprange), response_mask)
 
     with torch.no_grad():  # the stats: the same values without recording a graph (~30 operators per update)
         stats = {
@@ -129,7 +149,7 @@ def ppo_losses(
                                           response_mask),
             "policy/approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, response_mask),
             "policy/policykl": masked_mean(old_logprobs - logprobs, response_mask),
-            "policy/clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
+            "policy/clipfrac": masked_mean(clipped_fraction(ratio, advantages, cliprange, cliprange), response_mask),
             "policy/advantages": advantages,
             "policy/advantages_mean": masked_mean(advantages, response_mask),
             "policy/ratio": ratio,
@@ -449,6 +469,29 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def aggregate_tokens(
+    per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int | None = None,
+    num_items: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """One loss from per-token losses (B, A), already zero where ``mask`` (B, A) is 0, the way ``loss_type`` says:
+    ``grpo`` the mean over rows of each row's token mean; ``bnpo`` sum / tokens of this micro-batch (PPO's masked
+    mean); ``dr_grpo`` sum / (B * max_completion_length); ``dapo`` sum / ``num_items`` (tokens of the whole
+    accumulated batch; default: this micro-batch's). -> ()
+
+    Example: per_token [[1, 1, 0], [3, 0, 0]], mask [[1, 1, 0], [1, 0, 0]]: grpo (1 + 3) / 2 = 2.0; bnpo 5 / 3.
+    """
+    if loss_type == "grpo":
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return per_token.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        return per_token.sum() / (mask.shape[0] * max_completion_length)
+    items = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype)
+    return per_token.sum() / items.clamp(min=1.0)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor | None,
@@ -488,9 +531,7 @@ def grpo_loss(
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)  # (B, A) or (B, 1)
     adv = advantages.to(logprobs.dtype)[:, None]  # (B, 1)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token = -torch.min(unclipped * adv, clipped * adv)  # (B, A) or (B, 1)
+    per_token = clipped_surrogate(ratio, adv, epsilon_low, epsilon_high, delta)  # (B, A) or (B, 1)
     stats: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         if ref_logprobs is None:
@@ -500,18 +541,7 @@ def grpo_loss(
             kl = kl * ratio
         per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask)
-    per_token = per_token.expand_as(mask) * mask  # (B, A)
-    if loss_type == "grpo":
-        loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
-        loss = per_token.sum() / (mask.shape[0] * max_completion_length)
-    else:
-        items = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype)
-        loss = per_token.sum() / items.clamp(min=1.0)
+    loss = aggregate_tokens(per_token.expand_as(mask) * mask, mask, loss_type, max_completion_length, num_items)
     low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)  # (B, A) or (B, 1)
     high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
     region = ((low + high) > 0).to(mask.dtype)
@@ -571,8 +601,7 @@ def rloo_loss(
     """
     old = seq_logprobs.detach() if old_seq_logprobs is None else old_seq_logprobs
     ratio = torch.exp((seq_logprobs - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # (B,)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    loss = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high).mean()
     low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
     high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
     stats = {"clip_ratio/low_mean": low.mean(), "clip_ratio/high_mean": high.mean(),

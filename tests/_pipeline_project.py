@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.params import apply_overrides, read_raw
+from tasks.spec.params import apply_overrides, read_raw
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def make_project(root: Path, overrides: dict | None = None, git_dvc: bool = True
 def mlflow_client(root: Path):
     import mlflow
 
-    from tasks.mlflow_runs import mlflow_setup
+    from tasks.store.mlflow_runs import mlflow_setup
 
     mlflow_setup(root)
     return mlflow.MlflowClient()

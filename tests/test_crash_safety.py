@@ -236,7 +236,7 @@ def ppo_stage(tokenizer, root: Path, total_steps: int, signal_at: int | None = N
 
 def stage_main(tokenizer, root: Path, total_steps: int, signal_at: int | None = None) -> tuple[int, list[int]]:
     """What the entry point (``python -m flows.stage``) does: Preempted -> exit status 75."""
-    from tasks.supervisor import exit_status
+    from tasks.run.supervisor import exit_status
 
     try:
         return 0, ppo_stage(tokenizer, root, total_steps, signal_at)
@@ -328,7 +328,7 @@ def test_too_many_nonfinite_trainer_steps_in_a_row_stop_the_run(tokenizer, tmp_p
 def test_a_stop_request_before_the_loop_is_honoured_then_consumed():
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for sig in previous:  # what an entry point does before loading models (tasks/supervisor.py)
+        for sig in previous:  # what an entry point does before loading models (tasks/run/supervisor.py)
             signal.signal(sig, ckpt.on_stop_signal)
         os.kill(os.getpid(), signal.SIGTERM)
         assert ckpt.stop_requested()
@@ -370,7 +370,7 @@ def test_a_loop_off_the_main_thread_warns_unless_the_entry_point_installed_the_h
 
 
 def test_stage_checkpoints_live_outside_dvc_outs_and_are_keyed_by_params(tmp_path):
-    from tasks.paths import stage_checkpoint_dir
+    from tasks.spec.paths import stage_checkpoint_dir
 
     a = stage_checkpoint_dir(tmp_path, "ppo", {"learning_rate": 1e-5, "steps": 10})
     b = stage_checkpoint_dir(tmp_path, "ppo", {"steps": 10, "learning_rate": 1e-5})
@@ -425,7 +425,7 @@ def test_completed_stage_removes_resume_states_of_abandoned_params(tmp_path):
     base = tmp_path / ".checkpoints"
     for name in ("ppo-1111aaaa", "ppo-2222bbbb", "dpo-3333cccc", "ppo-4444dddd.corrupt-20260101-000000-1"):
         (base / name).mkdir(parents=True)
-    from tasks.paths import remove_stage_checkpoints
+    from tasks.spec.paths import remove_stage_checkpoints
 
     removed = remove_stage_checkpoints(tmp_path, "ppo")
     assert sorted(p.name for p in removed) == ["ppo-1111aaaa", "ppo-2222bbbb"]

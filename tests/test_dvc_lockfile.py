@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.dvc_lockfile import JOURNAL, LockfileTorn, lock_problem, repair_lockfile
-from tasks.orphans import clean_after_dead_runs
+from tasks.store.dvc_lockfile import JOURNAL, LockfileTorn, lock_problem, repair_lockfile
+from tasks.run.orphans import clean_after_dead_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_a_kill_while_the_pipeline_records_a_stage_leaves_dvc_lock_whole(project
     before = (project / "dvc.lock").read_bytes()
     mode = (project / "dvc.lock").stat().st_mode
     (project / "b.txt").write_text("A\nA\n")  # what stage b's command makes: record it as the pipeline flow does
-    _kill_while_writing(project, "from tasks.dvc_ops import record_stage; record_stage.fn(sys.argv[1] and '.', 'b')")
+    _kill_while_writing(project, "from tasks.store.dvc_ops import record_stage; record_stage.fn(sys.argv[1] and '.', 'b')")
     assert (project / "dvc.lock").read_bytes() == before and lock_problem(project / "dvc.lock") is None
     assert (project / "dvc.lock").stat().st_mode == mode
     repair_lockfile(project)  # the next start also removes the dead writer's temporary file
@@ -97,9 +97,9 @@ def test_a_kill_while_the_pipeline_records_a_stage_leaves_dvc_lock_whole(project
 
 def test_a_kill_under_make_repro_leaves_dvc_lock_whole(project):
     before = (project / "dvc.lock").read_bytes()
-    _kill_while_writing(project, "from tasks.dvc_lockfile import main; main(['repro'])")  # what `make repro` runs
+    _kill_while_writing(project, "from tasks.store.dvc_lockfile import main; main(['repro'])")  # what `make repro` runs
     assert (project / "dvc.lock").read_bytes() == before
-    out = _run(project, "-m", "tasks.dvc_lockfile", "repro")  # and the retry records b
+    out = _run(project, "-m", "tasks.store.dvc_lockfile", "repro")  # and the retry records b
     assert out.returncode == 0, out.stderr
     assert _dvc(project, "status").stdout.strip().endswith("up to date.")
 
@@ -115,7 +115,7 @@ def test_a_lock_torn_by_a_bare_dvc_repro_is_restored_at_the_next_start(project, 
 
     import logging
 
-    from tasks import orphans
+    from tasks.run import orphans
 
     warnings: list[str] = []
     logger = logging.getLogger("rlhf-test-dvc-lockfile")
@@ -136,5 +136,5 @@ def test_a_torn_lock_with_no_complete_copy_names_the_command_that_repairs_it(pro
     lock.write_bytes(lock.read_bytes()[: len(lock.read_bytes()) // 2])
     with pytest.raises(LockfileTorn, match=r"dvc\.lock is torn .*Repair it with: git checkout -- dvc\.lock"):
         repair_lockfile(project)
-    out = _run(project, "-m", "tasks.dvc_lockfile", "status")
+    out = _run(project, "-m", "tasks.store.dvc_lockfile", "status")
     assert out.returncode == 1 and "Repair it with: git checkout -- dvc.lock" in out.stderr

@@ -36,7 +36,7 @@ def project(tmp_path, monkeypatch, empty_store):
 
     import mlflow
 
-    from tasks.mlflow_runs import mlflow_setup
+    from tasks.store.mlflow_runs import mlflow_setup
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -48,8 +48,8 @@ def project(tmp_path, monkeypatch, empty_store):
 
 
 def served(prompt: str, completion: str, version: str = "1") -> str:
-    """A trace as the served policy writes it (tasks.serving.traced_generation); returns its id."""
-    from tasks.serving import LoadedVersion, trace_tags, traced_generation
+    """A trace as the served policy writes it (tasks.serving.answer.traced_generation); returns its id."""
+    from tasks.serving.answer import LoadedVersion, trace_tags, traced_generation
 
     loaded = LoadedVersion(version, None, "dpo", None, None)
     return traced_generation(prompt, 8, 0, lambda p, n, s: completion, trace_tags("rlhf-policy", loaded, "champion"))[1]
@@ -74,8 +74,8 @@ def _batch_rows(root: Path, kind: str) -> list[dict]:
 def test_judgements_become_batches_with_their_provenance_once(project):
     import mlflow
 
-    from tasks.feedback_intake import collect
-    from tasks.review import record_preference, record_rating
+    from tasks.feedback.collect import collect
+    from tasks.feedback.assessments import record_preference, record_rating
 
     client = mlflow.MlflowClient()
     good, bad = served("The film", " was great fun."), served("The film", " was a bore.")
@@ -121,8 +121,8 @@ def test_judgements_become_batches_with_their_provenance_once(project):
 def test_a_changed_or_repeated_judgement_is_not_ingested_twice(project):
     import mlflow
 
-    from tasks.feedback_intake import collect
-    from tasks.review import record_rating
+    from tasks.feedback.collect import collect
+    from tasks.feedback.assessments import record_rating
 
     client = mlflow.MlflowClient()
     trace = served("The film", " was great fun.")
@@ -140,8 +140,8 @@ def test_a_changed_or_repeated_judgement_is_not_ingested_twice(project):
 def test_a_pair_of_different_prompts_or_a_foreign_trace_is_refused_with_why(project):
     import mlflow
 
-    from tasks.feedback_intake import collect
-    from tasks.review import JudgementError, record_preference
+    from tasks.feedback.collect import collect
+    from tasks.feedback.assessments import JudgementError, record_preference
 
     client = mlflow.MlflowClient()
     a, b = served("The film", " was great."), served("I think", " it was dull.")
@@ -166,20 +166,20 @@ KILLER = textwrap.dedent("""
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     target.{name} = die
-    from tasks.feedback_intake import collect
+    from tasks.feedback.collect import collect
     collect(sys.argv[1], push=True)
 """)
 
 
 @pytest.mark.parametrize("module, name", [
-    ("tasks.feedback_intake", "ingest"),  # judgements read, batch files written for the intake, nothing ingested
-    ("tasks.intake", "_commit"),  # batch versioned (DVC) and in the manifest, killed before the git commit
+    ("tasks.feedback.collect", "ingest"),  # judgements read, batch files written for the intake, nothing ingested
+    ("tasks.feedback.intake", "_commit"),  # batch versioned (DVC) and in the manifest, killed before the git commit
 ])
 def test_a_collection_killed_before_its_commit_loses_and_duplicates_nothing(project, module, name):
     import mlflow
 
-    from tasks.feedback_intake import collect
-    from tasks.review import record_preference, record_rating
+    from tasks.feedback.collect import collect
+    from tasks.feedback.assessments import record_preference, record_rating
 
     client = mlflow.MlflowClient()
     a, b = served("The film", " was great fun."), served("The film", " was a bore.")
@@ -206,7 +206,7 @@ def test_the_command_lists_what_it_ingested_and_left_out(project, capsys):
     import mlflow
 
     from flows.collect_feedback import main
-    from tasks.review import record_rating
+    from tasks.feedback.assessments import record_rating
 
     client = mlflow.MlflowClient()
     record_rating(client, served("The film", " was great fun."), True, "alice")

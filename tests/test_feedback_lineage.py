@@ -10,7 +10,7 @@ import pytest
 from test_registry import project  # noqa: F401  (the fixture: a tiny evaluated project, registry candidate ppo)
 
 from rlhf_core.feedback import canonical_bytes
-from tasks.feedback_lineage import LINEAGE_FILE, TAG_LIMIT, feedback_kinds, feedback_lineage, feedback_tags
+from tasks.feedback.lineage import LINEAGE_FILE, TAG_LIMIT, feedback_kinds, feedback_lineage, feedback_tags
 from tasks.stages import load_params, stage_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_tags_keep_the_newest_batches_that_fit():
 def test_a_registered_version_names_its_batches_and_their_traces(project):  # noqa: F811
     import mlflow
 
-    from tasks.registry import registry_task
+    from tasks.registry.gate import registry_task
 
     pairs, _, plain = _ingested(project, [("pairs", [PAIR]), ("ratings", [RATING]), ("pairs", [FILE_PAIR])])
     record = registry_task.fn(str(project))

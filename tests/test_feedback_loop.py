@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "rlhf-policy"
-# KTO alone: one policy keeps the run short, and every rating the reviewers give reaches it (tasks/feedback_lineage.py)
+# KTO alone: one policy keeps the run short, and every rating the reviewers give reaches it (tasks/feedback/lineage.py)
 OVERRIDES = {"ppo.enabled": False, "dpo.enabled": False, "grpo.enabled": False, "rloo.enabled": False,
              "registry.candidates": ["kto"], "registry.min_improvement": 0.0, "registry.significance": 1.0}
 LIKED, DISLIKED = "This movie was wonderful, I loved it and", "This movie was awful, boring and"
@@ -104,7 +104,7 @@ def test_served_answers_judged_in_a_browser_teach_the_next_version(tmp_path, mon
     from mlflow.entities import AssessmentSource, AssessmentSourceType
 
     from rlhf_core.rewards import GoldJudge
-    from tasks.feedback_lineage import LINEAGE_FILE
+    from tasks.feedback.lineage import LINEAGE_FILE
 
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RLHF_PARENT_RUN_ID"):
         monkeypatch.delenv(key, raising=False)

@@ -76,7 +76,7 @@ def test_prepare_bounds_hostile_reviews_and_counts_them(project):
     """Hostile reviews in ``prepare.source`` are dropped and counted; none reaches a dataset."""
     import yaml
 
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     hostile = [f"{LONG_WORD} movie was terrible and long", "y" * 1_000_000 + " was a film",
                "Unbelievably overcomplicated incomprehensibilities notwithstanding, fine"]

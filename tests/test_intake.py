@@ -188,7 +188,7 @@ def test_prepare_reads_schema_fields_only_ratings_included(tmp_path):
 
 
 def test_prepare_adds_ingested_ratings_the_judge_agrees_with(tmp_path, monkeypatch):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
@@ -275,7 +275,7 @@ def test_intake_event_reaches_the_prefect_server(monkeypatch):
     from prefect.events.filters import EventFilter, EventNameFilter
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.intake import EVENT, emit_ingested
+    from tasks.feedback.intake import EVENT, emit_ingested
 
     record = {"sha256": "ab" * 32, "kind": "pairs", "file": f"pairs/{'ab' * 32}.jsonl", "rows": 3,
               "source": "/data/new.jsonl", "user": "alice"}

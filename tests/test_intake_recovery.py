@@ -17,11 +17,11 @@ from rlhf_core.feedback import read_feedback_pairs, read_manifest
 PAIRS = [{"prompt": "This movie was", "chosen": " wonderful.", "rejected": " awful."},
          {"prompt": "The plot", "chosen": " gripped me.", "rejected": " bored me."}]
 
-# Runs `python -m flows.intake ARGS` with one function of tasks/intake.py wrapped so that the process SIGKILLs
+# Runs `python -m flows.intake ARGS` with one function of tasks/feedback/intake.py wrapped so that the process SIGKILLs
 # itself at the named point (no hook in the production code).
 KILLER = r"""
 import os, signal, sys
-import tasks.intake as intake
+import tasks.feedback.intake as intake
 
 point, args = sys.argv[1], sys.argv[2:]
 

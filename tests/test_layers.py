@@ -216,9 +216,60 @@ def test_no_import_cycles_among_project_modules():
     assert find_cycles(import_graph()) == []
 
 
+FLOORS = {"spec": 0, "process": 0, "store": 1, "stages": 2, "serving": 3, "feedback": 4, "registry": 5, "run": 6}
+"""tasks/'s folders, lowest first: a module imports its own folder and the floors below it, never a floor above nor
+another folder of its own floor (spec and process stand side by side). What each holds: its ``__init__.py``."""
+LEGACY = {"tasks", "tasks.policy_model"}
+"""The package itself and the old path registered versions import (tasks/policy_model.py re-exports the new one)."""
+
+
+def floor(name: str) -> str | None:
+    """The folder of tasks/ a module lives in (``tasks.store.outputs`` -> ``store``); None outside tasks/."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "tasks" and len(parts) > 1 and name not in LEGACY else None
+
+
+def floor_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    bad: dict[str, list[str]] = {}
+    for module, targets in graph.items():
+        here = floor(module)
+        if here is None:
+            continue
+        wrong = sorted(t for t in targets if floor(t) is not None and floor(t) != here
+                       and FLOORS[floor(t)] >= FLOORS[here])
+        if wrong:
+            bad[module] = wrong
+    return bad
+
+
+def test_floors_catch_upward_and_sideways_imports():
+    graph = {
+        "tasks.store.outputs": {"tasks.process.ranks"},  # down: fine
+        "tasks.store.dvc_ops": {"tasks.store.dvc_lockfile"},  # same folder: fine
+        "tasks.spec.params": {"tasks.process.logs"},  # sideways on floor 0
+        "tasks.serving.answer": {"tasks.feedback.assessments"},  # up
+        "flows.pipeline": {"tasks.run.supervisor"},  # outside tasks/: another test's business
+    }
+    assert floor_violations(graph) == {"tasks.spec.params": ["tasks.process.logs"],
+                                       "tasks.serving.answer": ["tasks.feedback.assessments"]}
+
+
+def test_tasks_modules_live_in_the_floors_and_import_down_only():
+    """Issue 31: tasks/ in folders by concern; every module in one of them, imports pointing down."""
+    modules = project_modules()
+    flat = sorted(n for n in modules if n.startswith("tasks.") and floor(n) is None and n not in LEGACY)
+    assert flat == [], "modules outside tasks/'s floors: " + ", ".join(flat)
+    folders = {floor(n) for n in modules if floor(n)}
+    assert folders == set(FLOORS), folders ^ set(FLOORS)
+    assert all((ROOT / "tasks" / f / "__init__.py").read_text().strip() for f in FLOORS)  # each says what it holds
+    assert floor_violations(import_graph()) == {}
+
+
 TABLE = "tasks.stages"
 """The stage table: it names every stage's body."""
-RUNNERS = {"tasks.stage_task", "tasks.supervisor", "tasks.registry"}
+COMMON = "tasks.stages.common"
+"""What several bodies share: plumbing, not a body."""
+RUNNERS = {"tasks.run.stage_task", "tasks.run.supervisor", "tasks.registry.gate", "tasks.run.dvc_yaml"}
 """The pipeline modules that run stages, so read the table: the wrapper, the supervisor, the registry step."""
 
 
@@ -227,6 +278,8 @@ def stage_room(name: str) -> str | None:
     ``"flows"``; None in the library."""
     if name == TABLE:
         return "table"
+    if name.startswith(COMMON + ".") or name == COMMON:
+        return "plumbing"
     if name.startswith(TABLE + "."):
         return "body"
     if name in RUNNERS:
@@ -252,18 +305,18 @@ def stage_room_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
 
 def test_stage_rooms_catch_sideways_and_upward_imports():
     graph = {
-        "tasks.stages.kto": {"tasks.policy", "tasks.samples"},  # fine
+        "tasks.stages.kto": {"tasks.stages.common.policy", "tasks.stages.common.samples"},  # fine
         "tasks.stages.grpo": {"tasks.stages.rloo"},  # body -> body
         "tasks.stages.ppo": {"tasks.stages"},  # body -> table
-        "tasks.scoring": {"tasks.stages.evaluate"},  # plumbing -> body
-        "tasks.samples": {"tasks.stages", "tasks.stage_task"},  # plumbing -> table, plumbing -> runner
-        "tasks.stage_task": {"tasks.stages", "tasks.outputs"},  # fine
+        "tasks.stages.common.scoring": {"tasks.stages.evaluate"},  # plumbing -> body
+        "tasks.stages.common.samples": {"tasks.stages", "tasks.run.stage_task"},  # plumbing -> table, plumbing -> runner
+        "tasks.run.stage_task": {"tasks.stages", "tasks.store.outputs"},  # fine
         "flows.stage": {"tasks.stages.sft"},  # a flow -> a body
-        "flows.pipeline": {"tasks.stages", "tasks.supervisor"},  # fine
+        "flows.pipeline": {"tasks.stages", "tasks.run.supervisor"},  # fine
     }
     assert stage_room_violations(graph) == {
         "tasks.stages.grpo": ["tasks.stages.rloo"], "tasks.stages.ppo": ["tasks.stages"],
-        "tasks.scoring": ["tasks.stages.evaluate"], "tasks.samples": ["tasks.stage_task", "tasks.stages"],
+        "tasks.stages.common.scoring": ["tasks.stages.evaluate"], "tasks.stages.common.samples": ["tasks.run.stage_task", "tasks.stages"],
         "flows.stage": ["tasks.stages.sft"],
     }
 
@@ -273,13 +326,13 @@ def test_stage_bodies_plumbing_and_flows_keep_their_rooms():
 
 
 HEAVY = {"torch", "transformers", "datasets", "accelerate", "diffusers", "huggingface_hub", "mlflow", "dvc",
-         "prefect", "matplotlib", "pandas", "rlhf_core", "tasks.resume", "tasks.orphans", "flows.retrain",
-         "tasks.policy_model", "tasks.serving", "tasks.scoring"}
+         "prefect", "matplotlib", "pandas", "rlhf_core", "tasks.stages.common.resume", "tasks.run.orphans", "flows.retrain",
+         "tasks.registry.policy_pyfunc", "tasks.serving.answer", "tasks.stages.common.scoring"}
 """What a function may import (to keep a light command line light): heavy libraries, the library (its modules load
 torch or transformers, but :data:`LIGHT`), and the pipeline modules that load one of those at import
-(tasks.resume: transformers; tasks.orphans: torch, for flows/process.py, which loads before torch; flows.retrain:
-torch, for the intake's retraining; tasks.policy_model and tasks.serving: mlflow, for the registry step;
-tasks.scoring: torch, for the review page, which imports tasks.serving)."""
+(tasks.stages.common.resume: transformers; tasks.run.orphans: torch, for flows/process.py, which loads before torch; flows.retrain:
+torch, for the intake's retraining; tasks.registry.policy_pyfunc and tasks.serving.answer: mlflow, for the registry step;
+tasks.stages.common.scoring: torch, for the review page, which imports tasks.serving.answer)."""
 LIGHT = {"rlhf_core.tracking", "rlhf_core.model_card", "rlhf_core.data", "rlhf_core.feedback"}
 """Library modules that load no heavy library: imported at the top."""
 

@@ -136,3 +136,31 @@ def test_ppo_losses_return_detached_stats():
     inputs[4] = inputs[4].clone().requires_grad_(True)
     pg_loss, _, stats = losses.ppo_losses(*inputs, cliprange=0.2, cliprange_value=0.2)
     assert pg_loss.requires_grad and not any(v.requires_grad for v in stats.values())
+
+
+def test_clipped_surrogate_is_the_one_ppo_grpo_and_rloo_call():
+    """Issue 31: one clipped surrogate. The example of its docstring, and bit-equality with PPO's old form
+    ``max(-A * r, -A * clip(r))`` (negation is exact and max(-x, -y) = -min(x, y), on every CPU kind)."""
+    from rlhf_core.losses import clipped_fraction, clipped_surrogate
+
+    r, a = torch.tensor([1.5, 1.5, 0.5]), torch.tensor([2.0, -2.0, -1.0])
+    # 1.5 * 2 = 3.0 vs 1.2 * 2 = 2.4 -> -2.4; -3.0 vs -2.4 -> 3.0; -0.5 vs -0.8 -> 0.8
+    assert torch.allclose(clipped_surrogate(r, a, 0.2, 0.2), torch.tensor([-2.4, 3.0, 0.8]))
+    assert clipped_fraction(r, a, 0.2, 0.2).tolist() == [1.0, 0.0, 1.0]
+    assert torch.allclose(clipped_surrogate(r, a, 0.2, 0.2, delta=1.3), torch.tensor([-2.4, 2.6, 0.8]))
+    g = torch.Generator().manual_seed(0)
+    ratio, adv = torch.rand(64, 16, generator=g) * 2, torch.randn(64, 16, generator=g)
+    old_form = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - 0.2, 1.0 + 0.2))
+    assert torch.equal(clipped_surrogate(ratio, adv, 0.2, 0.2), old_form)
+
+
+def test_aggregate_tokens_by_loss_type():
+    from rlhf_core.losses import aggregate_tokens
+
+    per_token, mask = torch.tensor([[1.0, 1.0, 0.0], [3.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate_tokens(per_token, mask, "grpo").item() == 2.0  # (2/2 + 3/1) / 2
+    assert aggregate_tokens(per_token, mask, "bnpo").item() == pytest.approx(5 / 3)
+    assert aggregate_tokens(per_token, mask, "dr_grpo", max_completion_length=5).item() == 0.5  # 5 / (2 * 5)
+    assert aggregate_tokens(per_token, mask, "dapo", num_items=10).item() == 0.5
+    with pytest.raises(ValueError, match="max_completion_length"):
+        aggregate_tokens(per_token, mask, "dr_grpo")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from _pipeline_project import make_project, mlflow_client
 
-from tasks.mlflow_runs import start_pipeline_run, store_problem, tracking_reachable, vanished_store
+from tasks.store.mlflow_runs import start_pipeline_run, store_problem, tracking_reachable, vanished_store
 from tasks.stages import load_params
-from tasks.stage_run import stage_run
+from tasks.store.stage_run import stage_run
 
 HOLD_LOCK = ("import sqlite3, sys, time\n"
              "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
@@ -123,7 +123,7 @@ def test_a_store_deleted_mid_run_is_named_with_how_to_restore_and_not_replaced(p
         assert run2.offline
         run2.log_metrics({"loss": 0.25}, step=1)
     assert not database.exists()
-    from tasks.mlflow_runs import StoreUnavailable, mlflow_setup
+    from tasks.store.mlflow_runs import StoreUnavailable, mlflow_setup
 
     with pytest.raises(StoreUnavailable, match="is gone"):
         mlflow_setup(project)  # what the retrain flow and the registry would call

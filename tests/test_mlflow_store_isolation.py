@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from tasks.mlflow_runs import mlflow_setup, tracking_uri
+from tasks.store.mlflow_runs import mlflow_setup, tracking_uri
 
 
 def test_setting_up_one_project_leaves_the_next_projects_store_alone(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _pipeline_project import make_project, mlflow_client
 
-from tasks import orphans
+from tasks.run import orphans
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def _dead_pid() -> int:
 def test_runs_left_running_by_a_dead_process_are_ended_killed(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     client = mlflow_client(tmp_path)
-    from tasks.mlflow_runs import mlflow_setup
+    from tasks.store.mlflow_runs import mlflow_setup
 
     experiment = mlflow_setup(tmp_path)
     host = socket.gethostname()
@@ -47,7 +47,8 @@ def test_stage_and_pipeline_runs_carry_their_owner():
     assert orphans.owner_tags() == {"rlhf.pid": str(os.getpid()), "rlhf.host": socket.gethostname()}
     import inspect
 
-    from tasks import mlflow_runs, stage_run
+    from tasks.store import mlflow_runs
+    from tasks.store import stage_run
 
     for function in (mlflow_runs.start_pipeline_run, stage_run.stage_run):  # both runs a dead process can leave
         assert "tags.update(owner_tags())" in inspect.getsource(function), function.__name__

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.params import (
+from tasks.spec.params import (
     ConfigSection,
     ParamsError,
     StageParams,
@@ -19,19 +19,15 @@ from tasks.params import (
     read_raw,
     section_keys,
 )
-from tasks.stage_spec import WINDOW_READS
+from tasks.spec.stage import WINDOW_READS
 from tasks.stages import BY_NAME, NAMES, POLICIES, POLICY_STAGES, SECTIONS, STAGES, load_params, parse_params
+from tasks.run.dvc_yaml import REPORTING_ONLY, WRAPPER, body_file, import_graph, render
+from tasks.run.dvc_yaml import stage_code as _stage_code
 from tasks.stages.ddpo import DDPO_CONFIG_KEYS
 from tasks.stages.ppo import PPO_CONFIG_KEYS, PPOStageParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PPO_STAGE_ONLY = {"enabled", "total_steps", "max_new_tokens", "reward", "save_steps", "sample_every", "sample_prompts"}
-WRAPPER = "tasks/stage_task.py"
-"""The one wrapper that runs every stage (reads params, writes what the body returns): code of every stage."""
-TABLE = "tasks.stages"
-"""The stage table: it names every stage's body, so a walk of one stage's code stops there."""
-
-
 @pytest.fixture(scope="module")
 def raw():
     return read_raw(ROOT / "params.yaml")
@@ -70,7 +66,13 @@ def test_dvc_stages_are_the_table_in_order(dvc_stages):
 
 def body_module_file(stage: str) -> str:
     """``tasks/stages/<stage>.py``: the module of the stage's body, as its row names it."""
-    return Path(inspect.getsourcefile(BY_NAME[stage].body)).resolve().relative_to(ROOT).as_posix()
+    return body_file(BY_NAME[stage])
+
+
+def test_dvc_yaml_is_rendered_from_the_table():
+    """Issue 31: dvc.yaml is the rendering of the stage table, the params schemas and the import walk
+    (``python -m tasks.run.dvc_yaml`` writes it); a hand edit or a stale file fails here."""
+    assert (ROOT / "dvc.yaml").read_text() == render(), "dvc.yaml is stale: run `python -m tasks.run.dvc_yaml`"
 
 
 @pytest.mark.parametrize("stage", NAMES)
@@ -98,26 +100,13 @@ def test_dvc_stage_matches_its_row(stage, dvc_stages, raw):
         assert out.startswith(("data/", "models/"))
 
 
-# Imported by the stage code but only report elsewhere (MLflow, Prefect, logs): they cannot change a stage's outputs
-REPORTING_ONLY = {"rlhf_core/tracking.py", "rlhf_core/wandb_tracker.py", "tasks/logs.py", "tasks/mlflow_runs.py",
-                  "tasks/prefect_context.py", "tasks/provenance.py", "tasks/stage_run.py"}
-
-
 def _graph():
-    from import_closure import ImportGraph
-
-    from rlhf_core._lazy import PUBLIC
-
-    return ImportGraph(ROOT, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
+    return import_graph(ROOT)
 
 
 def stage_code(stage: str) -> set[str]:
-    """The project files a stage runs: its body's imports (tests/import_closure.py) and the wrapper's, whose walk
-    stops at the table (it names every body, but runs only this one)."""
-    graph = _graph()
-    body = graph.closure(graph.module_of(ROOT / body_module_file(stage)))
-    wrapper = graph.closure(graph.module_of(ROOT / WRAPPER), stop=frozenset({TABLE}))
-    return graph.files(body | wrapper)
+    """The project files a stage runs (tasks/run/dvc_yaml.py: its body's imports and the wrapper's)."""
+    return _stage_code(BY_NAME[stage], _graph(), ROOT)
 
 
 def test_the_walk_of_a_stage_stops_at_the_table():
@@ -128,7 +117,7 @@ def test_the_walk_of_a_stage_stops_at_the_table():
 
 @pytest.mark.parametrize("stage", NAMES)
 def test_dvc_stage_deps_cover_the_code_it_imports(stage, dvc_stages):
-    """Every project module the stage runs (its body and the wrapper, tests/import_closure.py), but the reporting
+    """Every project module the stage runs (its body and the wrapper, tasks/spec/import_walk.py), but the reporting
     ones, is a dep: a change to any of them re-runs the stage, so no committed output is left behind its code. Deps
     beyond the static imports stay allowed (files a stage reads at run time)."""
     imported = stage_code(stage)
@@ -159,16 +148,16 @@ wrapper hands it."""
 @pytest.mark.parametrize("stage", NAMES)
 def test_a_stage_reads_params_only_through_its_declared_view(stage, dvc_stages):
     """Issue 24: every param a stage reads is a declared dependency. The walk: in the code the stage's body imports
-    (tests/import_closure.py), nothing reads params.yaml, so the body reaches params only through the ``StageParams``
-    view the wrapper (tasks/stage_task.py) gives it, which hands out exactly what dvc.yaml lists (tested below); and
+    (tasks/spec/import_walk.py), nothing reads params.yaml, so the body reaches params only through the ``StageParams``
+    view the wrapper (tasks/run/stage_task.py) gives it, which hands out exactly what dvc.yaml lists (tested below); and
     ppo, dpo and kto, which score their sample windows with evaluate's settings, list those keys."""
     import ast
 
     graph = _graph()
     imported = graph.files(graph.closure(graph.module_of(ROOT / body_module_file(stage))))
-    assert "tasks/params.py" in imported and WRAPPER not in imported and "tasks/stages/__init__.py" not in imported
+    assert "tasks/spec/params.py" in imported and WRAPPER not in imported and "tasks/stages/__init__.py" not in imported
     readers = {}
-    for rel in sorted(imported - REPORTING_ONLY - {"tasks/params.py", "tasks/param_rules.py"}):
+    for rel in sorted(imported - REPORTING_ONLY - {"tasks/spec/params.py", "tasks/spec/param_rules.py"}):
         tree = ast.parse((ROOT / rel).read_text())
         names = {getattr(n, "id", None) or getattr(n, "attr", None) for n in ast.walk(tree)
                  if isinstance(n, (ast.Name, ast.Attribute))}
@@ -201,7 +190,7 @@ def test_the_stage_view_hands_out_exactly_the_declared_params(stage):
 
 
 def test_import_closure_follows_lazy_exports_and_lazy_imports(tmp_path):
-    from import_closure import ImportGraph
+    from tasks.spec.import_walk import ImportGraph
 
     for rel, text in {
         "pkg/__init__.py": "from pkg._lazy import lazy\n__getattr__ = lazy\n",
@@ -396,9 +385,9 @@ def test_bad_value_rejected_naming_the_key(tmp_path, raw, key, value):
 
 def test_dpo_loss_type_vocabulary_is_the_trainers(raw):
     from rlhf_core.losses import DPO_LOSS_TYPES
-    from tasks.param_rules import CHOICES
+    from tasks.stages.dpo import DPOParams
 
-    assert CHOICES[("dpo", "loss_type")] == DPO_LOSS_TYPES  # spelled out in param_rules: kept equal here
+    assert DPOParams.RULES.choices["loss_type"] == DPO_LOSS_TYPES  # spelled out beside the schema: kept equal here
     for loss_type in DPO_LOSS_TYPES:
         assert parse_params(apply_overrides(raw, {"dpo.loss_type": loss_type})).dpo.loss_type == loss_type
 
@@ -456,7 +445,7 @@ def test_scalar_aliases_are_still_fine(raw, tmp_path):
 
 
 def test_a_params_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from tasks import param_rules
+    from tasks.spec import param_rules
 
     path = tmp_path / "params.yaml"
     path.write_text((ROOT / "params.yaml").read_text() + "# " + "x" * param_rules.MAX_PARAMS_BYTES + "\n")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from _pipeline_project import ROOT, make_project, mlflow_client, run, write_params
 
-from tasks.params import METRIC_KEYS
+from tasks.spec.params import METRIC_KEYS
 from tasks.stages import DEFAULT_STAGES, NAMES, POLICIES
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def project(tmp_path_factory):
 
 
 def _dvc_status(root) -> dict:
-    from tasks.dvc_ops import _repo
+    from tasks.store.dvc_ops import _repo
 
     with _repo(root) as repo:
         return repo.status()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.tracking import NullTracker
-from tasks import locking
-from tasks.stage_run import StageRun
+from tasks.process import locking
+from tasks.store.stage_run import StageRun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_model_card_in_the_dvc_tracked_output_holds_no_run_id(tmp_path, monkeypa
 
 HOLDER = """
 import sys, time
-from tasks.locking import checkout_lock
+from tasks.process.locking import checkout_lock
 with checkout_lock(sys.argv[1], "python -m flows.pipeline (test holder)"):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -98,7 +98,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, holder, caplog):
 
 
 def test_the_lock_is_reentrant_in_process_and_for_the_holders_children(tmp_path):
-    child = ("import sys; from tasks.locking import checkout_lock\n"
+    child = ("import sys; from tasks.process.locking import checkout_lock\n"
              "with checkout_lock(sys.argv[1], 'child', wait_s=0) as h: print(h['command'])")
     with locking.checkout_lock(tmp_path, "parent", wait_s=0):
         with locking.checkout_lock(tmp_path, "nested", wait_s=0) as nested:  # the pipeline flow under retrain
@@ -135,7 +135,7 @@ def body():
     Path("params.yaml").write_text("train:\\n  seed: 4\\n")  # the edit, mid-run
     Path("model.txt").write_text(f"trained with seed {seed}\\n")
 if sys.argv[1] == "guarded":
-    from tasks.dvc_ops import inputs_unchanged
+    from tasks.store.dvc_ops import inputs_unchanged
     with inputs_unchanged(".", "train"):
         body()
 else:
@@ -186,7 +186,7 @@ def test_a_guarded_stage_edited_mid_run_is_not_recorded_and_stays_stale(tmp_path
 
 
 def test_inputs_unchanged_names_changed_params_and_deps(tmp_path):
-    from tasks.dvc_ops import StageInputsChanged, changed_inputs, inputs_unchanged, stage_snapshot
+    from tasks.store.dvc_ops import StageInputsChanged, changed_inputs, inputs_unchanged, stage_snapshot
 
     (tmp_path / "params.yaml").write_text("a:\n  lr: 0.1\n  seed: 1\n")
     (tmp_path / "data").mkdir()
@@ -209,10 +209,10 @@ def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_s
     one while the stage runs stops it being recorded; changed between runs, its resume state is not reused."""
     from _pipeline_project import make_project, write_params
 
-    from tasks.dvc_ops import StageInputsChanged, inputs_unchanged
-    from tasks.params import cross_section_values
-    from tasks.paths import stage_checkpoint_dir
-    from tasks.resume import resume_key
+    from tasks.store.dvc_ops import StageInputsChanged, inputs_unchanged
+    from tasks.spec.params import cross_section_values
+    from tasks.spec.paths import stage_checkpoint_dir
+    from tasks.stages.common.resume import resume_key
     from tasks.stages import BY_NAME, load_params
 
     root = make_project(tmp_path / "proj", git_dvc=False)
@@ -236,8 +236,8 @@ def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_s
 
 
 def test_a_stage_without_cross_section_reads_keeps_its_resume_key(tmp_path):
-    from tasks.params import as_dict
-    from tasks.resume import resume_key
+    from tasks.spec.params import as_dict
+    from tasks.stages.common.resume import resume_key
     from tasks.stages import load_params
 
     section = load_params(ROOT / "params.yaml").sft
@@ -272,7 +272,7 @@ def test_tracking_credentials_never_reach_spool_warnings_or_logs(tmp_path):
 
     configure_process()  # what every entry point does first: installs the log redaction
     from rlhf_core.tracking import MLflowTracker, SpoolingTracker
-    from tasks.logs import get_logger
+    from tasks.process.logs import get_logger
 
     uri = f"http://alice:s3cret@127.0.0.1:{_closed_port()}"
     factory = lambda project_name, run_name: MLflowTracker(project_name, run_name)  # noqa: E731

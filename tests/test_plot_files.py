@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.group_policy import fill_reused_batches
+from tasks.stages.common.group_policy import fill_reused_batches
 
 
 def drawn_columns(dvc_yaml: dict) -> dict[str, set[str]]:

@@ -30,7 +30,7 @@ def _saved_step(root: Path) -> int | None:
 
 
 def test_ppo_killed_by_sigkill_resumes_from_its_periodic_checkpoint(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     write_params(project, {"ppo.total_steps": 8, "ppo.save_steps": 2})
     straight = run_stage("ppo", str(project))
@@ -38,7 +38,7 @@ def test_ppo_killed_by_sigkill_resumes_from_its_periodic_checkpoint(project):
     straight_curve = (project / "plots" / "ppo.csv").read_text()
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = f"from tasks.stage_task import run_stage; run_stage('ppo', {str(project)!r})"
+    code = f"from tasks.run.stage_task import run_stage; run_stage('ppo', {str(project)!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=project, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300

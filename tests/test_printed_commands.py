@@ -132,7 +132,7 @@ def test_the_end_blocks_commands_work_in_a_clone_after_a_pipeline_run(tmp_path):
     import subprocess
 
     from _pipeline_project import TINY
-    from tasks.params import apply_overrides, read_raw
+    from tasks.spec.params import apply_overrides, read_raw
 
     import yaml
 

@@ -10,9 +10,9 @@ import pytest
 from _pipeline_project import make_project, mlflow_client
 
 from rlhf_core.evaluation import PairedTest, PromptScores
-from tasks.params import RegistryParams
-from tasks.registry import Decision, WeightsMismatchError, decide, pick_challenger, prompt_values, registry_task
-from tasks.serving import load_weights
+from tasks.spec.params import RegistryParams
+from tasks.registry.gate import Decision, WeightsMismatchError, decide, pick_challenger, prompt_values, registry_task
+from tasks.serving.answer import load_weights
 
 RULE = RegistryParams(model_name="rlhf-policy", candidates=["ppo", "dpo"], metric="gold_reward",
                       min_improvement=0.05, max_kl=10.0, significance=0.05, bootstrap_samples=2000, seed=0)
@@ -95,7 +95,7 @@ def _save_policy(root: Path, name: str, tokenizer, seed: int, value_head: bool =
 def project(tmp_path, monkeypatch, tokenizer):
     """A project with prompts, held-out text and tiny models (PPO saved with its value head), evaluated."""
     from rlhf_core.models.tiny import tiny_causal_lm, tiny_reward_model
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
@@ -125,7 +125,7 @@ PROMPTS_FILE = Path("data") / "evaluate_prompts.csv"
 def _set_scores(root: Path, **gold: list[float]) -> None:
     """Pretend evaluate gave these per-prompt gold scores (and their mean) to the current weights (hashes
     recomputed from disk), in evaluate.json and data/evaluate_prompts.csv."""
-    from tasks.scoring import content_md5, read_prompt_scores, write_prompt_scores
+    from tasks.stages.common.scoring import content_md5, read_prompt_scores, write_prompt_scores
 
     evaluation, scores = _evaluation(root), read_prompt_scores(root / PROMPTS_FILE)
     for policy, values in gold.items():
@@ -138,7 +138,7 @@ def _set_scores(root: Path, **gold: list[float]) -> None:
 
 def _rescored_as(monkeypatch, gold: list[float]) -> list[int]:
     """Make re-scoring the champion return these per-prompt gold scores; returns the list of calls."""
-    from tasks import registry
+    from tasks.registry.gate import gate as registry
 
     calls = []
 
@@ -151,8 +151,8 @@ def _rescored_as(monkeypatch, gold: list[float]) -> list[int]:
 
 
 def test_evaluate_records_what_it_scored(project):
-    from tasks.registry import current_evaluation_set
-    from tasks.scoring import content_md5
+    from tasks.registry.gate import current_evaluation_set
+    from tasks.stages.common.scoring import content_md5
     from tasks.stages import load_params
 
     def load_evaluation_set(root):
@@ -172,7 +172,7 @@ def test_evaluate_records_what_it_scored(project):
 def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     import mlflow
 
-    from tasks.scoring import content_md5
+    from tasks.stages.common.scoring import content_md5
 
     client = mlflow_client(project)
     capfd.readouterr()
@@ -211,7 +211,7 @@ def test_registers_a_loadable_mlflow_model_with_lineage(project, capfd):
     assert trace.info.tags["rlhf.policy"] == "ppo" and trace.info.trace_metadata["mlflow.modelId"] == logged.model_id
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion"))
     mlmodel = (local / "MLmodel").read_text()
-    assert "python_function" in mlmodel and "signature" in mlmodel and "registered_model.py" in mlmodel
+    assert "python_function" in mlmodel and "signature" in mlmodel and "model_code.py" in mlmodel
     card = (local / "artifacts" / "policy" / "README.md").read_text()
     assert "# rlhf-ppo" in card and "lineage.weights_md5" in card
     requirements = (local / "requirements.txt").read_text().split()
@@ -270,7 +270,7 @@ def test_champion_moves_only_on_a_win_beyond_the_noise(project, tokenizer, monke
 
 def test_a_champion_this_evaluation_scored_is_compared_on_its_own_scores(project, monkeypatch):
     """The champion's weights are still among the evaluated policies: no re-scoring, this run's per-prompt scores."""
-    from tasks.params import apply_overrides, read_raw
+    from tasks.spec.params import apply_overrides, read_raw
 
     import yaml
 
@@ -289,7 +289,7 @@ def test_a_champion_this_evaluation_scored_is_compared_on_its_own_scores(project
 
 
 def test_champion_scored_on_other_data_is_rescored_before_comparing(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     client = mlflow_client(project)
     first = registry_task.fn(str(project))

@@ -20,7 +20,7 @@ from _launch import free_port
 from _pipeline_project import mlflow_client
 from test_registry import project  # noqa: F401  (the fixture: a tiny evaluated project)
 
-from tasks.registry import registry_task
+from tasks.registry.gate import registry_task
 
 pytestmark = pytest.mark.slow
 

@@ -57,7 +57,7 @@ def run_in_two_environments(projects, stages, monkeypatch) -> None:
     """Run ``stages`` in the first project offline (``HF_HUB_OFFLINE=1``, as ``make run`` sets it), then in the
     second as from a shell without it (a plain ``dvc repro``): transformers then loads tokenizers with
     ``local_files_only=False``. Only the tokenizer loader is told so: nothing here can reach a hub."""
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     first, second = projects
     for stage in stages:
@@ -69,7 +69,7 @@ def run_in_two_environments(projects, stages, monkeypatch) -> None:
 
 
 def test_drop_load_environment_rewrites_only_tokenizer_configs_that_hold_the_keys(tmp_path):
-    from tasks.outputs import drop_load_environment
+    from tasks.store.outputs import drop_load_environment
 
     loaded = tmp_path / "model" / "tokenizer_config.json"
     nested = tmp_path / "model" / "tokenizer" / "tokenizer_config.json"

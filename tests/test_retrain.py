@@ -26,7 +26,7 @@ def test_prefect_yaml_defines_pipeline_and_retraining_on_cron_and_feedback_event
     from pydantic import TypeAdapter
 
     from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
-    from tasks.intake import EVENT
+    from tasks.feedback.intake import EVENT
 
     config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in config["deployments"]}
@@ -75,7 +75,7 @@ def harness():
 @pytest.mark.slow
 def test_retraining_from_committed_state_records_and_restores(harness, tmp_path, monkeypatch):
     from flows.retrain import retrain
-    from tasks.intake import ingest
+    from tasks.feedback.intake import ingest
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _pipeline_project import make_project
 
-from tasks import worktree
+from tasks.run import worktree
 
 
 def _git(root: Path, *args: str) -> str:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from rlhf_core.data import DataFormatError, read_text_records
-from tasks.params import PARAMS_FILE
-from tasks.source import check_source, load_source
+from tasks.spec.params import PARAMS_FILE
+from tasks.stages.common.source import check_source, load_source
 from tasks.stages import load_params
 from tasks.stages.prepare import RECOMMENDED_REVIEWS, size_warning
 
@@ -65,7 +65,7 @@ def test_pipeline_main_stops_on_a_bad_source_before_anything_starts(tmp_path, ca
     from pathlib import Path
 
     import flows.pipeline as fp
-    from tasks.supervisor import EXIT_USAGE
+    from tasks.run.supervisor import EXIT_USAGE
 
     root = Path(__file__).resolve().parents[1]
     shutil.copy(root / PARAMS_FILE, tmp_path / PARAMS_FILE)
@@ -77,7 +77,7 @@ def test_pipeline_main_stops_on_a_bad_source_before_anything_starts(tmp_path, ca
 
 
 def test_editing_the_source_file_makes_prepare_stale(prepare_params, tmp_path):
-    from tasks.source import SOURCE_FINGERPRINT, source_changed, source_fingerprint
+    from tasks.stages.common.source import SOURCE_FINGERPRINT, source_changed, source_fingerprint
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -95,8 +95,8 @@ def test_editing_the_source_file_makes_prepare_stale(prepare_params, tmp_path):
 def test_prepare_task_records_the_source_fingerprint(tmp_path, monkeypatch):
     from _pipeline_project import make_project, write_params
 
-    from tasks.source import SOURCE_FINGERPRINT, source_changed
-    from tasks.stage_task import run_stage
+    from tasks.stages.common.source import SOURCE_FINGERPRINT, source_changed
+    from tasks.run.stage_task import run_stage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     project = make_project(tmp_path / "proj", git_dvc=False)

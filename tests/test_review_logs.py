@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tasks.logs import explain_load_report, load_report_rows, log_line
+from tasks.process.logs import explain_load_report, load_report_rows, log_line
 
 REPORT = ("GPT2ForSequenceClassification LOAD REPORT from: /p/models/sft\n"
           "Key          | Status  | \n-------------+---------+-\nscore.weight | \x1b[31mMISSING\x1b[0m | \n\n"
@@ -34,7 +34,7 @@ def test_unexpected_rows_keep_the_full_report():
 def test_real_transformers_report_for_a_fresh_score_head(tmp_path):
     from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-    from tasks.logs import install_load_report_filter
+    from tasks.process.logs import install_load_report_filter
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16)).save_pretrained(tmp_path)
     install_load_report_filter()
@@ -70,7 +70,7 @@ def test_trainer_log_line_is_short_and_has_no_dict():
 
 
 def test_about_ten_progress_lines_per_stage_whatever_its_length():
-    from tasks.logs import shows_progress
+    from tasks.process.logs import shows_progress
 
     for max_steps in (1, 7, 40, 226, 1000):
         lines = [step for step in range(1, max_steps + 1) if shows_progress(step, max_steps, {"loss": 1.0})]
@@ -84,7 +84,7 @@ def test_trainer_prints_no_raw_dicts_and_logs_lines(tmp_path, capsys):
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from tasks.logs import quiet_trainer_output
+    from tasks.process.logs import quiet_trainer_output
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -122,7 +122,7 @@ def test_trainer_prints_no_raw_dicts_and_logs_lines(tmp_path, capsys):
 def test_dvc_messages_are_printed_once(monkeypatch):
     import dvc  # noqa: F401  (adds DVC's own console handlers)
 
-    from tasks.logs import single_dvc_output
+    from tasks.process.logs import single_dvc_output
 
     root = logging.getLogger()
     console = logging.StreamHandler()
@@ -152,7 +152,7 @@ def test_no_weight_loading_bars_under_the_flows():
 def test_known_harmless_messages_are_dropped_and_nothing_else(caplog):
     import logging
 
-    from tasks.logs import KNOWN_HARMLESS, quiet_known_messages
+    from tasks.process.logs import KNOWN_HARMLESS, quiet_known_messages
 
     quiet_known_messages()
     quiet_known_messages()  # idempotent: one filter per logger

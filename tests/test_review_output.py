@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flows.summary import champion_of, end_block, results_table
-from tasks.mlflow_runs import NOOP_NAME, changed_params, headline_metrics, pipeline_run_name
+from tasks.store.mlflow_runs import NOOP_NAME, changed_params, headline_metrics, pipeline_run_name
 
 RESULTS = {"sft": {"gold_reward": 0.1113, "rm_reward": 0.5196, "kl": 0.0, "perplexity": 2.6284, "win_rate": 0.5},
            "ppo": {"gold_reward": 0.6666, "rm_reward": 3.6327, "kl": 3.3283, "perplexity": 3.0891, "win_rate": 0.8379}}
@@ -99,7 +99,7 @@ def _params(lr: float, source: str = "synthetic"):
     import dataclasses
     from pathlib import Path
 
-    from tasks.params import PARAMS_FILE, Params
+    from tasks.spec.params import PARAMS_FILE, Params
     from tasks.stages import load_params
 
     params = load_params(Path(__file__).resolve().parents[1] / PARAMS_FILE)
@@ -112,7 +112,7 @@ def _params(lr: float, source: str = "synthetic"):
 def test_parent_run_named_with_params_metrics_note_and_changes(store, monkeypatch):
     import mlflow
 
-    from tasks import mlflow_runs
+    from tasks.store import mlflow_runs
 
     first = mlflow_runs.start_pipeline_run(store, entry="test")
     assert mlflow.MlflowClient().get_run(first).data.tags["mlflow.runName"] == mlflow_runs.RUNNING_NAME
@@ -136,7 +136,7 @@ def test_parent_run_named_with_params_metrics_note_and_changes(store, monkeypatc
 def test_noop_run_is_marked_and_deleted_and_failed_run_carries_the_error(store, monkeypatch):
     import mlflow
 
-    from tasks import mlflow_runs
+    from tasks.store import mlflow_runs
 
     noop = mlflow_runs.start_pipeline_run(store, entry="test")
     assert mlflow_runs.end_pipeline_run(store, noop, params=_params(1e-4), ran=[], skipped=["sft"],
@@ -158,7 +158,7 @@ def test_noop_run_is_marked_and_deleted_and_failed_run_carries_the_error(store, 
 
 def test_stage_tracker_drops_a_trainer_param_the_stage_already_logged(tmp_path):
     from rlhf_core.tracking import MemoryTracker
-    from tasks.mlflow_runs import StageSpoolingTracker
+    from tasks.store.mlflow_runs import StageSpoolingTracker
 
     memory = MemoryTracker()
     tracker = StageSpoolingTracker(lambda project_name, run_name: memory, spool_dir=tmp_path, project_name="p", run_name="ppo")
@@ -184,14 +184,14 @@ def test_prefect_stage_run_name():
 
 
 def test_run_link_opens_the_training_view(monkeypatch):
-    from tasks.mlflow_runs import mlflow_ui_link
+    from tasks.store.mlflow_runs import mlflow_ui_link
 
     monkeypatch.delenv("RLHF_MLFLOW_UI_URL", raising=False)
     assert mlflow_ui_link("3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
 
 
 def test_stage_note_lists_the_summary():
-    from tasks.stage_run import stage_note
+    from tasks.store.stage_run import stage_note
 
     note = stage_note("ppo", {"kl_last": 4.58491, "steps": 20})
     assert note.splitlines()[2:] == ["| key | value |", "|---|---|", "| kl_last | 4.5849 |", "| steps | 20 |"]

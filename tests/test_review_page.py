@@ -36,7 +36,7 @@ def _serve(server: ThreadingHTTPServer) -> str:
 
 class FakePolicy(BaseHTTPRequestHandler):
     """Stands in for ``make serve-model``: answers /invocations with a fixed completion per alias, traced as the served
-    policy traces (tasks.serving.traced_generation); there is no challenger alias unless ``challenger`` is set."""
+    policy traces (tasks.serving.answer.traced_generation); there is no challenger alias unless ``challenger`` is set."""
 
     completions = {"champion": " was great" + SCRIPT, "challenger": " was dull."}
 
@@ -44,7 +44,7 @@ class FakePolicy(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:  # noqa: N802
-        from tasks.serving import LoadedVersion, trace_tags, traced_generation
+        from tasks.serving.answer import LoadedVersion, trace_tags, traced_generation
 
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         alias = body["params"]["model_alias"]
@@ -65,7 +65,7 @@ class FakePolicy(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def page(store):
-    from tasks.review_page import ReviewSettings, make_server
+    from tasks.feedback.review_page import ReviewSettings, make_server
 
     client, experiment = store
     policy = ThreadingHTTPServer(("127.0.0.1", 0), FakePolicy)
@@ -99,7 +99,7 @@ def _token(html: str) -> str:
 
 
 def test_the_page_asks_who_judges_and_records_it_with_each_judgement(page, store):
-    from tasks.serving import LoadedVersion, trace_tags, traced_generation
+    from tasks.serving.answer import LoadedVersion, trace_tags, traced_generation
 
     url, settings = page
     client, _ = store
@@ -180,7 +180,7 @@ def test_a_judgement_that_cannot_be_recorded_says_so(page, store):
 
 
 def test_trace_link_opens_the_trace_in_mlflows_trace_view():
-    from tasks.review_page import ReviewSettings, trace_link
+    from tasks.feedback.review_page import ReviewSettings, trace_link
 
     settings = ReviewSettings(client=None, experiment_id="7", model_url="http://127.0.0.1:5001",
                               mlflow_ui_url="http://127.0.0.1:5000/")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.paths import resolve_output_path
+from tasks.spec.paths import resolve_output_path
 from rlhf_core.tracking import MemoryTracker, public_params
 
 ROOT = Path(__file__).resolve().parents[1]

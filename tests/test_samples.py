@@ -1,4 +1,4 @@
-"""Sample windows along training (tasks/samples.py) and the reward-KL frontier evaluate assembles (tasks/evaluate.py)."""
+"""Sample windows along training (tasks/stages/common/samples.py) and the reward-KL frontier evaluate assembles (tasks/evaluate.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from rlhf_core.tracking import MemoryTracker
 from tasks.stages.evaluate import FRONTIER_COLUMNS, frontier_rows
-from tasks.samples import WindowLog, WindowScorer, is_window_step, step_hook, window_callback
+from tasks.stages.common.samples import WindowLog, WindowScorer, is_window_step, step_hook, window_callback
 
 PROMPTS = ["the movie was", "i think", "a truly", "what a"]
 
@@ -108,9 +108,9 @@ def test_window_log_logs_a_table_per_window_and_keeps_points_across_a_resume(tmp
     resumed = WindowLog("dpo", _FixedScorer(), MemoryTracker(), state, table="game_log")
     resumed.resume(3)  # continues from step 3: the point after it will be scored again
     assert resumed.points == [{"step": 2, "kl": 2.0, "gold_reward": 0.125}]
-    from tasks.params import PathsParams
-    from tasks.stage_spec import StageResult
-    from tasks.stage_task import write_result
+    from tasks.spec.params import PathsParams
+    from tasks.spec.stage import StageResult
+    from tasks.run.stage_task import write_result
     from tasks.stages import BY_NAME
 
     paths = PathsParams("data", "models", "metrics", "plots", "incoming", allow_outside=False)
@@ -149,8 +149,8 @@ def test_stages_write_windows_and_evaluate_draws_the_frontier(tmp_path, monkeypa
     import mlflow
     from _pipeline_project import make_project, write_params
 
-    from tasks.stage_task import run_stage
-    from tasks.mlflow_runs import mlflow_setup
+    from tasks.run.stage_task import run_stage
+    from tasks.store.mlflow_runs import mlflow_setup
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)

@@ -1,5 +1,5 @@
-"""The served models in process: a registered version (tasks/policy_model.py) and the served policy of the loop
-(tasks/policy_server.py) each record a trace per generation tagged with its version; the served policy follows the
+"""The served models in process: a registered version (tasks/registry/policy_pyfunc.py) and the served policy of the loop
+(tasks/serving/alias_server.py) each record a trace per generation tagged with its version; the served policy follows the
 alias when it moves, a version that cannot be loaded never stops the service, bad requests are named, and versions
 registered before (MLflow's transformers flavour) still load."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.policy_server import ServerConfig
-from tasks.serving import MAX_NEW_TOKENS, RequestError, check_request
+from tasks.serving.alias_server import ServerConfig
+from tasks.serving.answer import MAX_NEW_TOKENS, RequestError, check_request
 
 NAME = "rlhf-policy"
 
@@ -44,8 +44,8 @@ def registry(tmp_path_factory, make_tokenizer):
     from huggingface_hub import ModelCard
 
     from rlhf_core.models.tiny import tiny_causal_lm
-    from tasks.policy_model import log_policy_model
-    from tasks.registry import pinned_requirements
+    from tasks.registry.policy_pyfunc import log_policy_model
+    from tasks.registry.gate import pinned_requirements
 
     root = tmp_path_factory.mktemp("store")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -93,7 +93,7 @@ def test_a_registered_version_answers_with_its_weights_and_a_trace(registry, mon
 def test_weights_load_from_either_kind_of_version(registry, monkeypatch):
     import mlflow
 
-    from tasks.serving import load_weights
+    from tasks.serving.answer import load_weights
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", registry["uri"])
     mlflow.set_tracking_uri(registry["uri"])
@@ -110,7 +110,7 @@ def test_only_policy_models_are_reused_for_the_same_weights(registry):
     (a transformers-flavour one would serve without traces)."""
     import mlflow
 
-    from tasks.policy_model import is_policy_model
+    from tasks.registry.policy_pyfunc import is_policy_model
 
     client = mlflow.MlflowClient(registry["uri"])
     ids = [client.get_model_version(NAME, v).source.removeprefix("models:/") for v in ("1", "2", "3")]
@@ -139,8 +139,8 @@ def server(registry, tmp_path, monkeypatch):
     """The served model saved as `make serve-model` saves it, loaded as MLflow's scoring server loads it."""
     import mlflow
 
-    from tasks.policy_server import save_server
-    from tasks.registry import pinned_requirements
+    from tasks.serving.alias_server import save_server
+    from tasks.registry.gate import pinned_requirements
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", registry["uri"])
     mlflow.MlflowClient(registry["uri"]).set_registered_model_alias(NAME, "champion", "1")

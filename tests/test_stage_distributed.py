@@ -103,7 +103,7 @@ def _changed(before: dict, after: dict) -> list[str]:
 def _expected_change(stage: str, path: str) -> bool:
     """What a stage may add or modify: its outputs (the held-out sample windows of ppo/dpo included), the MLflow
     store, the (empty) checkpoint root, and the
-    checkout lock rank 0's CLI holds (``tasks/locking.py``; at the root in this project, which has no ``.dvc/``)."""
+    checkout lock rank 0's CLI holds (``tasks/process/locking.py``; at the root in this project, which has no ``.dvc/``)."""
     return (path.startswith((f"models/{stage}/", "mlartifacts/"))
             or path in ("models/", "metrics/", "plots/", f"metrics/{stage}.json", f"plots/{stage}.csv",
                         f"plots/{stage}_windows.csv", "mlflow.db", ".checkpoints/", ".rlhf-run.lock"))
@@ -256,7 +256,7 @@ def test_non_training_stage_under_a_launcher_exits_2_with_a_message(stage, two_r
     import signal
 
     import flows.stage as cli
-    from tasks.supervisor import EXIT_USAGE
+    from tasks.run.supervisor import EXIT_USAGE
 
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(cli, "stage", lambda *a, **k: pytest.fail("no flow run may start"))
@@ -269,9 +269,9 @@ def test_non_training_stage_under_a_launcher_exits_2_with_a_message(stage, two_r
 
 
 def test_registry_and_pipeline_flow_refuse_a_launcher(two_ranks, tmp_path):
-    from tasks.distributed import LauncherError
-    from tasks.registry import registry_task
-    from tasks.supervisor import PipelineRun
+    from tasks.process.distributed import LauncherError
+    from tasks.registry.gate import registry_task
+    from tasks.run.supervisor import PipelineRun
 
     two_ranks(0)
     with pytest.raises(LauncherError, match="registry: started by a launcher"):
@@ -285,9 +285,9 @@ def test_registry_and_pipeline_flow_refuse_a_launcher(two_ranks, tmp_path):
 def test_non_main_rank_records_and_writes_nothing(two_ranks, tmp_path, monkeypatch):
     from dataclasses import dataclass
 
-    import tasks.stage_run as stage_run_module
-    from tasks.outputs import atomic_dir, write_csv, write_json
-    from tasks.stage_run import stage_run
+    import tasks.store.stage_run as stage_run_module
+    from tasks.store.outputs import atomic_dir, write_csv, write_json
+    from tasks.store.stage_run import stage_run
 
     @dataclass(frozen=True)
     class Section:
@@ -316,7 +316,7 @@ def test_non_main_rank_records_and_writes_nothing(two_ranks, tmp_path, monkeypat
 
 
 def test_collectives_are_plain_values_in_one_process(monkeypatch):
-    from tasks import distributed
+    from tasks.process import distributed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)

@@ -17,13 +17,13 @@ from _pipeline_project import make_project, mlflow_client, write_params
 from safetensors.torch import load_file
 
 from rlhf_core.checkpointing import Preempted
-from tasks.supervisor import EXIT_STOPPED, exit_status
+from tasks.run.supervisor import EXIT_STOPPED, exit_status
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     """A project where prepare, sft and reward_model have run (shared: they are inputs only)."""
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     saved = {k: os.environ.pop(k, None) for k in ("MLFLOW_TRACKING_URI", "RLHF_PARENT_RUN_ID")}
     root = make_project(tmp_path_factory.mktemp("rel") / "proj", git_dvc=False)
@@ -76,7 +76,7 @@ def _checkpoints(root: Path, stage: str) -> list[Path]:
 
 def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch):
     from rlhf_core import PPOTrainer
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     write_params(project, {"ppo.total_steps": 4})
     straight = run_stage("ppo", str(project))
@@ -104,7 +104,7 @@ def test_ppo_sigterm_saves_and_resume_equals_a_straight_run(project, monkeypatch
 
 def test_sft_sigterm_saves_a_checkpoint_and_resume_equals_a_straight_run(project, monkeypatch):
     from rlhf_core.trainers.base import GracefulStopCallback
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     straight = run_stage("sft", str(project))
     straight_weights = _weights(project / "models" / "sft")
@@ -139,7 +139,7 @@ def test_stages_complete_against_a_refusing_tracking_server_and_upload_later(pro
     import mlflow
 
     from flows.tracking import main as tracking_cli
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     spool_dir = project / "tracking-spool"
@@ -186,7 +186,7 @@ class _SectionWithSecrets:
 
 
 def test_secret_looking_params_are_never_logged(project, monkeypatch):
-    from tasks.stage_run import stage_run
+    from tasks.store.stage_run import stage_run
 
     with stage_run("guarded", project, _SectionWithSecrets(), []) as run:
         run_id = run.run_id

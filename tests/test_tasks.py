@@ -9,8 +9,8 @@ import pytest
 from _pipeline_project import make_project, write_params
 
 from rlhf_core.data import DataFormatError
-from tasks.outputs import atomic_dir
-from tasks.provenance import input_hashes
+from tasks.store.outputs import atomic_dir
+from tasks.store.provenance import input_hashes
 
 RT_POLARITY = Path(__file__).resolve().parents[2] / "shared" / "data" / "rt-polarity"
 DATA_FILES = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preferences", "ratings")
@@ -28,7 +28,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_prepare_synthetic(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     metrics = run_stage("prepare", str(project))
     data = project / "data"
@@ -59,7 +59,7 @@ def test_prepare_synthetic(project):
 
 def test_prepare_merges_incoming_pairs(project):
     from rlhf_core.feedback import canonical_bytes, validate_batch
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     new = {"prompt": "The new film", "chosen": " was a delight.", "rejected": " was a bore."}
     source = project / "batch1.jsonl"
@@ -76,7 +76,7 @@ def test_prepare_merges_incoming_pairs(project):
 
 
 def test_malformed_input_stops_prepare_and_writes_nothing(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     run_stage("prepare", str(project))
     before = {n: (project / "data" / f"{n}.jsonl").read_bytes() for n in DATA_FILES}
@@ -91,7 +91,7 @@ def test_malformed_input_stops_prepare_and_writes_nothing(project):
 
 
 def test_malformed_source_file_names_file_and_line(project, tmp_path):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     source = tmp_path / "reviews.csv"
     source.write_text("text,label\ngood film,1\nbad, film,0\n")
@@ -103,7 +103,7 @@ def test_malformed_source_file_names_file_and_line(project, tmp_path):
 
 @pytest.mark.skipif(not RT_POLARITY.is_dir(), reason="../shared/data/rt-polarity not present")
 def test_prepare_reads_rt_polarity(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     write_params(project, {"prepare.source": str(RT_POLARITY), "prepare.num_reviews": 400})
     metrics = run_stage("prepare", str(project))
@@ -112,7 +112,7 @@ def test_prepare_reads_rt_polarity(project):
 
 
 def test_sft_then_failing_stage_leaves_outputs_untouched(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     run_stage("prepare", str(project))
     metrics = run_stage("sft", str(project))
@@ -166,8 +166,8 @@ def test_ddpo_stage_trains_from_params_and_logs_through_its_stage_run(project):
 
     import mlflow
 
-    from tasks.stage_task import run_stage
-    from tasks.mlflow_runs import mlflow_setup
+    from tasks.run.stage_task import run_stage
+    from tasks.store.mlflow_runs import mlflow_setup
 
     write_params(project, {**DDPO_TINY, "ddpo.enabled": False})  # off (the default): a placeholder, in a blink
     assert run_stage("ddpo", str(project)) == {"enabled": False}
@@ -197,9 +197,9 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
     placeholders in a blink, evaluate skips it and the registry's candidates are the enabled policies."""
     import csv
 
-    from tasks.placeholders import PLACEHOLDER, is_placeholder
-    from tasks.scoring import policy_results
-    from tasks.stage_task import run_stage
+    from tasks.store.placeholders import PLACEHOLDER, is_placeholder
+    from tasks.stages.common.scoring import policy_results
+    from tasks.run.stage_task import run_stage
 
     write_params(project, {"ppo.enabled": False, "grpo.reward": "gold"})
     for stage in ("prepare", "sft", "reward_model"):
@@ -224,8 +224,8 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
     run_stage("dpo", str(project))
     results = policy_results(run_stage("evaluate", str(project)))
     assert list(results) == ["sft", "grpo", "rloo", "kto"]  # the disabled ppo and dpo are skipped
-    from tasks.params import RegistryParams
-    from tasks.registry import pick_challenger
+    from tasks.spec.params import RegistryParams
+    from tasks.registry.gate import pick_challenger
 
     rule = RegistryParams(model_name="m", candidates=["ppo", "dpo", "grpo", "rloo", "kto"], metric="gold_reward",
                           min_improvement=0.0, max_kl=1e9, significance=0.05, bootstrap_samples=100, seed=0)
@@ -234,7 +234,7 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
 
 
 def test_dpo_stage_trains_with_a_non_default_loss_type_that_evaluate_then_scores(project):
-    from tasks.stage_task import run_stage
+    from tasks.run.stage_task import run_stage
 
     off = {f"{stage}.enabled": False for stage in ("ppo", "grpo", "rloo", "kto")}
     write_params(project, {**off, "dpo.loss_type": "apo_zero", "dpo.sample_every": 0})

@@ -1,50 +1,51 @@
 """The one table of pipeline stages. Every list of stages the pipeline needs is a one-line query of it.
 
-Each row (``tasks.stage_spec.Stage``) names the stage, the schema of its params.yaml section, its body
-(``tasks/stages/<stage>.py``: ``body(ctx) -> StageResult``), its files and its flags. ``dvc.yaml`` describes the
-same stages for DVC (``tests/test_params.py`` checks every entry against its row), and ``tasks/stage_task.py`` runs
-a row the same way for every stage.
+Each row (``tasks.spec.stage.Stage``) names the stage, the schema of its params.yaml section, its body
+(``tasks/stages/<stage>.py``: ``body(ctx) -> StageResult``), its files and its flags. ``dvc.yaml`` is rendered from
+this table (``python -m tasks.run.dvc_yaml``; ``tests/test_params.py`` compares it with the committed file), and
+``tasks/run/stage_task.py`` runs a row the same way for every stage.
 
-Adding a stage: its module (schema + body), its row here, its section in ``params.yaml``, its entry in ``dvc.yaml``.
+Adding a stage: its module (schema with its value rules, ``PLOT``, body), its row here, its section in
+``params.yaml``; then ``python -m tasks.run.dvc_yaml`` writes its dvc.yaml entry.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tasks import params
-from tasks.params import PARAMS_FILE, Params, PathsParams, RegistryParams
-from tasks.stage_spec import Stage
+from tasks.spec import params
+from tasks.spec.params import PARAMS_FILE, Params, PathsParams, RegistryParams
+from tasks.spec.stage import Stage
 from tasks.stages import ddpo, dpo, evaluate, grpo, kto, ppo, prepare, reward_model, rloo, sft
 
 _TRAINING = (
     Stage("prepare", prepare.PrepareParams, prepare.body, deps={"incoming": "{incoming}"},
-          outs={name: f"{{data}}/{name}.jsonl" for name in prepare.DATASETS}, plot_columns=prepare.COLUMNS,
+          outs={name: f"{{data}}/{name}.jsonl" for name in prepare.DATASETS}, plot_columns=prepare.COLUMNS, plot=prepare.PLOT,
           retries=2),
     Stage("sft", sft.SFTParams, sft.body, deps={"sft_train": "{data}/sft_train.jsonl"}, outs={"model": "{models}/sft"},
-          plot_columns=sft.COLUMNS, launchable=True),
+          plot_columns=sft.COLUMNS, plot=sft.PLOT, launchable=True),
     Stage("reward_model", reward_model.RewardModelParams, reward_model.body,
           deps={"preferences": "{data}/preferences.jsonl", "sft": "{models}/sft"},
-          outs={"model": "{models}/reward_model"}, plot_columns=reward_model.COLUMNS, launchable=True),
+          outs={"model": "{models}/reward_model"}, plot_columns=reward_model.COLUMNS, plot=reward_model.PLOT, launchable=True),
     Stage("ppo", ppo.PPOParams, ppo.body,
           deps={"prompts_train": "{data}/prompts_train.jsonl", "sft": "{models}/sft",
                 "reward_model": "{models}/reward_model", "prompts_eval": "{data}/prompts_eval.jsonl"},
-          outs={"model": "{models}/ppo"}, plot_columns=ppo.COLUMNS, policy=True, windows=True, launchable=True),
+          outs={"model": "{models}/ppo"}, plot_columns=ppo.COLUMNS, plot=ppo.PLOT, policy=True, windows=True, launchable=True),
     Stage("dpo", dpo.DPOParams, dpo.body,
           deps={"preferences": "{data}/preferences.jsonl", "sft": "{models}/sft",
                 "prompts_eval": "{data}/prompts_eval.jsonl"},
-          outs={"model": "{models}/dpo"}, plot_columns=dpo.COLUMNS, policy=True, windows=True, launchable=True),
+          outs={"model": "{models}/dpo"}, plot_columns=dpo.COLUMNS, plot=dpo.PLOT, policy=True, windows=True, launchable=True),
     Stage("grpo", grpo.GRPOParams, grpo.body,
           deps={"prompts_train": "{data}/prompts_train.jsonl", "sft": "{models}/sft",
                 "reward_model": "{models}/reward_model"},
-          outs={"model": "{models}/grpo"}, plot_columns=grpo.COLUMNS, policy=True),
+          outs={"model": "{models}/grpo"}, plot_columns=grpo.COLUMNS, plot=grpo.PLOT, policy=True),
     Stage("rloo", rloo.RLOOParams, rloo.body,
           deps={"prompts_train": "{data}/prompts_train.jsonl", "sft": "{models}/sft",
                 "reward_model": "{models}/reward_model"},
-          outs={"model": "{models}/rloo"}, plot_columns=rloo.COLUMNS, policy=True),
+          outs={"model": "{models}/rloo"}, plot_columns=rloo.COLUMNS, plot=rloo.PLOT, policy=True),
     Stage("kto", kto.KTOParams, kto.body,
           deps={"ratings": "{data}/ratings.jsonl", "sft": "{models}/sft", "prompts_eval": "{data}/prompts_eval.jsonl"},
-          outs={"model": "{models}/kto"}, plot_columns=kto.COLUMNS, policy=True, windows=True),
+          outs={"model": "{models}/kto"}, plot_columns=kto.COLUMNS, plot=kto.PLOT, policy=True, windows=True),
 )
 
 STAGES: tuple[Stage, ...] = (
@@ -55,9 +56,9 @@ STAGES: tuple[Stage, ...] = (
                 "policy/sft": "{models}/sft", "reward_model": "{models}/reward_model",
                 **{f"windows/{s.name}": f"{{plots}}/{s.name}_windows.csv" for s in _TRAINING if s.windows},
                 **{f"policy/{s.name}": f"{{models}}/{s.name}" for s in _TRAINING if s.policy}},
-          outs={"prompt_scores": "{data}/evaluate_prompts.csv"}, plot_columns=evaluate.COLUMNS,
-          extra_plots=("frontier",)),
-    Stage("ddpo", ddpo.DDPOParams, ddpo.body, deps={}, outs={"model": "{models}/ddpo"}, plot_columns=ddpo.COLUMNS,
+          outs={"prompt_scores": "{data}/evaluate_prompts.csv"}, plot_columns=evaluate.COLUMNS, plot=evaluate.PLOT,
+          extra_plots={"frontier": evaluate.FRONTIER_PLOT}),
+    Stage("ddpo", ddpo.DDPOParams, ddpo.body, deps={}, outs={"model": "{models}/ddpo"}, plot_columns=ddpo.COLUMNS, plot=ddpo.PLOT,
           optional=True),
 )
 """Every stage, in the order the pipeline runs them."""
@@ -75,7 +76,7 @@ SECTIONS: dict[str, type] = {"paths": PathsParams, **{s.name: s.params for s in 
 
 
 def parse_params(raw: object, source: str = PARAMS_FILE) -> Params:
-    """:class:`tasks.params.Params` from a parsed params.yaml, checked against every section of the table."""
+    """:class:`tasks.spec.params.Params` from a parsed params.yaml, checked against every section of the table."""
     return params.parse(raw, SECTIONS, POLICIES, source)
 
 

@@ -19,12 +19,13 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import ConfigSection
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import ConfigSection
+from tasks.spec.stage import StageContext, StageResult
 
 DDPO_CONFIG_KEYS = (
     "num_epochs", "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "sample_guidance_scale",
@@ -56,6 +57,13 @@ class DDPOStageParams:
 class DDPOParams(ConfigSection, config="DDPOConfig", keys=DDPO_CONFIG_KEYS, stage=DDPOStageParams):
     """DDPO on a tiny Stable-Diffusion-shaped pipeline built from configs: ``DDPOConfig`` keys + ``DDPOStageParams``."""
 
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch", "train_batch_size"),
+        positive_floats=("train_learning_rate", "train_clip_range"),
+        at_least_one_floats=("sample_guidance_scale",))
+    """Value rules of the section (tasks/spec/param_rules.py applies them); a guidance scale below 1
+    is not classifier-free guidance (DDPOConfig refuses it)."""
+
     def problems(self, name: str) -> list[str]:
         """A reward the stage knows, prompts that exist, at least one epoch."""
         return [message for broken, message in (
@@ -70,6 +78,8 @@ FIXED = {"mixed_precision": "no"}
 
 COLUMNS = ("epoch", "step", "reward_mean", "reward_std")
 """plots/ddpo.csv: one row per epoch, the reward over all its samples."""
+PLOT = dict(x="epoch", y="reward_mean")
+"""DVC's options of ``plots/ddpo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def _library() -> dict[str, Any]:

@@ -2,25 +2,37 @@
 
 The reference is a frozen copy of the SFT policy (``ref_model=None``). Writes ``models/dpo``; the wrapper writes
 ``metrics/dpo.json``, ``plots/dpo.csv`` and ``plots/dpo_windows.csv`` (every ``dpo.sample_every`` optimizer steps:
-gold reward and KL to SFT of held-out samples, also logged as a sample table; tasks/samples.py).
+gold reward and KL to SFT of held-out samples, also logged as a sample table; tasks/stages/common/samples.py).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import SampledPolicy, as_dict
-from tasks.policy import load_sft_policy
-from tasks.samples import sample_windows
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import SampledPolicy, as_dict
+from tasks.stages.common.policy import load_sft_policy
+from tasks.stages.common.samples import sample_windows
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)
 class DPOParams(SampledPolicy):
     """Direct preference optimisation of the SFT policy on the preference pairs."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("per_device_train_batch_size", "max_length", "max_prompt_length", "sample_prompts"),
+        non_negative_ints=("sample_every",),
+        positive_floats=("beta", "learning_rate", "num_train_epochs"),
+        choices={"loss_type": ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+                               "aot", "aot_pair", "apo_zero", "apo_down")})
+    """Value rules of the section (tasks/spec/param_rules.py applies them); ``loss_type``: rlhf_core.losses's
+    ``DPO_LOSS_TYPES``, spelled out so loading params imports no loss code (tests/test_params.py keeps them equal)."""
 
     beta: float
     """Strength of the implicit KL constraint to the reference."""
@@ -47,6 +59,8 @@ class DPOParams(SampledPolicy):
 
 COLUMNS = ("step", "loss", "reward_accuracy", "reward_margin")
 """plots/dpo.csv: per logged step, the loss and the implicit reward's accuracy and margin on the batch."""
+PLOT = dict(title="DPO loss", x="step", y="loss")
+"""DVC's options of ``plots/dpo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def body(ctx: StageContext) -> StageResult:
@@ -54,7 +68,7 @@ def body(ctx: StageContext) -> StageResult:
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import DPOTrainer, set_seed
-    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     pairs = read_jsonl(ctx.dep("preferences"))

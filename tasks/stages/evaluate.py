@@ -1,13 +1,13 @@
 """Stage ``evaluate``: compare SFT and every enabled policy (ppo, dpo, grpo, rloo, kto) on held-out prompts.
 
-A disabled policy stage's placeholder (``tasks.placeholders.is_placeholder``) is skipped: it has no entry in the
+A disabled policy stage's placeholder (``tasks.store.placeholders.is_placeholder``) is skipped: it has no entry in the
 results. Per policy: mean gold-judge sentiment (VADER compound, -1..1), mean learned-reward score, KL to the SFT
-reference, perplexity on held-out text, win rate against SFT under the gold judge (``tasks/scoring.py``).
+reference, perplexity on held-out text, win rate against SFT under the gold judge (``tasks/stages/common/scoring.py``).
 
 The wrapper writes ``metrics/evaluate.json`` (one object per policy: gold_reward, rm_reward, kl, perplexity,
 win_rate; what ``dvc metrics show/diff`` read), ``plots/evaluate.csv`` and ``plots/frontier.csv``: the reward-KL
 frontier, gold reward against KL to SFT for SFT, each policy's final score here, and the PPO/DPO/KTO points measured
-along training on held-out samples (``plots/<stage>_windows.csv``, tasks/samples.py); MLflow gets before/after sample
+along training on held-out samples (``plots/<stage>_windows.csv``, tasks/stages/common/samples.py); MLflow gets before/after sample
 tables, a chart and the same frontier as an image.
 
 ``data/evaluate_prompts.csv`` (DVC-cached) holds each policy's per-prompt gold and reward-model scores (one row per
@@ -23,20 +23,26 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from tasks.logs import get_logger
-from tasks.mlflow_runs import mlflow_compare_link
-from tasks.params import METRIC_KEYS
-from tasks.placeholders import is_placeholder
-from tasks.scoring import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, read_windows, score_policy,
+from tasks.process.logs import get_logger
+from tasks.store.mlflow_runs import mlflow_compare_link
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import METRIC_KEYS
+from tasks.store.placeholders import is_placeholder
+from tasks.stages.common.scoring import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, read_windows, score_policy,
                            write_prompt_scores)
-from tasks.stage_spec import StageContext, StageResult
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)
 class EvaluateParams:
     """Compare SFT and every enabled policy (ppo, dpo, grpo, rloo, kto) on held-out prompts."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("num_prompts", "max_new_tokens", "batch_size"),
+        non_negative_ints=("num_samples",))
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
     num_prompts: int
     """Held-out prompts sampled per policy."""
@@ -52,6 +58,12 @@ class EvaluateParams:
 
 COLUMNS = ("policy", *METRIC_KEYS)
 """plots/evaluate.csv: one row per evaluated policy."""
+PLOT = dict(template="bars", title="Gold reward per policy (held-out prompts)", x="policy", y="gold_reward")
+"""DVC's options of ``plots/evaluate.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
+FRONTIER_PLOT = dict(template="frontier", title="Reward-KL frontier (gold reward against KL to SFT; SFT, checkpoints along "
+                     "training, final policies)", x="kl", y="gold_reward", x_label="KL to SFT (nats per response)",
+                     y_label="gold reward (VADER)")
+"""DVC's options of ``plots/frontier.csv``."""
 FRONTIER_COLUMNS = ("policy", "step", "kl", "gold_reward", "kind")
 """plots/frontier.csv (``kind``: reference = SFT, checkpoint = a training window, final = evaluate's score)."""
 

@@ -2,21 +2,24 @@
 (``data/ratings.jsonl``: prompt, completion, label), reference = a frozen copy of the SFT policy.
 
 Its params section (:class:`KTOParams`), its body (:func:`body`) and nothing else: the stage's row in
-``tasks/stages/__init__.py`` names its files and flags, and ``tasks/stage_task.py`` writes what the body returns
+``tasks/stages/__init__.py`` names its files and flags, and ``tasks/run/stage_task.py`` writes what the body returns
 (``metrics/kto.json``, ``plots/kto.csv``, ``plots/kto_windows.csv``) or, when ``kto.enabled`` is false, the
 placeholders. The small complete example of a stage.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass
 
 from rlhf_core.data import read_ratings
-from tasks.logs import get_logger
-from tasks.params import ConfigSection, SampledPolicy
-from tasks.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
-from tasks.samples import sample_windows
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import ConfigSection, SampledPolicy
+from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
+from tasks.stages.common.samples import sample_windows
+from tasks.spec.stage import StageContext, StageResult
 
 KTO_CONFIG_KEYS = (
     "beta", "learning_rate", "num_train_epochs", "per_device_train_batch_size", "max_length", "desirable_weight",
@@ -34,6 +37,14 @@ class KTOStageParams(SampledPolicy):
 class KTOParams(ConfigSection, config="KTOConfig", keys=KTO_CONFIG_KEYS, stage=KTOStageParams):
     """KTO of the SFT policy on the unpaired thumbs-up/down ratings: ``KTOConfig`` keys + ``KTOStageParams``."""
 
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("sample_prompts", "per_device_train_batch_size", "max_length"),
+        non_negative_ints=("sample_every",),
+        positive_floats=("beta", "learning_rate", "num_train_epochs"),
+        non_negative_floats=("desirable_weight", "undesirable_weight"))
+    """Value rules of the section (tasks/spec/param_rules.py applies them); the weights as KTOConfig
+    checks them: a negative weight would reward the wrong side."""
+
     def problems(self, name: str) -> list[str]:
         """``KTOConfig``'s own rules for the default loss (its KL estimate pairs each row with a neighbour)."""
         return [message for broken, message in (
@@ -45,6 +56,8 @@ class KTOParams(ConfigSection, config="KTOConfig", keys=KTO_CONFIG_KEYS, stage=K
 
 COLUMNS = ("step", "loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
 """plots/kto.csv: per logged step (``kl``: the batch's KL reference point)."""
+PLOT = dict(title="KTO loss", x="step", y="loss")
+"""DVC's options of ``plots/kto.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def body(ctx: StageContext) -> StageResult:

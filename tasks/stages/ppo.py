@@ -21,6 +21,8 @@ RNG state is rank 0's (each other rank re-seeds with ``seed + rank``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import shutil
 import statistics
 from dataclasses import dataclass
@@ -29,14 +31,15 @@ from pathlib import Path
 from rlhf_core.checkpointing import GracefulStop, Preempted
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import make_reward
-from tasks.distributed import check_replicas_identical, is_main_process
-from tasks.logs import get_logger, progress_bar
-from tasks.outputs import atomic_dir
-from tasks.params import ConfigSection, SampledPolicy, as_dict
-from tasks.paths import stage_checkpoint_dir
-from tasks.samples import sample_windows, step_hook
-from tasks.scoring import load_tokenizer
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.distributed import check_replicas_identical, is_main_process
+from tasks.process.logs import get_logger, progress_bar
+from tasks.store.outputs import atomic_dir
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import ConfigSection, SampledPolicy, as_dict
+from tasks.spec.paths import stage_checkpoint_dir
+from tasks.stages.common.samples import sample_windows, step_hook
+from tasks.stages.common.scoring import load_tokenizer
+from tasks.spec.stage import StageContext, StageResult
 
 PPO_CONFIG_KEYS = (
     "learning_rate", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "init_kl_coef",
@@ -67,6 +70,16 @@ class PPOStageParams(SampledPolicy):
 class PPOParams(ConfigSection, config="PPOConfig", keys=PPO_CONFIG_KEYS, stage=PPOStageParams):
     """PPO against the reward with a KL penalty to the SFT reference: ``PPOConfig`` keys + ``PPOStageParams``."""
 
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "total_steps",
+                       "max_new_tokens", "sample_prompts"),
+        non_negative_ints=("sample_every",),
+        positive_floats=("learning_rate", "target", "horizon", "cliprange", "cliprange_value", "max_grad_norm"),
+        non_negative_floats=("init_kl_coef", "vf_coef"),
+        unit_interval=("gamma", "lam"),
+        choices={"kl_penalty": ("kl", "abs", "mse", "full")})
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
+
     def problems(self, name: str) -> list[str]:
         """The batch splits into mini-batches and backward passes (as ``PPOConfig`` checks when the stage starts);
         at least one step; a reward the stage knows."""
@@ -86,6 +99,8 @@ class PPOParams(ConfigSection, config="PPOConfig", keys=PPO_CONFIG_KEYS, stage=P
 
 COLUMNS = ("step", "reward_mean", "kl", "kl_coef")
 """plots/ppo.csv: per PPO step, the mean reward of its rollouts, the KL to SFT and the KL coefficient."""
+PLOT = dict(title="PPO adaptive KL coefficient (reward and KL are in the chart above)", x="step", y="kl_coef")
+"""DVC's options of ``plots/ppo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def ppo_config(p: PPOParams, model_name: str, query_dataset: str):
@@ -106,7 +121,7 @@ def body(ctx: StageContext) -> StageResult:
     """Train ``models/ppo`` with ``rlhf_core.trainers.ppo.loop.run_ppo`` over the trainer's own (resumable,
     per-rank sharded) dataloader of prompts."""
     from rlhf_core.trainers.ppo.loop import run_ppo  # the trainer loads transformers: only when the stage runs
-    from tasks.resume import resume_key  # (tasks.resume loads transformers too)
+    from tasks.stages.common.resume import resume_key  # (tasks.stages.common.resume loads transformers too)
 
     p, run, log = ctx.section, ctx.run, get_logger()
     prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_train"))]
@@ -117,7 +132,7 @@ def body(ctx: StageContext) -> StageResult:
     trainer, tokenizer = _build_trainer(ctx, prompts)
     world = trainer.accelerator.num_processes
     reward = _reward_fn(p.reward, str(ctx.dep("reward_model")))
-    # held-out samples every ppo.sample_every steps (table + reward-KL point; tasks/samples.py)
+    # held-out samples every ppo.sample_every steps (table + reward-KL point; tasks/stages/common/samples.py)
     windows, _ = sample_windows(ctx, state.with_name(f"{state.name}.samples.json"), table="heldout_samples")
     policy = lambda: trainer.accelerator.unwrap_model(trainer.model).pretrained_model  # noqa: E731
     run.log_dataset(ctx.dep("prompts_train"), "prompts_train")

@@ -2,12 +2,14 @@
 thumbs-up/down ratings (``data/ratings.jsonl``, for KTO).
 
 Reads ``params.yaml:prepare`` and the source it names (the synthetic default, local files or a hub dataset:
-``tasks/source.py``) plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
+``tasks/stages/common/source.py``) plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
 the six ``data/*.jsonl`` files; the wrapper writes ``metrics/prepare.json`` and ``plots/prepare.csv`` (a histogram of
 the training reviews' gold scores). Everything is read and validated before anything is written.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import json
 import os
@@ -29,14 +31,21 @@ from rlhf_core.data import (
 )
 from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
-from tasks.logs import get_logger
-from tasks.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)
 class PrepareParams:
     """Dataset preparation: corpus, prompts and gold-labelled preference pairs."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("max_words", "prompt_min_words", "prompt_max_words", "pairs_per_review"),
+        non_negative_ints=("num_reviews",),
+        non_negative_floats=("min_margin",))
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
     source: str
     """``synthetic`` (generated offline), a local file/dir (txt, jsonl, csv, parquet) or ``hub:<dataset name>``."""
@@ -88,6 +97,9 @@ DATASETS = ("sft_train", "heldout", "prompts_train", "prompts_eval", "preference
 
 COLUMNS = ("gold_bin", "count")
 """plots/prepare.csv: the training reviews per gold-score bin (:func:`gold_histogram`)."""
+PLOT = dict(template="bars", title="Gold (VADER) score of the training reviews", x="gold_bin", y="count",
+            x_label="gold score bin (centre)", y_label="reviews")
+"""DVC's options of ``plots/prepare.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def size_warning(num_reviews: int) -> str | None:

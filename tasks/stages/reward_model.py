@@ -8,24 +8,34 @@ and its agreement with the gold judge) and ``plots/reward_model.csv``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import random
 from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
 from rlhf_core.rewards import RewardModelScorer
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import as_dict
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import as_dict
+from tasks.spec.stage import StageContext, StageResult
 
 HOLDOUT_SHARE = 0.1
 COLUMNS = ("step", "loss")
 """plots/reward_model.csv: the pairwise loss per logged step."""
+PLOT = dict(title="Reward model pairwise loss", x="step", y="loss")
+"""DVC's options of ``plots/reward_model.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 @dataclass(frozen=True)
 class RewardModelParams:
     """Pairwise reward model on the preference pairs, initialised from the SFT model (InstructGPT)."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("max_length", "per_device_train_batch_size"),
+        positive_floats=("learning_rate", "num_train_epochs"))
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
     init_from: str
     """``sft`` (the SFT checkpoint, as in InstructGPT) or a hub name / local path."""
@@ -47,7 +57,7 @@ def body(ctx: StageContext) -> StageResult:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_core import RewardTrainer, set_seed
-    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     pairs_path, sft_dir = ctx.io.deps["preferences"], ctx.io.deps["sft"]

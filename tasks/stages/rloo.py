@@ -1,19 +1,22 @@
 """Stage ``rloo``: RLOOTrainer (TRL 1.16 API, leave-one-out baseline) of the SFT policy on the training prompts
 against the learned reward model (or the gold judge: ``rloo.reward: gold``), KL to the SFT reference. Writes
-``models/rloo``; the body is the one ``grpo`` shares (``tasks/group_policy.py``)."""
+``models/rloo``; the body is the one ``grpo`` shares (``tasks/stages/common/group_policy.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.group_policy import COLUMNS, GroupSampledParams, OnlineStageParams, train_group_sampled
-from tasks.stage_spec import StageContext, StageResult
+from tasks.stages.common.group_policy import COLUMNS, GroupSampledParams, OnlineStageParams, train_group_sampled
+from tasks.spec.stage import StageContext, StageResult
 
 RLOO_CONFIG_KEYS = (
     "learning_rate", "per_device_train_batch_size", "num_generations", "max_completion_length", "max_steps",
     "beta", "epsilon", "num_iterations", "normalize_advantages", "temperature", "seed",
 )
 """The ``RLOOConfig`` fields (TRL 1.16 names) the rloo section sets, in params.yaml's order (docs: ``RLOOConfig``)."""
+PLOT = dict(title="RLOO mean reward per step (reward model, or the gold judge with rloo.reward gold)", x="step",
+            y="reward")
+"""DVC's options of ``plots/rloo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 @dataclass(frozen=True)

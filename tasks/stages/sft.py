@@ -8,19 +8,31 @@ same code fine-tunes that model. Writes ``models/sft`` (safetensors + tokenizer 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import math
 from dataclasses import dataclass
 
 from rlhf_core.data import read_jsonl
-from tasks.logs import get_logger
-from tasks.outputs import atomic_dir
-from tasks.params import as_dict
-from tasks.stage_spec import StageContext, StageResult
+from tasks.process.logs import get_logger
+from tasks.store.outputs import atomic_dir
+from tasks.spec.param_rules import ValueRules
+from tasks.spec.params import as_dict
+from tasks.spec.stage import StageContext, StageResult
 
 
 @dataclass(frozen=True)
 class SFTParams:
     """Supervised fine-tuning of the policy on the corpus (tokenizer trained on the corpus when offline)."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions", "max_seq_length",
+                       "per_device_train_batch_size"),
+        positive_floats=("learning_rate", "num_train_epochs"),
+        non_negative_floats=("warmup_steps", "weight_decay"),
+        choices={"arch": ("gpt2", "llama")})
+    """Value rules of the section (tasks/spec/param_rules.py applies them); ``arch``: what rlhf_core/models/tiny.py
+    builds."""
 
     model_name: str
     """Empty: build a small model from the config below; else a hub name or local path (e.g. ``gpt2``)."""
@@ -58,6 +70,8 @@ class SFTParams:
 
 COLUMNS = ("step", "loss")
 """plots/sft.csv: the training loss per logged step."""
+PLOT = dict(title="SFT training loss", x="step", y="loss")
+"""DVC's options of ``plots/sft.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
 def build_policy(p: SFTParams, texts: list[str]):
@@ -82,7 +96,7 @@ def body(ctx: StageContext) -> StageResult:
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import SFTTrainer, set_seed
-    from tasks.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
+    from tasks.stages.common.resume import checkpointing_arguments, loss_curve, resumable_training, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
     texts = [r["text"] for r in read_jsonl(ctx.dep("sft_train"))]

@@ -1,8 +1,0 @@
-"""What MLflow loads as the served policy of the loop (``save_server`` points ``mlflow.pyfunc.save_model`` here):
-MLflow's "models from code", so the served model is this file and ``tasks.policy_server``, never a pickle."""
-
-import mlflow
-
-from tasks.policy_server import PolicyServer
-
-mlflow.models.set_model(PolicyServer())

@@ -1,0 +1,152 @@
+"""``dvc.lock`` is never left torn: DVC's writes are made atomic, and a torn lock found at start is repaired.
+
+DVC 3.67 writes ``dvc.lock`` (and ``.dvc`` files, ``dvc.yaml``) by opening the file for writing and streaming YAML
+into it (``dvc/utils/serialize/_common.py:_dump_data``): a process killed in between leaves it half-written, and
+every later DVC command fails (``YAMLSyntaxError ... dvc.lock ... corrupted``). Two defences, as git (lock file and
+rename) and SQLite (journal) have:
+
+- :func:`atomic_dvc_writes` makes every DVC write in this process go to a temporary file beside the target, fsynced,
+  then renamed over it: a kill leaves the old file or the new one, never a mix. ``tasks/store/dvc_ops.py`` installs it
+  whenever it opens a repo (the pipeline flow records stages, the intake adds batches), and ``python -m
+  tasks.store.dvc_lockfile <dvc args>`` (what ``make repro`` runs) is ``dvc`` with it installed.
+- :func:`repair_lockfile`, at the start of every pipeline, stage and retraining run (``tasks/run/orphans.py``), keeps a
+  copy of the last complete ``dvc.lock`` in ``.dvc/tmp`` (the journal). A bare ``dvc repro`` killed while writing
+  the lock tears it; the next run moves the torn file aside and puts the copy back: stages recorded after the copy
+  was taken are stale again and re-run. With no copy it stops, naming the one command that repairs the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from rlhf_core.checkpointing import pid_alive
+
+LOCKFILE = "dvc.lock"
+JOURNAL = "dvc.lock.complete"
+"""The copy of the last complete ``dvc.lock``, in ``.dvc/tmp``."""
+TMP_MARK = ".rlhf-tmp-"
+"""Temporary files of the atomic writer: ``.<name>.rlhf-tmp-<pid>`` beside the target."""
+
+
+class LockfileTorn(ValueError):
+    """``dvc.lock`` is not a complete lock file and no complete copy was kept (the message says how to repair it)."""
+
+
+def _atomic_dump_data(original):
+    """DVC's ``_dump_data(path, data, dumper, fs=None, **dumper_args)``, writing the working tree's files (dvc.lock,
+    dvc.yaml, ``.dvc`` files, params files) by temporary file and rename; files inside ``.dvc/`` (the run cache,
+    which DVC already writes to a temporary name and moves) and other file systems go to ``original``."""
+    def dump_data(path, data, dumper, fs=None, **dumper_args):
+        target = Path(os.fspath(path))
+        if (fs is not None and getattr(fs, "protocol", None) != "local") or ".dvc" in target.parts[:-1]:
+            return original(path, data, dumper, fs=fs, **dumper_args)
+        tmp = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+        mode = target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~_umask()
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                dumper(data, fh, **dumper_args)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    dump_data.rlhf_atomic = True
+    return dump_data
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_dvc_writes() -> None:
+    """Make DVC's file writes in this process atomic (idempotent): every serializer module's ``_dump_data``."""
+    from dvc.utils.serialize import _common, _json, _py, _toml, _yaml  # dvc: only when a lock file is written (this module is also a CLI)
+
+    for module in (_common, _json, _py, _toml, _yaml):
+        if not getattr(module._dump_data, "rlhf_atomic", False):
+            module._dump_data = _atomic_dump_data(module._dump_data)
+
+
+def lock_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete lock file (unparsable YAML, or not DVC's lock schema), or None."""
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA  # dvc: only when a lock file is checked
+    from dvc.utils.serialize import load_yaml
+
+    try:
+        COMPILED_LOCKFILE_SCHEMA(load_yaml(path))
+    except Exception as error:  # noqa: BLE001 - any parse or schema error means the file is not whole
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def repair_lockfile(root: str | Path) -> str | None:
+    """Keep a copy of a complete ``dvc.lock``; put it back over a torn one. Returns a message when it repaired.
+
+    Raises :class:`LockfileTorn` for a torn lock with no copy to restore."""
+    root = Path(root)
+    lock, journal = root / LOCKFILE, root / ".dvc" / "tmp" / JOURNAL
+    _remove_dead_temporaries(root)
+    if not lock.is_file() or not (root / ".dvc").is_dir():
+        return None
+    problem = lock_problem(lock)
+    if problem is None:
+        if not journal.is_file() or journal.read_bytes() != lock.read_bytes():
+            _copy_atomically(lock, journal)
+        return None
+    torn = journal.with_name(f"{LOCKFILE}.torn-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    if not journal.is_file() or lock_problem(journal) is not None:
+        raise LockfileTorn(f"{lock} is torn ({problem}): a process was killed while DVC wrote it, and no complete "
+                           f"copy was kept. Repair it with: git checkout -- {LOCKFILE} (stages recorded since the last "
+                           "commit then re-run)")
+    torn.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(lock, torn)
+    _copy_atomically(journal, lock)
+    return (f"{lock} was torn ({problem.splitlines()[0][:200]}): a process was killed while DVC wrote it. Restored "
+            f"the last complete version (kept in {journal}); stages recorded after it are stale and re-run. The torn "
+            f"file is kept as {torn}")
+
+
+def _copy_atomically(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+    shutil.copy2(source, tmp)
+    os.replace(tmp, target)
+
+
+def _remove_dead_temporaries(root: Path) -> None:
+    """Temporary files of atomic writes whose writer died (``.dvc.lock.rlhf-tmp-<pid>``)."""
+    for tmp in [*root.glob(f".*{TMP_MARK}*"), *(root / ".dvc" / "tmp").glob(f".*{TMP_MARK}*")]:
+        pid = tmp.name.rsplit(TMP_MARK, 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tasks.store.dvc_lockfile <dvc arguments>``: ``dvc`` with a torn lock repaired first and atomic writes."""
+    from dvc.cli import main as dvc_main  # dvc: only when the CLI runs it
+
+    try:
+        message = repair_lockfile(Path.cwd())
+    except LockfileTorn as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if message:
+        print(f"warning: {message}", file=sys.stderr)
+    atomic_dvc_writes()
+    return dvc_main(sys.argv[1:] if argv is None else argv)
+
+
+__all__ = ["JOURNAL", "LockfileTorn", "atomic_dvc_writes", "lock_problem", "main", "repair_lockfile"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
