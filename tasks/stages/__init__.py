@@ -16,12 +16,13 @@ from pathlib import Path
 from tasks.spec import params
 from tasks.spec.params import PARAMS_FILE, Params, PathsParams, RegistryParams
 from tasks.spec.stage import Stage
+from tasks.spec.task import TASK_READS, TaskParams
 from tasks.stages import ddpo, dpo, evaluate, grpo, kto, ppo, prepare, reward_model, rloo, sft
 
 _TRAINING = (
     Stage("prepare", prepare.PrepareParams, prepare.body, deps={"incoming": "{incoming}"},
           outs={name: f"{{data}}/{name}.jsonl" for name in prepare.DATASETS}, plot_columns=prepare.COLUMNS, plot=prepare.PLOT,
-          retries=2),
+          task_reads=TASK_READS, retries=2),
     Stage("sft", sft.SFTParams, sft.body, deps={"sft_train": "{data}/sft_train.jsonl"}, outs={"model": "{models}/sft"},
           plot_columns=sft.COLUMNS, plot=sft.PLOT, launchable=True),
     Stage("reward_model", reward_model.RewardModelParams, reward_model.body,
@@ -71,7 +72,8 @@ POLICY_STAGES = tuple(s.name for s in STAGES if s.policy)
 POLICIES = ("sft", *POLICY_STAGES)
 """What evaluate scores and ``registry.candidates`` may name."""
 LAUNCHABLE = tuple(s.name for s in STAGES if s.launchable)
-SECTIONS: dict[str, type] = {"paths": PathsParams, **{s.name: s.params for s in STAGES}, "registry": RegistryParams}
+SECTIONS: dict[str, type] = {"paths": PathsParams, "task": TaskParams, **{s.name: s.params for s in STAGES},
+                              "registry": RegistryParams}
 """params.yaml's sections, in the file's order."""
 
 

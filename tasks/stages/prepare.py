@@ -32,9 +32,11 @@ from rlhf_core.data import (
 from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
 from tasks.process.logs import get_logger
+from tasks.stages.common.problems import answer_histogram, arithmetic_datasets
 from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
+from tasks.spec.task import task_of
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,28 @@ def gold_histogram(gold: list[float]) -> list[dict]:
             for lo, hi in zip(bins[:-1], bins[1:])]
 
 
+def arithmetic_body(ctx: StageContext) -> StageResult:
+    """The arithmetic task's datasets (``tasks/stages/common/problems.py``): generated problems, no source read."""
+    task, run = task_of(ctx.params), ctx.run
+    datasets = arithmetic_datasets(task, ctx.section.seed)
+    files = {name: ctx.out(name) for name in DATASETS}
+    counts = write_datasets(files, datasets)
+    metrics = {"task": task.name, "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
+               "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],
+               "num_pairs": 0, "num_ratings": 0}
+    for name in DATASETS:
+        run.log_dataset(files[name], name, context="eval" if "eval" in name or name == "heldout" else "training")
+    run.log_table("problem_samples", [{"query": r["query"], "solution": r["solution"]}
+                                      for r in datasets["prompts_train"][:20]])
+    get_logger().info("prepare: %d training and %d held-out arithmetic problems (%s)", counts["sft_train"],
+                      counts["heldout"], task.spec())
+    return StageResult(metrics, answer_histogram(datasets["prompts_train"]))
+
+
 def body(ctx: StageContext) -> StageResult:
-    """Materialise the datasets of ``params.yaml:prepare``."""
+    """Materialise the datasets of ``params.yaml:prepare`` for the task of ``params.yaml:task``."""
+    if task_of(ctx.params).name == "arithmetic":
+        return arithmetic_body(ctx)
     p, run, log = ctx.section, ctx.run, get_logger()
     reviews = load_source(p, ctx.root)  # read and validate everything first
     incoming_dir = ctx.io.deps["incoming"]

@@ -1,0 +1,75 @@
+"""The ``task`` section of params.yaml: which task every stage serves, and the arithmetic task's problems.
+
+A task is data, a reward and a metric (DESIGN.md): ``sentiment`` (reviews, a learned reward model, the VADER gold
+judge; the default) or ``arithmetic`` (problems generated offline from ``prepare.seed`` by
+``rlhf_core.arithmetic``, scored by a verifier). The keys below the name are the arithmetic task's difficulty
+controls; the sentiment task does not read them (its outputs do not depend on them). A stage that reads the task
+declares it (its row's ``task_reads``: :data:`TASK_READS` join its params in dvc.yaml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from rlhf_core.arithmetic import ANSWER_STYLES, OPERATIONS, ArithmeticSpec
+from tasks.spec.param_rules import ValueRules
+
+TASKS = ("sentiment", "arithmetic")
+"""The shipped tasks."""
+
+
+@dataclass(frozen=True)
+class TaskParams:
+    """The task the pipeline serves and, for ``arithmetic``, its problems."""
+
+    RULES: ClassVar[ValueRules] = ValueRules(
+        positive_ints=("min_digits", "max_digits", "steps", "num_train", "num_eval"),
+        choices={"name": TASKS, "answer_format": tuple(ANSWER_STYLES)})
+    """Value rules of the section (tasks/spec/param_rules.py applies them)."""
+
+    name: str
+    """``sentiment`` (the default) or ``arithmetic``."""
+    min_digits: int
+    """Arithmetic: fewest digits of an operand."""
+    max_digits: int
+    """Arithmetic: most digits of an operand."""
+    operations: str
+    """Arithmetic: the operations drawn from, written together (``+-``, ``+-*``)."""
+    steps: int
+    """Arithmetic: operations per problem (2 or more: multi-step, one worked line per step)."""
+    answer_format: str
+    """Arithmetic: how the answer is stated, ``tag`` (``<answer>n</answer>``) or ``hashes`` (``#### n``)."""
+    num_train: int
+    """Arithmetic: training problems (SFT's worked solutions and the RL prompts)."""
+    num_eval: int
+    """Arithmetic: held-out problems (evaluation), none of them a training problem."""
+
+    def problems(self, name: str) -> list[str]:
+        """Difficulty controls the generator accepts (its own checks, named by key)."""
+        if any(op not in OPERATIONS for op in self.operations) or not self.operations:
+            return [f"{name}.operations must be made of {''.join(OPERATIONS)}, got {self.operations!r}"]
+        try:
+            self.spec()
+        except ValueError as err:
+            return [f"{name}: {err}"]
+        return []
+
+    def spec(self) -> ArithmeticSpec:
+        """The generator's spec of these controls."""
+        return ArithmeticSpec(min_digits=self.min_digits, max_digits=self.max_digits,
+                              operations=tuple(dict.fromkeys(self.operations)), steps=self.steps,
+                              answer_format=self.answer_format)
+
+
+TASK_READS = tuple(f"task.{f.name}" for f in fields(TaskParams))
+"""The dotted keys a task-reading stage declares (all of the section)."""
+
+
+def task_of(params: Any) -> TaskParams:
+    """The ``task`` section as :class:`TaskParams` from a stage's params view (which hands out declared keys only)."""
+    section = params.section("task")
+    return TaskParams(**{f.name: getattr(section, f.name) for f in fields(TaskParams)})
+
+
+__all__ = ["TASKS", "TASK_READS", "TaskParams", "task_of"]

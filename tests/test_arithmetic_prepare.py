@@ -1,0 +1,63 @@
+"""``prepare`` for the arithmetic task (``task.name: arithmetic``): generated problems in the six datasets, no
+held-out problem trained on, the same files from the same params; the sentiment task's prepare is untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from _pipeline_project import make_project
+
+from rlhf_core.rewards import accuracy_reward
+from tasks.spec.param_rules import ParamsError
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    return make_project(tmp_path / "proj", git_dvc=False)
+
+
+def set_task(project, **task):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["task"].update(task)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def rows(project, name):
+    return [json.loads(line) for line in (project / "data" / f"{name}.jsonl").read_text().splitlines()]
+
+
+def test_prepare_writes_the_arithmetic_task_from_params(project):
+    from tasks.run.stage_task import run_stage
+
+    set_task(project, name="arithmetic", num_train=60, num_eval=20, operations="+-*", steps=2, answer_format="hashes")
+    metrics = run_stage("prepare", str(project))
+    assert (metrics["task"], metrics["num_train"], metrics["num_prompts_eval"]) == ("arithmetic", 60, 20)
+    train, held_out = rows(project, "prompts_train"), rows(project, "prompts_eval")
+    assert len(train) == 60 and len(held_out) == 20 and set(train[0]) == {"id", "query", "solution"}
+    assert not {r["query"] for r in train} & {r["query"] for r in held_out}  # nothing held out is trained on
+    sft = [r["text"] for r in rows(project, "sft_train")]
+    assert all(t.startswith(r["query"]) and "####" in t for t, r in zip(sft, train))
+    # the worked solutions are what the verifier calls correct
+    completions = [t[len(r["query"]):] for t, r in zip(sft, train)]
+    assert accuracy_reward(completions, [r["solution"] for r in train]) == [1.0] * 60
+    assert rows(project, "preferences") == [] and rows(project, "ratings") == []
+    first = (project / "data" / "prompts_eval.jsonl").read_bytes()
+    run_stage("prepare", str(project))
+    assert (project / "data" / "prompts_eval.jsonl").read_bytes() == first  # seeded: the same bytes again
+    plot = (project / "plots" / "prepare.csv").read_text().splitlines()
+    assert plot[0] == "gold_bin,count" and sum(int(line.split(",")[1]) for line in plot[1:]) == 60
+
+
+def test_a_bad_task_is_refused_naming_the_key(project):
+    from tasks.stages import load_params
+
+    for bad, match in ((dict(name="chess"), "task.name"), (dict(operations="+/"), "task.operations"),
+                       (dict(min_digits=3, max_digits=2), "min_digits"), (dict(steps=0), "task.steps")):
+        set_task(project, name="arithmetic", min_digits=1, max_digits=2, operations="+-", steps=1)
+        set_task(project, **bad)
+        with pytest.raises(ParamsError, match=match):
+            load_params(project / "params.yaml")
