@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from rlhf_core.core import sequence_logprobs, shifted_token_logprobs
+from rlhf_core.rewards.answers import parse_number
+from rlhf_core.rewards.verifiers import verify
 
 
 @dataclass
@@ -239,6 +241,52 @@ def maj_at_k(answers: Sequence[Any], correct: Sequence[bool], k: int) -> float:
     if winner is None:
         return 0.0
     return float(next(bool(ok) for a, ok in zip(answers[:k], correct[:k]) if a == winner))
+
+
+@dataclass(frozen=True)
+class VerifiedSamples:
+    """A verifiable evaluation: ``n`` samples per problem judged by a verifier."""
+
+    metrics: dict[str, float]
+    """``pass@1``, ``pass@<k>`` and ``maj@<k>`` for each k, ``format_error_rate`` (share of samples stating no
+    readable answer) and ``mean_length`` (completion tokens)."""
+    per_problem: list[float]
+    """Each problem's c / n in problem order: what the gate's paired bootstrap compares between two policies."""
+    verdicts: list[dict[str, Any]]
+    """One row per sample: ``problem_id``, ``sample``, ``solution``, ``completion``, ``answer`` (as written, or
+    empty), ``correct``, ``format_ok`` and ``length``: the record a reviewer can open."""
+
+
+def verify_samples(problem_ids: Sequence[str], solutions: Sequence[Any], completions: Sequence[Sequence[str]],
+                   lengths: Sequence[Sequence[int]], ks: Sequence[int]) -> VerifiedSamples:
+    """Judge ``completions[i]`` (the n samples of problem i, all problems with the same n) against
+    ``solutions[i]`` with ``rlhf_core.rewards.verify``; pass@k (unbiased) and maj@k for every k in ``ks``.
+    A problem whose solution has no readable number is an error: it cannot be scored."""
+    sizes = {len(c) for c in completions}
+    if len(sizes) != 1 or len(problem_ids) != len(solutions) or len(solutions) != len(completions):
+        raise ValueError(f"verify_samples needs one list of n completions per problem (same n), got "
+                         f"{len(problem_ids)} ids, {len(solutions)} solutions and sample counts {sorted(sizes)}")
+    n = sizes.pop()
+    if any(not 1 <= k <= n for k in ks):
+        raise ValueError(f"every k must be in [1, n={n}], got {list(ks)}")
+    counts, majority, rows = [], {k: [] for k in ks}, []
+    for pid, solution, samples, sample_lengths in zip(problem_ids, solutions, completions, lengths):
+        verdicts = [verify(text, solution) for text in samples]
+        if verdicts[0].correct is None:
+            raise ValueError(f"problem {pid!r}: its solution {solution!r} has no readable number")
+        correct = [bool(v.correct) for v in verdicts]
+        counts.append((n, sum(correct)))
+        answers = [parse_number(v.answer) for v in verdicts]
+        for k in ks:
+            majority[k].append(maj_at_k(answers, correct, k))
+        rows += [{"problem_id": pid, "sample": j, "solution": str(solution), "completion": text,
+                  "answer": v.answer or "", "correct": v.correct, "format_ok": v.format_ok, "length": int(length)}
+                 for j, (text, v, length) in enumerate(zip(samples, verdicts, sample_lengths))]
+    metrics = {"pass@1": pass_at_1(counts), **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks if k != 1},
+               **{f"maj@{k}": math.fsum(v) / len(v) for k, v in majority.items()},
+               "format_error_rate": sum(not r["format_ok"] for r in rows) / len(rows),
+               "mean_length": math.fsum(r["length"] for r in rows) / len(rows)}
+    return VerifiedSamples(metrics=metrics, per_problem=[c / n for n, c in counts], verdicts=rows)
 
 
 def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], heldout_texts: Sequence[str],

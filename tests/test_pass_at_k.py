@@ -54,3 +54,25 @@ def test_maj_at_k_votes_over_the_first_k_answers():
     assert maj_at_k([None, None], [False, False], 2) == 0.0
     with pytest.raises(ValueError, match="maj_at_k needs"):
         maj_at_k(answers, correct[:2], 2)
+
+
+def test_verify_samples_scores_n_samples_per_problem_and_keeps_every_verdict():
+    from rlhf_core.evaluation import verify_samples
+
+    completions = [["<answer>3</answer>", "<answer>4</answer>", "no answer", "<answer>3</answer>"],  # c 2
+                   ["#### 11", "#### 10", "<answer>10</answer>", "#### 12"]]  # c 2
+    report = verify_samples(["p0", "p1"], ["3", "10"], completions, [[2, 2, 3, 2], [3, 3, 3, 2]], ks=(1, 2, 4))
+    m = report.metrics
+    assert m["pass@1"] == 0.5 and report.per_problem == [0.5, 0.5]
+    assert m["pass@2"] == pass_at_k(4, 2, 2) == 1 - 1 / 6  # 1 - C(2,2)/C(4,2) per problem
+    assert m["pass@4"] == 1.0
+    # p0 votes 3 for every k (k=2: a 3-4 tie goes to the first seen); p1 votes 11 (k=1), 11 (k=2: a tie), 10 (k=4)
+    assert (m["maj@1"], m["maj@2"], m["maj@4"]) == (0.5, 0.5, 1.0)
+    assert m["format_error_rate"] == 1 / 8 and m["mean_length"] == 20 / 8
+    assert len(report.verdicts) == 8
+    assert report.verdicts[2] == {"problem_id": "p0", "sample": 2, "solution": "3", "completion": "no answer",
+                                  "answer": "", "correct": False, "format_ok": False, "length": 3}
+    with pytest.raises(ValueError, match="no readable number"):
+        verify_samples(["x"], ["?"], [["#### 1"]], [[1]], ks=(1,))
+    with pytest.raises(ValueError, match=r"every k must be in \[1, n=4\]"):
+        verify_samples(["p0"], ["3"], completions[:1], [[1] * 4], ks=(5,))
