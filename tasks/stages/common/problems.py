@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from rlhf_core.arithmetic import Problem, generate_problems, split_problems
+from rlhf_core.rewards import accuracy_reward, gold_answer
 from tasks.spec.task import TaskParams
 
 
@@ -46,4 +47,34 @@ def answer_histogram(rows: list[dict]) -> list[dict]:
     return [{"gold_bin": d, "count": digits[d]} for d in sorted(digits)]
 
 
-__all__ = ["answer_histogram", "arithmetic_datasets", "problem_rows"]
+def solutions_of(rows: list[dict], where: str) -> list[str]:
+    """Each prompt row's ``solution``, checked: a ValueError naming ``where`` (the file), the row (1-based, as its
+    line in the JSONL file) and the column when one is missing or has no number the verifier can read."""
+    solutions = []
+    for line, row in enumerate(rows, start=1):
+        if "solution" not in row:
+            raise ValueError(f"{where}: row {line} has no 'solution' column (columns: {sorted(row)}); the "
+                             "verifier reward needs each prompt's answer")
+        if gold_answer(row["solution"]) is None:
+            raise ValueError(f"{where}: row {line}, column 'solution': {row['solution']!r} has no number the "
+                             "verifier can read")
+        solutions.append(str(row["solution"]))
+    return solutions
+
+
+def verifier_scores(queries: list[str], solutions: list[str]):
+    """PPO's ``(queries, responses) -> scores`` with the verifier: each response's ``accuracy_reward`` against the
+    solution of its query (``queries`` and ``solutions`` are the prompt file's, row by row)."""
+    by_query: dict[str, str] = {}
+    for query, solution in zip(queries, solutions):
+        if by_query.setdefault(query, solution) != solution:
+            raise ValueError(f"the prompt {query!r} appears with two solutions, {by_query[query]!r} and {solution!r}")
+
+    def score(batch_queries: list[str], responses: list[str]) -> list[float]:
+        rewards = accuracy_reward(responses, [by_query[q] for q in batch_queries])
+        return [float(r) for r in rewards]  # never None: every solution was checked readable above
+
+    return score
+
+
+__all__ = ["answer_histogram", "arithmetic_datasets", "problem_rows", "solutions_of", "verifier_scores"]
