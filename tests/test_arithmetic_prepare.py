@@ -61,3 +61,37 @@ def test_a_bad_task_is_refused_naming_the_key(project):
         set_task(project, **bad)
         with pytest.raises(ParamsError, match=match):
             load_params(project / "params.yaml")
+
+
+def test_prepare_reads_a_users_problems_file(project):
+    from tasks.run.stage_task import run_stage
+
+    lines = [{"question": f"{i} + {i} =", "answer": str(2 * i), **({"worked": f" {i} + {i} = {2 * i} #### {2 * i}"}
+                                                                   if i % 2 else {})} for i in range(20)]
+    (project / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    set_task(project, name="problems", prompt_field="question", answer_field="answer", completion_field="worked",
+             answer_format="tag")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["prepare"].update(source="mine.jsonl", eval_fraction=0.25)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    metrics = run_stage("prepare", str(project))
+    assert (metrics["num_train"], metrics["num_prompts_eval"]) == (15, 5)
+    train = rows(project, "prompts_train")
+    assert {r["id"] for r in train + rows(project, "prompts_eval")} == {f"mine.jsonl:{i}" for i in range(1, 21)}
+    texts = [r["text"] for r in rows(project, "sft_train")]
+    completions = [t[len(r["query"]):] for t, r in zip(texts, train)]
+    assert accuracy_reward(completions, [r["solution"] for r in train]) == [1.0] * 15  # worked or stated answers
+    assert any("<answer>" in c for c in completions) and any("####" in c for c in completions)
+
+
+def test_a_bad_users_file_is_refused_naming_file_row_and_column_and_nothing_is_written(project):
+    from tasks.run.stage_task import run_stage
+
+    (project / "mine.jsonl").write_text('{"prompt": "1 + 1 =", "solution": "2"}\n{"prompt": "2 + 2 ="}\n')
+    set_task(project, name="problems")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["prepare"]["source"] = "mine.jsonl"
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    with pytest.raises(Exception, match=r"prepare.source: .*mine.jsonl:2: no column 'solution'"):
+        run_stage("prepare", str(project))
+    assert not (project / "data" / "prompts_train.jsonl").exists()

@@ -1,9 +1,10 @@
-"""The ``task`` section of params.yaml: which task every stage serves, and the arithmetic task's problems.
+"""The ``task`` section of params.yaml: which task every stage serves, and where its problems come from.
 
 A task is data, a reward and a metric (DESIGN.md): ``sentiment`` (reviews, a learned reward model, the VADER gold
-judge; the default) or ``arithmetic`` (problems generated offline from ``prepare.seed`` by
-``rlhf_core.arithmetic``, scored by a verifier). The keys below the name are the arithmetic task's difficulty
-controls; the sentiment task does not read them (its outputs do not depend on them). A stage that reads the task
+judge; the default), ``arithmetic`` (problems generated offline from ``prepare.seed`` by
+``rlhf_core.arithmetic``, scored by a verifier) or ``problems`` (a user's own file of problems and answers named by
+``prepare.source``, scored by the same verifier). The keys below the name are the arithmetic task's difficulty
+controls and the columns of a user's file; the sentiment task does not read them (its outputs do not depend on them). A stage that reads the task
 declares it (its row's ``task_reads``: :data:`TASK_READS` join its params in dvc.yaml).
 """
 
@@ -15,8 +16,8 @@ from typing import Any, ClassVar
 from rlhf_core.arithmetic import ANSWER_STYLES, OPERATIONS, ArithmeticSpec
 from tasks.spec.param_rules import ValueRules
 
-TASKS = ("sentiment", "arithmetic")
-"""The shipped tasks."""
+TASKS = ("sentiment", "arithmetic", "problems")
+"""The tasks: the two shipped ones, and ``problems``, a user's own file of problems and answers."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,13 @@ class TaskParams:
     """Arithmetic: training problems (SFT's worked solutions and the RL prompts)."""
     num_eval: int
     """Arithmetic: held-out problems (evaluation), none of them a training problem."""
+    prompt_field: str
+    """Problems: the column of ``prepare.source`` holding each prompt (text; ``rlhf_core.user_problems``)."""
+    answer_field: str
+    """Problems: the column holding each answer the verifier checks."""
+    completion_field: str
+    """Problems: the column holding a worked solution for SFT (optional per row; without one SFT learns
+    ``answer_format``'s statement of the answer)."""
 
     def problems(self, name: str) -> list[str]:
         """Difficulty controls the generator accepts (its own checks, named by key)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.data import (
+    DataFormatError,
     IncomingData,
     bound_reviews,
     clean_text,
@@ -31,9 +32,10 @@ from rlhf_core.data import (
 )
 from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
+from rlhf_core.user_problems import read_problems
 from tasks.process.logs import get_logger
-from tasks.stages.common.problems import answer_histogram, arithmetic_datasets
-from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
+from tasks.stages.common.problems import answer_histogram, arithmetic_datasets, user_datasets
+from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_error, source_fingerprint, source_path
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
 from tasks.spec.task import task_of
@@ -187,10 +189,22 @@ def gold_histogram(gold: list[float]) -> list[dict]:
             for lo, hi in zip(bins[:-1], bins[1:])]
 
 
-def arithmetic_body(ctx: StageContext) -> StageResult:
-    """The arithmetic task's datasets (``tasks/stages/common/problems.py``): generated problems, no source read."""
-    task, run = task_of(ctx.params), ctx.run
-    datasets = arithmetic_datasets(task, ctx.section.seed)
+def verifiable_body(ctx: StageContext) -> StageResult:
+    """A verifiable task's datasets (``tasks/stages/common/problems.py``): generated problems (``arithmetic``) or
+    the user's file named by ``prepare.source`` (``problems``), every row checked before anything is written."""
+    task, run, p = task_of(ctx.params), ctx.run, ctx.section
+    if task.name == "arithmetic":
+        datasets = arithmetic_datasets(task, p.seed)
+    else:
+        path = source_path(p, ctx.root)
+        if path is None:
+            raise ValueError(f"prepare.source: task 'problems' reads a local JSONL, CSV or Parquet file of problems, "
+                             f"got {p.source!r}")
+        try:
+            problems = read_problems(path, task.prompt_field, task.answer_field, task.completion_field)
+        except (DataFormatError, FileNotFoundError) as error:
+            raise source_error(p, error) from None
+        datasets = user_datasets(problems, task, p.eval_fraction, p.seed)
     files = {name: ctx.out(name) for name in DATASETS}
     counts = write_datasets(files, datasets)
     metrics = {"task": task.name, "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
@@ -200,15 +214,15 @@ def arithmetic_body(ctx: StageContext) -> StageResult:
         run.log_dataset(files[name], name, context="eval" if "eval" in name or name == "heldout" else "training")
     run.log_table("problem_samples", [{"query": r["query"], "solution": r["solution"]}
                                       for r in datasets["prompts_train"][:20]])
-    get_logger().info("prepare: %d training and %d held-out arithmetic problems (%s)", counts["sft_train"],
-                      counts["heldout"], task.spec())
+    get_logger().info("prepare: %d training and %d held-out problems (task %s)", counts["sft_train"],
+                      counts["heldout"], task.name)
     return StageResult(metrics, answer_histogram(datasets["prompts_train"]))
 
 
 def body(ctx: StageContext) -> StageResult:
     """Materialise the datasets of ``params.yaml:prepare`` for the task of ``params.yaml:task``."""
-    if task_of(ctx.params).name == "arithmetic":
-        return arithmetic_body(ctx)
+    if task_of(ctx.params).name != "sentiment":
+        return verifiable_body(ctx)
     p, run, log = ctx.section, ctx.run, get_logger()
     reviews = load_source(p, ctx.root)  # read and validate everything first
     incoming_dir = ctx.io.deps["incoming"]

@@ -1,4 +1,5 @@
-"""What ``prepare`` makes for the arithmetic task: the same six datasets as for sentiment, from generated problems.
+"""What ``prepare`` makes for a verifiable task (``arithmetic``: generated problems; ``problems``: a user's file):
+the same six datasets as for sentiment.
 
 The problems come from ``rlhf_core.arithmetic`` with the ``task`` section's difficulty controls and
 ``prepare.seed``: one pool of distinct problems cut into training and held-out parts, so no held-out problem is
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rlhf_core.arithmetic import Problem, generate_problems, split_problems
+import random
+
+from rlhf_core.arithmetic import ANSWER_STYLES, Problem, generate_problems, split_problems
 from rlhf_core.rewards import accuracy_reward, gold_answer
 from tasks.spec.task import TaskParams
 
@@ -40,10 +43,40 @@ def arithmetic_datasets(task: TaskParams, seed: int) -> dict[str, list[dict]]:
     }
 
 
+def user_datasets(problems: list[dict], task: TaskParams, eval_fraction: float, seed: int) -> dict[str, list[dict]]:
+    """The six datasets from a user's checked problems (``rlhf_core.user_problems.read_problems``): a seeded
+    shuffle cut by ``eval_fraction``; SFT learns each row's worked solution, or the answer stated in
+    ``task.answer_format`` where the row has none. Plain-text prompts only: the stages after prepare sample from
+    text (a conversational prompt is refused here, naming its row, rather than failing in a later stage)."""
+    for problem in problems:
+        if not isinstance(problem["prompt"], str) or not isinstance(problem["completion"], (str, type(None))):
+            raise ValueError(f"{problem['id']}: a conversational row (a list of messages); the pipeline's stages take "
+                             "plain-text prompts and completions so far (GRPOTrainer/RLOOTrainer and SFTTrainer take "
+                             "conversations in the library)")
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    held = max(1, round(eval_fraction * len(problems)))
+    if held >= len(problems):
+        raise ValueError(f"{len(problems)} problems leave none to train on with eval_fraction={eval_fraction}")
+    rows = [problems[i] for i in order]
+    train, held_out = rows[held:], rows[:held]
+
+    def text(problem: dict) -> str:
+        target = problem["completion"] or " " + ANSWER_STYLES[task.answer_format].format(problem["solution"])
+        return problem["prompt"] + target
+
+    def prompt_rows(part: list[dict]) -> list[dict]:
+        return [{"id": p["id"], "query": p["prompt"], "solution": p["solution"]} for p in part]
+
+    return {"sft_train": [{"text": text(p)} for p in train], "heldout": [{"text": text(p)} for p in held_out],
+            "prompts_train": prompt_rows(train), "prompts_eval": prompt_rows(held_out), "preferences": [],
+            "ratings": []}
+
+
 def answer_histogram(rows: list[dict]) -> list[dict]:
     """plots/prepare.csv for the arithmetic task: training problems per number of answer digits, in prepare's
     columns (``gold_bin``: the digit count, ``count``)."""
-    digits = Counter(len(str(abs(int(r["solution"])))) for r in rows)
+    digits = Counter(len(str(abs(int(gold_answer(r["solution"]))))) for r in rows)  # a fraction counts its integer part
     return [{"gold_bin": d, "count": digits[d]} for d in sorted(digits)]
 
 
@@ -77,4 +110,4 @@ def verifier_scores(queries: list[str], solutions: list[str]):
     return score
 
 
-__all__ = ["answer_histogram", "arithmetic_datasets", "problem_rows", "solutions_of", "verifier_scores"]
+__all__ = ["answer_histogram", "arithmetic_datasets", "problem_rows", "solutions_of", "user_datasets", "verifier_scores"]
