@@ -21,8 +21,12 @@ def project(tmp_path, monkeypatch):
 
 
 def set_task(project, **task):
+    """The task's keys, and what a verifiable task needs of the other sections (tasks.spec.task.task_problems)."""
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["task"].update(task)
+    params["dpo"]["enabled"] = params["kto"]["enabled"] = False
+    for stage in ("ppo", "grpo", "rloo"):
+        params[stage]["reward"] = "verifier"
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -59,6 +63,15 @@ def test_a_bad_task_is_refused_naming_the_key(project):
                        (dict(min_digits=3, max_digits=2), "min_digits"), (dict(steps=0), "task.steps")):
         set_task(project, name="arithmetic", min_digits=1, max_digits=2, operations="+-", steps=1)
         set_task(project, **bad)
+        with pytest.raises(ParamsError, match=match):
+            load_params(project / "params.yaml")
+    set_task(project, name="arithmetic", min_digits=1, max_digits=2, operations="+-", steps=1)
+    load_params(project / "params.yaml")  # valid again
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    for stage, key, value, match in (("dpo", "enabled", True, "dpo.enabled must be false for task.name: arithmetic"),
+                                     ("grpo", "reward", "gold", "grpo.reward must be verifier")):
+        broken = {**params, stage: {**params[stage], key: value}}
+        (project / "params.yaml").write_text(yaml.safe_dump(broken, sort_keys=False))
         with pytest.raises(ParamsError, match=match):
             load_params(project / "params.yaml")
 

@@ -45,8 +45,9 @@ def test_sft_then_grpo_on_the_verifier_through_the_stages(tmp_path, monkeypatch)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
     project = make_project(tmp_path / "proj", {"task.name": "arithmetic", "task.num_train": 64, "task.num_eval": 8,
-                                               "grpo.reward": "verifier", "ppo.reward": "verifier",
-                                               "ppo.sample_every": 0}, git_dvc=False)
+                                               "grpo.reward": "verifier", "rloo.reward": "verifier",
+                                               "ppo.reward": "verifier", "ppo.sample_every": 0, "dpo.enabled": False,
+                                               "kto.enabled": False}, git_dvc=False)
     run_stage("prepare", str(project))
     run_stage("sft", str(project))
     metrics = run_stage("grpo", str(project))

@@ -74,10 +74,25 @@ TASK_READS = tuple(f"task.{f.name}" for f in fields(TaskParams))
 """The dotted keys a task-reading stage declares (all of the section)."""
 
 
+def task_problems(params: Any) -> list[str]:
+    """What a verifiable task cannot run yet, by key: the preference stages (no verifier-labelled pairs yet) and a
+    policy stage on a reward the task does not have (no reward model is trained for it). Empty for sentiment."""
+    task = params.section("task")
+    if task.name == "sentiment":
+        return []
+    found = [f"{stage}.enabled must be false for task.name: {task.name} (its preference data, verifier-labelled "
+             "samples of the SFT policy, is not made yet)" for stage in ("dpo", "kto")
+             if params.section(stage).enabled]
+    found += [f"{stage}.reward must be verifier for task.name: {task.name} (no reward model is trained for it)"
+              for stage in ("ppo", "grpo", "rloo") if params.section(stage).enabled
+              and params.section(stage).reward != "verifier"]
+    return found
+
+
 def task_of(params: Any) -> TaskParams:
     """The ``task`` section as :class:`TaskParams` from a stage's params view (which hands out declared keys only)."""
     section = params.section("task")
     return TaskParams(**{f.name: getattr(section, f.name) for f in fields(TaskParams)})
 
 
-__all__ = ["TASKS", "TASK_READS", "TaskParams", "task_of"]
+__all__ = ["TASKS", "TASK_READS", "TaskParams", "task_of", "task_problems"]

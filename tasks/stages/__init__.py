@@ -16,7 +16,8 @@ from pathlib import Path
 from tasks.spec import params
 from tasks.spec.params import PARAMS_FILE, Params, PathsParams, RegistryParams
 from tasks.spec.stage import Stage
-from tasks.spec.task import TASK_READS, TaskParams
+from tasks.spec.param_rules import ParamsError
+from tasks.spec.task import TASK_READS, TaskParams, task_problems
 from tasks.stages import ddpo, dpo, evaluate, grpo, kto, ppo, prepare, reward_model, rloo, sft
 
 _TRAINING = (
@@ -79,7 +80,15 @@ SECTIONS: dict[str, type] = {"paths": PathsParams, "task": TaskParams, **{s.name
 
 def parse_params(raw: object, source: str = PARAMS_FILE) -> Params:
     """:class:`tasks.spec.params.Params` from a parsed params.yaml, checked against every section of the table."""
-    return params.parse(raw, SECTIONS, POLICIES, source)
+    return _check_task(params.parse(raw, SECTIONS, POLICIES, source), source)
+
+
+def _check_task(parsed: Params, source: str) -> Params:
+    """The task's rules across sections (``tasks.spec.task.task_problems``), before any stage runs."""
+    found = task_problems(parsed)
+    if found:
+        raise ParamsError(f"{source}: {found[0]}")
+    return parsed
 
 
 def stage_files(paths: PathsParams) -> dict:
@@ -89,7 +98,7 @@ def stage_files(paths: PathsParams) -> dict:
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Read and check a params.yaml against every section of the table."""
-    return params.load(path, SECTIONS, POLICIES)
+    return _check_task(params.load(path, SECTIONS, POLICIES), str(path))
 
 
 __all__ = ["BY_NAME", "DEFAULT_STAGES", "LAUNCHABLE", "NAMES", "POLICIES", "POLICY_STAGES", "SECTIONS", "STAGES",
