@@ -34,8 +34,10 @@ def test_the_stages_accept_the_verifier_and_grpo_gets_trls_accuracy_reward(tmp_p
 
 @pytest.mark.slow
 def test_sft_then_grpo_on_the_verifier_through_the_stages(tmp_path, monkeypatch):
-    """The arithmetic task through prepare -> sft -> grpo and ppo with ``reward: verifier`` (tiny sizes, no reward
-    model): their rewards are the verifier's 0/1 verdicts."""
+    """The arithmetic task through prepare -> sft -> grpo, ppo, rloo with ``reward: verifier`` (tiny sizes, no reward
+    model; their rewards are the verifier's 0/1 verdicts) -> evaluate (n samples per problem, pass@k, maj@k, one
+    verdict row per sample)."""
+    import csv
     import json
 
     from _pipeline_project import make_project
@@ -59,3 +61,22 @@ def test_sft_then_grpo_on_the_verifier_through_the_stages(tmp_path, monkeypatch)
         index = lines[0].split(",").index(column)
         rewards = [float(line.split(",")[index]) for line in lines[1:]]
         assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards), (stage, rewards)  # a mean of 0/1 verdicts
+    for stage in ("rloo", "dpo", "kto"):  # dpo and kto are off for a verifiable task: placeholders
+        run_stage(stage, str(project))
+    run_stage("evaluate", str(project))
+    results = json.loads((project / "metrics" / "evaluate.json").read_text())
+    assert set(results) == {"sft", "ppo", "grpo", "rloo", "scored"}
+    for policy in ("sft", "ppo", "grpo", "rloo"):
+        m = results[policy]
+        assert {"pass@1", "pass@4", "pass@8", "maj@1", "maj@4", "maj@8", "format_error_rate", "mean_length",
+                "kl"} == set(m)
+        assert 0 <= m["pass@1"] <= m["pass@4"] <= m["pass@8"] <= 1 and 0 <= m["format_error_rate"] <= 1
+    assert results["sft"]["kl"] == 0.0
+    with (project / "data" / "evaluate_prompts.csv").open(newline="", encoding="utf-8") as f:
+        verdicts = list(csv.DictReader(f))  # completions may hold newlines: read as CSV, not lines
+    assert list(verdicts[0]) == ["policy", "problem_id", "sample", "solution", "answer", "correct", "format_ok",
+                                 "length", "completion"]
+    assert len(verdicts) == 4 * 8 * 8  # policies x held-out problems (evaluate.num_prompts) x samples
+    problems = {r["id"]: r["solution"] for r in
+                (json.loads(line) for line in (project / "data" / "prompts_eval.jsonl").read_text().splitlines())}
+    assert all(problems[v["problem_id"]] == v["solution"] for v in verdicts)

@@ -25,7 +25,7 @@ class TaskParams:
     """The task the pipeline serves and, for ``arithmetic``, its problems."""
 
     RULES: ClassVar[ValueRules] = ValueRules(
-        positive_ints=("min_digits", "max_digits", "steps", "num_train", "num_eval"),
+        positive_ints=("min_digits", "max_digits", "steps", "num_train", "num_eval", "samples_per_problem"),
         choices={"name": TASKS, "answer_format": tuple(ANSWER_STYLES)})
     """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
@@ -45,6 +45,10 @@ class TaskParams:
     """Arithmetic: training problems (SFT's worked solutions and the RL prompts)."""
     num_eval: int
     """Arithmetic: held-out problems (evaluation), none of them a training problem."""
+    samples_per_problem: int
+    """Evaluate: samples of each held-out problem per policy (the n of pass@k)."""
+    pass_k: list
+    """Evaluate: the k of pass@k and maj@k reported (each in [1, samples_per_problem]; pass@1 always is)."""
     prompt_field: str
     """Problems: the column of ``prepare.source`` holding each prompt (text; ``rlhf_core.user_problems``)."""
     answer_field: str
@@ -54,9 +58,13 @@ class TaskParams:
     ``answer_format``'s statement of the answer)."""
 
     def problems(self, name: str) -> list[str]:
-        """Difficulty controls the generator accepts (its own checks, named by key)."""
+        """Difficulty controls the generator accepts (its own checks, named by key) and the k of pass@k."""
         if any(op not in OPERATIONS for op in self.operations) or not self.operations:
             return [f"{name}.operations must be made of {''.join(OPERATIONS)}, got {self.operations!r}"]
+        if not self.pass_k or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.samples_per_problem
+                                  for k in self.pass_k):
+            return [f"{name}.pass_k must be a list of integers in [1, {name}.samples_per_problem="
+                    f"{self.samples_per_problem}], got {self.pass_k!r}"]
         try:
             self.spec()
         except ValueError as err:

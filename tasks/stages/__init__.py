@@ -59,6 +59,7 @@ STAGES: tuple[Stage, ...] = (
                 **{f"windows/{s.name}": f"{{plots}}/{s.name}_windows.csv" for s in _TRAINING if s.windows},
                 **{f"policy/{s.name}": f"{{models}}/{s.name}" for s in _TRAINING if s.policy}},
           outs={"prompt_scores": "{data}/evaluate_prompts.csv"}, plot_columns=evaluate.COLUMNS, plot=evaluate.PLOT,
+          task_reads=TASK_READS,
           extra_plots={"frontier": evaluate.FRONTIER_PLOT}),
     Stage("ddpo", ddpo.DDPOParams, ddpo.body, deps={}, outs={"model": "{models}/ddpo"}, plot_columns=ddpo.COLUMNS, plot=ddpo.PLOT,
           optional=True),
