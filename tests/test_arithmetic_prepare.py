@@ -54,6 +54,11 @@ def test_prepare_writes_the_arithmetic_task_from_params(project):
     assert (project / "data" / "prompts_eval.jsonl").read_bytes() == first  # seeded: the same bytes again
     plot = (project / "plots" / "prepare.csv").read_text().splitlines()
     assert plot[0] == "gold_bin,count" and sum(int(line.split(",")[1]) for line in plot[1:]) == 60
+    # no reward model for a verifiable task: its stage writes placeholders, as a disabled stage does
+    from tasks.store.placeholders import is_placeholder
+
+    assert run_stage("reward_model", str(project)) == {"enabled": False}
+    assert is_placeholder(project / "models" / "reward_model")
 
 
 def test_a_bad_task_is_refused_naming_the_key(project):
