@@ -1,4 +1,5 @@
-"""Policy evaluation: sampling, gold/learned reward, KL to a reference, perplexity, win rate.
+"""Policy evaluation: sampling, gold/learned reward, KL to a reference, perplexity, win rate; for verifiable tasks
+with n samples per problem, pass@k (unbiased), pass@1 and maj@k.
 
 Pure-ish: models and texts in, numbers and texts out; no files, no trackers. ``B`` batch, ``T`` sequence,
 ``A`` response tokens.
@@ -9,11 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
 
 import torch
 
 from rlhf_core.core import sequence_logprobs
 from rlhf_core.models.padding import pad_id_of
+from rlhf_core.rewards.answers import parse_number
+from rlhf_core.rewards.verifiers import verify
 from rlhf_core.trainers.experience import build_causal_batch
 from rlhf_core.trainers.forward import response_forward
 from rlhf_core.trainers.generation import sample_completions
@@ -163,6 +168,99 @@ def paired_bootstrap(scores: Sequence[float], baseline: Sequence[float], samples
     low, high = np.quantile(means, [tail, 1 - tail])
     return PairedTest(n=len(diff), gain=float(diff.mean()), low=float(low), high=float(high),
                       p_value=float((1 + np.count_nonzero(means <= 0)) / (1 + samples)))
+
+
+# ---- verifiable tasks: n samples per problem, c of them correct
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem from ``n`` samples of which ``c`` are correct (Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code"): the chance that ``k`` samples drawn without replacement from the ``n``
+    hold at least one correct one, ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    # exact rational arithmetic, rounded once: the nearest float on every machine. comb(n - c, k) is 0 when
+    # n - c < k (every k-subset holds a correct sample): pass@k = 1.
+    return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
+
+
+def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
+    """pass@k averaged over problems, each given as ``(n, c)``; with ``k = 1`` it is pass@1, the mean of c / n."""
+    if not counts:
+        raise ValueError("mean_pass_at_k needs at least one problem")
+    return math.fsum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
+
+
+def pass_at_1(counts: Sequence[tuple[int, int]]) -> float:
+    """The mean over problems of c / n (``(n, c)`` per problem): the expected accuracy of one sample."""
+    return mean_pass_at_k(counts, 1)
+
+
+def majority_answer(answers: Sequence[Any]) -> Any:
+    """The most frequent answer that is not None (ties: the one seen first); None when every answer is None."""
+    votes: dict[Any, int] = {}
+    for answer in answers:
+        if answer is not None:
+            votes[answer] = votes.get(answer, 0) + 1
+    return max(votes, key=votes.__getitem__) if votes else None  # max keeps the first of equal counts
+
+
+def maj_at_k(answers: Sequence[Any], correct: Sequence[bool], k: int) -> float:
+    """maj@k of one problem: 1.0 if the majority vote over the first ``k`` samples' (normalised, hashable) answers
+    is a correct answer, else 0.0. ``answers[i]`` is sample i's answer (None: it stated none) and ``correct[i]``
+    whether it is right; samples without an answer do not vote, and if none answers the vote is lost."""
+    if len(answers) != len(correct) or not 1 <= k <= len(answers):
+        raise ValueError(f"maj_at_k needs equal lists of at least k={k} samples, got {len(answers)} and {len(correct)}")
+    winner = majority_answer(answers[:k])
+    if winner is None:
+        return 0.0
+    return float(next(bool(ok) for a, ok in zip(answers[:k], correct[:k]) if a == winner))
+
+
+@dataclass(frozen=True)
+class VerifiedSamples:
+    """A verifiable evaluation: ``n`` samples per problem judged by a verifier."""
+
+    metrics: dict[str, float]
+    """``pass@1``, ``pass@<k>`` and ``maj@<k>`` for each k, ``format_error_rate`` (share of samples stating no
+    readable answer) and ``mean_length`` (completion tokens)."""
+    per_problem: list[float]
+    """Each problem's c / n in problem order: what the gate's paired bootstrap compares between two policies."""
+    verdicts: list[dict[str, Any]]
+    """One row per sample: ``problem_id``, ``sample``, ``solution``, ``completion``, ``answer`` (as written, or
+    empty), ``correct``, ``format_ok`` and ``length``: the record a reviewer can open."""
+
+
+def verify_samples(problem_ids: Sequence[str], solutions: Sequence[Any], completions: Sequence[Sequence[str]],
+                   lengths: Sequence[Sequence[int]], ks: Sequence[int]) -> VerifiedSamples:
+    """Judge ``completions[i]`` (the n samples of problem i, all problems with the same n) against
+    ``solutions[i]`` with ``rlhf_core.rewards.verify``; pass@k (unbiased) and maj@k for every k in ``ks``.
+    A problem whose solution has no readable number is an error: it cannot be scored."""
+    sizes = {len(c) for c in completions}
+    if len(sizes) != 1 or len(problem_ids) != len(solutions) or len(solutions) != len(completions):
+        raise ValueError(f"verify_samples needs one list of n completions per problem (same n), got "
+                         f"{len(problem_ids)} ids, {len(solutions)} solutions and sample counts {sorted(sizes)}")
+    n = sizes.pop()
+    if any(not 1 <= k <= n for k in ks):
+        raise ValueError(f"every k must be in [1, n={n}], got {list(ks)}")
+    counts, majority, rows = [], {k: [] for k in ks}, []
+    for pid, solution, samples, sample_lengths in zip(problem_ids, solutions, completions, lengths):
+        verdicts = [verify(text, solution) for text in samples]
+        if verdicts[0].correct is None:
+            raise ValueError(f"problem {pid!r}: its solution {solution!r} has no readable number")
+        correct = [bool(v.correct) for v in verdicts]
+        counts.append((n, sum(correct)))
+        answers = [parse_number(v.answer) for v in verdicts]
+        for k in ks:
+            majority[k].append(maj_at_k(answers, correct, k))
+        rows += [{"problem_id": pid, "sample": j, "solution": str(solution), "completion": text,
+                  "answer": v.answer or "", "correct": v.correct, "format_ok": v.format_ok, "length": int(length)}
+                 for j, (text, v, length) in enumerate(zip(samples, verdicts, sample_lengths))]
+    metrics = {"pass@1": pass_at_1(counts), **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks if k != 1},
+               **{f"maj@{k}": math.fsum(v) / len(v) for k, v in majority.items()},
+               "format_error_rate": sum(not r["format_ok"] for r in rows) / len(rows),
+               "mean_length": math.fsum(r["length"] for r in rows) / len(rows)}
+    return VerifiedSamples(metrics=metrics, per_problem=[c / n for n, c in counts], verdicts=rows)
 
 
 def evaluate_policy(policy, reference, tokenizer, prompts: Sequence[str], heldout_texts: Sequence[str],

@@ -39,6 +39,8 @@ def run_stage(name: str, root: str | Path = ".", parent_run_id: str | None = Non
     io = stage.io(params.paths)
     if not stage_enabled(params, name):
         return write_placeholders(stage, root, io)
+    if not stage.serves_task(params):
+        return write_placeholders(stage, root, io, f"task.name: {params.task.name} (it serves {', '.join(stage.serves)})")
     section = params.section(name)
     with stage_run(name, root, section, list(io.deps.values()), parent_run_id,
                    reads=cross_section_values(params, stage.reads)) as run:
@@ -66,8 +68,9 @@ def write_result(stage: Stage, root: Path, io: StageIO, result: StageResult) -> 
         write_csv(root / io.plots[name], list(rows), list(columns))
 
 
-def write_placeholders(stage: Stage, root: Path, io: StageIO) -> dict:
-    """A disabled stage's outputs: a placeholder at each output, ``{"enabled": false}``, header-only plots."""
+def write_placeholders(stage: Stage, root: Path, io: StageIO, reason: str | None = None) -> dict:
+    """A disabled stage's outputs (or those of a stage that does not serve the task, ``reason``): a placeholder at
+    each output, ``{"enabled": false}``, header-only plots."""
     for out in io.outs.values():
         write_placeholder(root / out, stage.name)
     metrics = {"enabled": False}
@@ -75,7 +78,7 @@ def write_placeholders(stage: Stage, root: Path, io: StageIO) -> dict:
     write_csv(root / io.plots["curve"], [], list(stage.plot_columns))
     if stage.windows:
         write_csv(root / io.plots["windows"], [], list(WINDOW_COLUMNS))
-    get_logger().info("%s: disabled (%s.enabled: false); placeholder outputs written", stage.name, stage.name)
+    get_logger().info("%s: disabled (%s); placeholder outputs written", stage.name, reason or f"{stage.name}.enabled: false")
     return metrics
 
 

@@ -93,13 +93,24 @@ class Stage:
     extra_plots: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """More plot files the body returns, by name (each written to ``plots/<name>.csv``: evaluate's frontier), with
     DVC's options of each."""
+    serves: tuple[str, ...] = ()
+    """The tasks (``task.name``) it does work for; under another it writes placeholders, as a disabled stage does
+    (the reward model under a verifiable task). Empty: every task."""
+    task_reads: tuple[str, ...] = ()
+    """The keys of the ``task`` section it reads (``tasks.spec.task.TASK_READS``: which task it serves, and that
+    task's data controls); empty for a stage that serves every task alike."""
     retries: int = 0
     """Prefect retries of a transient failure (never of bad input: ``tasks.run.stage_task.retry_unless_bad_input``)."""
 
     @property
     def reads(self) -> tuple[str, ...]:
-        """The dotted keys of other sections it reads (:data:`WINDOW_READS` for a windows stage)."""
-        return WINDOW_READS if self.windows else ()
+        """The dotted keys of other sections it reads (:data:`WINDOW_READS` for a windows stage, then its
+        ``task_reads``)."""
+        return (WINDOW_READS if self.windows else ()) + tuple(self.task_reads)
+
+    def serves_task(self, params: Any) -> bool:
+        """Whether it does work for the task of ``params`` (see ``serves``)."""
+        return not self.serves or params.section("task").name in self.serves
 
     def param_keys(self) -> list[str]:
         """What dvc.yaml lists as its params: every key of its section, then those it reads elsewhere."""

@@ -16,17 +16,20 @@ from pathlib import Path
 from tasks.spec import params
 from tasks.spec.params import PARAMS_FILE, Params, PathsParams, RegistryParams
 from tasks.spec.stage import Stage
+from tasks.spec.param_rules import ParamsError
+from tasks.spec.task import TASK_READS, TaskParams, task_problems
 from tasks.stages import ddpo, dpo, evaluate, grpo, kto, ppo, prepare, reward_model, rloo, sft
 
 _TRAINING = (
     Stage("prepare", prepare.PrepareParams, prepare.body, deps={"incoming": "{incoming}"},
           outs={name: f"{{data}}/{name}.jsonl" for name in prepare.DATASETS}, plot_columns=prepare.COLUMNS, plot=prepare.PLOT,
-          retries=2),
+          task_reads=TASK_READS, retries=2),
     Stage("sft", sft.SFTParams, sft.body, deps={"sft_train": "{data}/sft_train.jsonl"}, outs={"model": "{models}/sft"},
           plot_columns=sft.COLUMNS, plot=sft.PLOT, launchable=True),
     Stage("reward_model", reward_model.RewardModelParams, reward_model.body,
           deps={"preferences": "{data}/preferences.jsonl", "sft": "{models}/sft"},
-          outs={"model": "{models}/reward_model"}, plot_columns=reward_model.COLUMNS, plot=reward_model.PLOT, launchable=True),
+          outs={"model": "{models}/reward_model"}, plot_columns=reward_model.COLUMNS, plot=reward_model.PLOT, launchable=True,
+          serves=("sentiment",), task_reads=("task.name",)),
     Stage("ppo", ppo.PPOParams, ppo.body,
           deps={"prompts_train": "{data}/prompts_train.jsonl", "sft": "{models}/sft",
                 "reward_model": "{models}/reward_model", "prompts_eval": "{data}/prompts_eval.jsonl"},
@@ -60,6 +63,7 @@ STAGES: tuple[Stage, ...] = (
                 **{f"windows/{s.name}": f"{{plots}}/{s.name}_windows.csv" for s in _TRAINING if s.windows},
                 **{f"policy/{s.name}": f"{{models}}/{s.name}" for s in _TRAINING if s.policy}},
           outs={"prompt_scores": "{data}/evaluate_prompts.csv"}, plot_columns=evaluate.COLUMNS, plot=evaluate.PLOT,
+          task_reads=TASK_READS,
           extra_plots={"frontier": evaluate.FRONTIER_PLOT}),
     Stage("ddpo", ddpo.DDPOParams, ddpo.body, deps={}, outs={"model": "{models}/ddpo"}, plot_columns=ddpo.COLUMNS, plot=ddpo.PLOT,
           optional=True),
@@ -74,13 +78,22 @@ POLICY_STAGES = tuple(s.name for s in STAGES if s.policy)
 POLICIES = ("sft", *POLICY_STAGES)
 """What evaluate scores and ``registry.candidates`` may name."""
 LAUNCHABLE = tuple(s.name for s in STAGES if s.launchable)
-SECTIONS: dict[str, type] = {"paths": PathsParams, **{s.name: s.params for s in STAGES}, "registry": RegistryParams}
+SECTIONS: dict[str, type] = {"paths": PathsParams, "task": TaskParams, **{s.name: s.params for s in STAGES},
+                              "registry": RegistryParams}
 """params.yaml's sections, in the file's order."""
 
 
 def parse_params(raw: object, source: str = PARAMS_FILE) -> Params:
     """:class:`tasks.spec.params.Params` from a parsed params.yaml, checked against every section of the table."""
-    return params.parse(raw, SECTIONS, POLICIES, source)
+    return _check_task(params.parse(raw, SECTIONS, POLICIES, source), source)
+
+
+def _check_task(parsed: Params, source: str) -> Params:
+    """The task's rules across sections (``tasks.spec.task.task_problems``), before any stage runs."""
+    found = task_problems(parsed)
+    if found:
+        raise ParamsError(f"{source}: {found[0]}")
+    return parsed
 
 
 def stage_files(paths: PathsParams) -> dict:
@@ -90,7 +103,7 @@ def stage_files(paths: PathsParams) -> dict:
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Read and check a params.yaml against every section of the table."""
-    return params.load(path, SECTIONS, POLICIES)
+    return _check_task(params.load(path, SECTIONS, POLICIES), str(path))
 
 
 __all__ = ["BY_NAME", "DEFAULT_STAGES", "LAUNCHABLE", "NAMES", "POLICIES", "POLICY_STAGES", "SECTIONS", "STAGES",

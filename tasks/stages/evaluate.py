@@ -33,6 +33,8 @@ from tasks.store.placeholders import is_placeholder
 from tasks.stages.common.scoring import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, read_windows, score_policy,
                            write_prompt_scores)
 from tasks.spec.stage import StageContext, StageResult
+from tasks.spec.task import task_of
+from tasks.stages.common import verified_eval
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,9 @@ def _log_figures(run, results: dict, frontier: list[dict]) -> None:
 
 
 def body(ctx: StageContext) -> StageResult:
-    """Score SFT and every trained policy on the evaluation set."""
+    """Score SFT and every trained policy on the evaluation set (a verifiable task's problems: its own body)."""
+    if task_of(ctx.params).name != "sentiment":
+        return verified_eval.body(ctx, FRONTIER_COLUMNS)
     p, run, log = ctx.section, ctx.run, get_logger()
     dirs = {name: d for name, d in ctx.io.group("policy").items() if name == "sft" or not is_placeholder(ctx.root / d)}
     names = tuple(dirs)  # the policies of this run, in order: sft first

@@ -36,6 +36,7 @@ from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, SampledPolicy, as_dict
 from tasks.spec.paths import stage_checkpoint_dir
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.problems import solutions_of, verifier_scores
 from tasks.stages.common.samples import sample_windows, step_hook
 from tasks.stages.common.scoring import load_tokenizer
 from tasks.store.outputs import atomic_dir
@@ -47,8 +48,9 @@ PPO_CONFIG_KEYS = (
 )
 """The ``PPOConfig`` fields the ppo section sets, in params.yaml's order (types and docs: ``PPOConfig``)."""
 
-REWARDS = ("reward_model", "gold")
-"""``ppo.reward``: the learned reward model or the gold judge, or ``pipeline:<hub classifier>``."""
+REWARDS = ("reward_model", "gold", "verifier")
+"""``ppo.reward``: the learned reward model, the gold judge, the verifier (each prompt's ``solution``: the
+arithmetic task), or ``pipeline:<hub classifier>``."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class PPOStageParams(SampledPolicy):
     max_new_tokens: int
     """Tokens sampled per response."""
     reward: str
-    """``reward_model`` (the learned RM), ``gold`` (VADER) or ``pipeline:<hub classifier>``."""
+    """``reward_model`` (the learned RM), ``gold`` (VADER), ``verifier`` (``accuracy_reward`` on each prompt's
+    ``solution``) or ``pipeline:<hub classifier>``."""
     save_steps: int
     """Write the resumable PPO checkpoint every this many steps (0: only on SIGTERM/SIGINT)."""
 
@@ -92,7 +95,7 @@ class PPOParams(ConfigSection, config="PPOConfig", keys=PPO_CONFIG_KEYS, stage=P
              f"{self.gradient_accumulation_steps} = {backward})"),
             (self.total_steps < 1, f"{name}.total_steps must be >= 1"),
             (self.reward not in REWARDS and not self.reward.startswith("pipeline:"),
-             f"{name}.reward must be reward_model, gold or pipeline:<model>"),
+             f"{name}.reward must be reward_model, gold, verifier or pipeline:<model>"),
         ) if broken]
 
 
@@ -123,14 +126,16 @@ def body(ctx: StageContext) -> StageResult:
     from tasks.stages.common.resume import resume_key  # (tasks.stages.common.resume loads transformers too)
 
     p, run, log = ctx.section, ctx.run, get_logger()
-    prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_train"))]
+    rows = read_jsonl(ctx.dep("prompts_train"))
+    prompts = [r["query"] for r in rows]
     if len(prompts) < p.batch_size:
         raise ValueError(f"{ctx.io.deps['prompts_train']}: {len(prompts)} prompts, fewer than ppo.batch_size="
                          f"{p.batch_size}")
     state = stage_checkpoint_dir(ctx.root, "ppo", resume_key(run, p))
     trainer, tokenizer = _build_trainer(ctx, prompts)
     world = trainer.accelerator.num_processes
-    reward = _reward_fn(p.reward, str(ctx.dep("reward_model")))
+    reward = (verifier_scores(prompts, solutions_of(rows, ctx.io.deps["prompts_train"])) if p.reward == "verifier"
+              else _reward_fn(p.reward, str(ctx.dep("reward_model"))))
     # held-out samples every ppo.sample_every steps (table + reward-KL point; tasks/stages/common/samples.py)
     windows, _ = sample_windows(ctx, state.with_name(f"{state.name}.samples.json"), table="heldout_samples")
     policy = lambda: trainer.accelerator.unwrap_model(trainer.model).pretrained_model  # noqa: E731

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from rlhf_core.data import (
+    DataFormatError,
     IncomingData,
     bound_reviews,
     clean_text,
@@ -30,10 +31,13 @@ from rlhf_core.data import (
 )
 from rlhf_core.feedback import read_feedback_pairs, read_feedback_ratings
 from rlhf_core.rewards import GoldJudge
+from rlhf_core.user_problems import read_problems
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
-from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_fingerprint
+from tasks.spec.task import task_of
+from tasks.stages.common.problems import answer_histogram, arithmetic_datasets, user_datasets
+from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_error, source_fingerprint, source_path
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,40 @@ def gold_histogram(gold: list[float]) -> list[dict]:
             for lo, hi in zip(bins[:-1], bins[1:])]
 
 
+def verifiable_body(ctx: StageContext) -> StageResult:
+    """A verifiable task's datasets (``tasks/stages/common/problems.py``): generated problems (``arithmetic``) or
+    the user's file named by ``prepare.source`` (``problems``), every row checked before anything is written."""
+    task, run, p = task_of(ctx.params), ctx.run, ctx.section
+    if task.name == "arithmetic":
+        datasets = arithmetic_datasets(task, p.seed)
+    else:
+        path = source_path(p, ctx.root)
+        if path is None:
+            raise ValueError(f"prepare.source: task 'problems' reads a local JSONL, CSV or Parquet file of problems, "
+                             f"got {p.source!r}")
+        try:
+            problems = read_problems(path, task.prompt_field, task.answer_field, task.completion_field)
+        except (DataFormatError, FileNotFoundError) as error:
+            raise source_error(p, error) from None
+        datasets = user_datasets(problems, task, p.eval_fraction, p.seed)
+    files = {name: ctx.out(name) for name in DATASETS}
+    counts = write_datasets(files, datasets)
+    metrics = {"task": task.name, "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
+               "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],
+               "num_pairs": 0, "num_ratings": 0}
+    for name in DATASETS:
+        run.log_dataset(files[name], name, context="eval" if "eval" in name or name == "heldout" else "training")
+    run.log_table("problem_samples", [{"query": r["query"], "solution": r["solution"]}
+                                      for r in datasets["prompts_train"][:20]])
+    get_logger().info("prepare: %d training and %d held-out problems (task %s)", counts["sft_train"],
+                      counts["heldout"], task.name)
+    return StageResult(metrics, answer_histogram(datasets["prompts_train"]))
+
+
 def body(ctx: StageContext) -> StageResult:
-    """Materialise the datasets of ``params.yaml:prepare``."""
+    """Materialise the datasets of ``params.yaml:prepare`` for the task of ``params.yaml:task``."""
+    if task_of(ctx.params).name != "sentiment":
+        return verifiable_body(ctx)
     p, run, log = ctx.section, ctx.run, get_logger()
     reviews = load_source(p, ctx.root)  # read and validate everything first
     incoming_dir = ctx.io.deps["incoming"]

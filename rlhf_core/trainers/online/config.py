@@ -131,6 +131,16 @@ class OnlineRLConfig(TrainingArguments):
     """Upper clip range: the ratio is clipped above at ``1 + epsilon_high`` (DAPO: 0.28); None: ``epsilon``."""
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight per reward function."})
     """One weight per reward function (summed, weighted); None: all 1.0."""
+    reward_timeout: float | None = field(default=None, metadata={"help": "Seconds a reward function may take."})
+    """rlhf_core's addition (not in TRL 1.16): seconds a reward function may take on a batch. Past it, or when
+    it raises, it is called on each sample alone and only the samples it still fails are lost (NaN, counted in
+    ``rewards/<name>/failures``), never the run (``rlhf_core.rewards.contract``). None: no time limit, and plain
+    functions run on the trainer's thread as in TRL (a raising one still costs only its samples)."""
+    dynamic_sampling: bool = field(default=False, metadata={"help": "Leave all-equal groups out of the loss."})
+    """rlhf_core's addition (DAPO's dynamic sampling, not in TRL 1.16): groups whose rewards are all equal (no
+    learning signal: every advantage is 0) are left out of the loss, so they do not dilute the token mean; the
+    count is logged as ``dynamic_sampling/dropped_groups``. DAPO then samples more prompts to refill the batch;
+    here the batch is smaller instead (the next generation batch is not drawn early)."""
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Drop truncated completions."})
     """Leave completions that hit ``max_completion_length`` without EOS out of the loss (DAPO)."""
     sync_ref_model: bool = field(default=False, metadata={"help": "Mix the policy into the reference (TR-DPO)."})
@@ -208,5 +218,7 @@ class OnlineRLConfig(TrainingArguments):
             raise ValueError(
                 f"the global eval batch (per_device_eval_batch_size {self.per_device_eval_batch_size} * world_size "
                 f"{self.world_size}) must be divisible by the generations per eval prompt ({eval_generations})")
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise ValueError(f"reward_timeout must be > 0 seconds or None, got {self.reward_timeout}")
         if self.reward_weights is not None and any(not isinstance(w, (int, float)) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be numbers, got {self.reward_weights!r}")

@@ -33,6 +33,7 @@ from transformers import (
 
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.fused_kernels import fuse_kernels, fuses_on
+from rlhf_core.rewards.contract import RewardCall, call_reward_funcs
 from rlhf_core.trainers.base import (
     RlhfTrainerMixin,
     TrackingOptions,
@@ -40,12 +41,12 @@ from rlhf_core.trainers.base import (
     load_model,
     wrap_peft,
 )
+from rlhf_core.models.padding import ensure_pad_token
 from rlhf_core.trainers.experience import ModelBatch, Rollout, build_causal_batch
 from rlhf_core.trainers.forward import decide_reference, dropout_off, reference_model, response_forward
 from rlhf_core.trainers.generation import generate_batched
 from rlhf_core.trainers.online.config import OnlineRLConfig
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
-from rlhf_core.models.padding import ensure_pad_token
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 
@@ -175,7 +176,8 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         self._buffered: list[Rollout] | None = None
         self._step = 0
         self._step_time = 0.0  # seconds of the micro-steps of the current optimizer step (TRL's step_time)
-        self._last_samples: list[tuple[str, str, float]] = []
+        self._last_samples: list[tuple[str, str, float, dict[str, str]]] = []
+        self._last_extras: dict[str, list[str]] = {}  # log_extra's columns for the last generation batch
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
         if fuses_on(self.args.device):  # one-kernel GELU / RMSNorm on CUDA (the CPU stays byte-identical)
@@ -371,9 +373,14 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         queries, responses = self._sample(self._prompt_texts(prompts), conversational)
         tokenizer = self.processing_class
         truncated = torch.tensor([int(r[-1]) != tokenizer.eos_token_id for r in responses], device=self.args.device)
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        per_func = self._rewards(rows, prompts, completions, [r.tolist() for r in responses], mode)  # (B, F)
         batch = build_causal_batch(queries, responses, tokenizer.pad_token_id, left_pad=True)
         if self.args.mask_truncated_completions:
             batch = replace(batch, response_mask=batch.response_mask * (~truncated)[:, None].float())
+        if self.args.dynamic_sampling and mode == "train":
+            batch = self._drop_uniform_groups(per_func, batch, mode)
         ref = self._reference_logprobs(batch)
         forward, old = None, None
         if self._needs_old_logprobs() or self._needs_sampling_logprobs():
@@ -384,15 +391,14 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
                 old = forward[0].detach()
             else:
                 old = self._logprobs(self.model, batch)
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        per_func = self._rewards(rows, prompts, completions, [r.tolist() for r in responses])  # (B, F)
         advantages, scores = self._advantages_for(per_func, batch, old, ref, mode)
         num_items = self.accelerator.gather(batch.response_mask.sum().reshape(1)).sum()
         lengths = torch.tensor([float(len(r)) for r in responses], device=self.args.device)  # (B,)
         prompt_tokens = torch.tensor([float(len(q)) for q in queries], device=self.args.device).sum()
         self._log_rollout_stats(mode, per_func, scores, lengths, truncated, prompt_tokens)
-        self._last_samples = [(str(p), str(c), float(s)) for p, c, s in zip(prompts, completions, scores.tolist())]
+        extras = [{k: v[i] for k, v in self._last_extras.items() if i < len(v)} for i in range(len(prompts))]
+        self._last_samples = [(str(p), str(c), float(s), e)
+                              for p, c, s, e in zip(prompts, completions, scores.tolist(), extras)]
         return Rollout(batch=batch, advantages=advantages, old_logprobs=old, ref_logprobs=ref, num_items=num_items,
                        policy_forward=forward)
 
@@ -412,31 +418,76 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         return (args.steps_per_generation == 1 and not self._needs_old_logprobs() and args.disable_dropout
                 and torch.is_grad_enabled())
 
-    def _rewards(self, rows: list[dict], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
-        """(B, F) rewards, one column per reward function; ``None`` from a function becomes NaN (unscorable)."""
-        out = torch.zeros(len(prompts), len(self.reward_funcs), device=self.args.device)
+    def _rewards(self, rows: list[dict], prompts: list, completions: list, completion_ids: list, mode: str = "train"
+                 ) -> torch.Tensor:
+        """(B, F) rewards, one column per reward function, TRL 1.16's call (``rlhf_core.rewards.contract``): NaN
+        where a function returned None (not applicable), an infinity, or failed on that sample (raised, or
+        passed ``args.reward_timeout``; counted as ``rewards/<name>/failures``)."""
+        out = torch.full((len(prompts), len(self.reward_funcs)), math.nan, device=self.args.device)
+        self._last_extras = {}
         columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion",
                                                                                      "completion_ids")}
-        for i, (func, tok, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
-                                                  self.reward_func_names)):
-            if isinstance(func, torch.nn.Module):
+        callables = [i for i, func in enumerate(self.reward_funcs) if not isinstance(func, torch.nn.Module)]
+        for i, (func, tok) in enumerate(zip(self.reward_funcs, self.reward_processing_classes)):
+            if i not in callables:
                 out[:, i] = self._reward_model_scores(func, tok, prompts, completions)
-                continue
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                          trainer_state=self.state, **columns)
-            values = list(values)
-            if len(values) != len(prompts):
-                raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(prompts)} "
-                                 "completions; it must return one per completion")
-            out[:, i] = torch.tensor([math.nan if v is None else float(v) for v in values], device=out.device)
+        if callables:
+            kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                          trainer_state=self.state, log_extra=self._log_extra,
+                          log_metric=lambda name, value: self._metrics[mode][name].append(float(value)), **columns)
+            call = call_reward_funcs([self.reward_funcs[i] for i in callables],
+                                     [self.reward_func_names[i] for i in callables], kwargs, len(prompts),
+                                     self.args.reward_timeout)
+            for column, values in zip(callables, call.values):
+                out[:, column] = torch.tensor(values, dtype=torch.float32, device=out.device)
+            self._count_failures(call, [self.reward_func_names[i] for i in callables], prompts, mode)
+        return self._mask_infinite(out, prompts)
+
+    def _mask_infinite(self, out: torch.Tensor, prompts: list) -> torch.Tensor:
+        """An infinite reward is masked like a None one (unscorable: out of its group's statistics), and named."""
         infinite = torch.isinf(out)  # (B, F); one check per generation batch, the rewards are on the host anyway
-        if bool(infinite.any()):  # masked like a None reward (unscorable: out of its group's statistics), named
+        if bool(infinite.any()):
             for row, col in infinite.nonzero().tolist():
                 warnings.warn(f"reward function {self.reward_func_names[col]!r} returned {float(out[row, col])} for "
                               f"sample {row} (prompt {str(prompts[row])[:80]!r}): masked as unscorable (NaN), as a "
-                              "None reward is", RuntimeWarning, stacklevel=2)
+                              "None reward is", RuntimeWarning, stacklevel=3)
             out = out.masked_fill(infinite, math.nan)
         return out
+
+    def _log_extra(self, name: str, values: list) -> None:
+        """TRL 1.16's ``log_extra``: a reward function adds a column (one value per completion) to the samples."""
+        self._last_extras[name] = [str(v) for v in values]
+
+    def _count_failures(self, call: RewardCall, names: list[str], prompts: list, mode: str) -> None:
+        """Log each function's lost samples (all processes) and warn with its first error; if every function
+        failed on every sample there is no reward at all: that is a broken setup, not a flaky verifier."""
+        failures = self.accelerator.gather(torch.tensor(call.failures, dtype=torch.float32,
+                                                        device=self.args.device).reshape(1, -1)).sum(0)  # (F,)
+        for name, count, error in zip(names, failures.tolist(), call.errors):
+            self._metrics[mode][f"rewards/{name}/failures"].append(count)
+            if error is not None:
+                warnings.warn(f"reward function {name!r} failed on {int(count)} sample(s) (their reward is NaN, "
+                              f"unscorable); first error: {error}", RuntimeWarning, stacklevel=3)
+        if len(self.reward_funcs) == len(names) and all(f == len(prompts) for f in call.failures):
+            raise RuntimeError(f"every reward function failed on every sample of the batch; first error: "
+                               f"{call.errors[0]}")
+
+    def _drop_uniform_groups(self, per_func: torch.Tensor, batch: ModelBatch, mode: str) -> ModelBatch:
+        """DAPO's dynamic sampling: the rows of groups whose weighted rewards are all equal (gathered over the
+        processes, NaN ignored) leave the loss (response mask 0); the count is logged."""
+        weights = self.reward_weights.to(per_func.device)
+        unscorable = torch.isnan(per_func).all(dim=1)  # (B,)
+        scores = (per_func * weights).nansum(dim=1).masked_fill(unscorable, math.nan)  # (B,)
+        groups = self.accelerator.gather(scores).view(-1, self._group_size(mode))  # (N / G, G)
+        high = torch.where(torch.isnan(groups), -math.inf, groups).max(dim=1).values
+        low = torch.where(torch.isnan(groups), math.inf, groups).min(dim=1).values
+        uniform = ~(high > low)  # (N / G,); a group with fewer than two scorable rewards counts as uniform
+        self._metrics[mode]["dynamic_sampling/dropped_groups"].append(float(uniform.sum()))
+        self._metrics[mode]["dynamic_sampling/frac_dropped"].append(float(uniform.float().mean()))
+        keep = (~uniform).repeat_interleave(self._group_size(mode))  # (N,)
+        start = self.accelerator.process_index * len(scores)
+        keep = keep[start:start + len(scores)].to(batch.response_mask.dtype)  # (B,)
+        return replace(batch, response_mask=batch.response_mask * keep[:, None])
 
     @torch.no_grad()
     def _reward_model_scores(self, model: Any, tokenizer: Any, prompts: list, completions: list) -> torch.Tensor:
@@ -601,11 +652,12 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         if self.args.log_completions and self._last_samples and self.is_world_process_zero():
             samples = self._last_samples
             if self.args.log_unique_prompts:
-                samples = list({prompt: (prompt, c, r) for prompt, c, r in reversed(samples)}.values())[::-1]
+                samples = list({sample[0]: sample for sample in reversed(samples)}.values())[::-1]
             shown = samples[: self.args.num_completions_to_print or len(samples)]
-            for prompt, completion, score in shown:
+            for prompt, completion, score, extras in shown:
                 step = self.state.global_step
-                print(f"[{self.trainer_name} step {step}] {score:+.3f} | {prompt!r} -> {completion!r}")
+                extra = "".join(f" | {name}={value!r}" for name, value in extras.items())  # log_extra's columns
+                print(f"[{self.trainer_name} step {step}] {score:+.3f} | {prompt!r} -> {completion!r}{extra}")
         super().log(logs, *args, **kwargs)
 
 

@@ -11,15 +11,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rlhf_core.data import read_jsonl
-from rlhf_core.rewards import make_reward
+from rlhf_core.rewards import accuracy_reward, make_reward
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, PolicySwitch
 from tasks.spec.stage import StageContext, StageResult
 from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
+from tasks.stages.common.problems import solutions_of
 
-ONLINE_REWARDS = ("reward_model", "gold")
-"""What GRPO/RLOO optimise: the learned reward model (``models/reward_model``) or the gold judge (VADER)."""
+ONLINE_REWARDS = ("reward_model", "gold", "verifier")
+"""What GRPO/RLOO optimise: the learned reward model (``models/reward_model``), the gold judge (VADER), or the
+verifier (``rlhf_core.rewards.accuracy_reward`` on each prompt's ``solution``: the arithmetic task)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,10 @@ GENERATION_COLUMNS = ("reward", "reward_std", "kl")
 
 
 def text_reward(spec: str, reward_model_path: Path) -> Callable[..., list[float]]:
-    """A TRL ``reward_funcs`` callable scoring prompt + completion text with ``make_reward(spec)`` (as PPO does)."""
+    """A TRL ``reward_funcs`` callable scoring prompt + completion text with ``make_reward(spec)`` (as PPO does);
+    ``verifier``: ``accuracy_reward``, which reads the dataset's ``solution`` column."""
+    if spec == "verifier":
+        return accuracy_reward
     scorer = make_reward(spec, reward_model_path=str(reward_model_path))
 
     def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
@@ -91,7 +96,11 @@ def train_group_sampled(ctx: StageContext, config_class: type, trainer_class: ty
     from rlhf_core import set_seed
 
     stage, p, run, prompts_path = ctx.stage.name, ctx.section, ctx.run, ctx.io.deps["prompts_train"]
-    prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_train"))]
+    rows = read_jsonl(ctx.dep("prompts_train"))
+    prompts = [r["query"] for r in rows]
+    columns = {"prompt": prompts}
+    if p.reward == "verifier":  # the verifier reads each prompt's answer (TRL's contract: a dataset column)
+        columns["solution"] = solutions_of(rows, prompts_path)
     prompts_per_step = p.per_device_train_batch_size // p.num_generations
     if len(prompts) < prompts_per_step:
         raise ValueError(f"{prompts_path}: {len(prompts)} prompts, fewer than the {prompts_per_step} per step that "
@@ -106,7 +115,7 @@ def train_group_sampled(ctx: StageContext, config_class: type, trainer_class: ty
     def build(ck):
         args = trainer_arguments(config_class, p, ck.dir)
         return trainer_class(
-            model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+            model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict(columns),
             processing_class=tokenizer, callbacks=[ck.callback], tracker=run.tracker)
 
     trained, rows = train_policy(ctx, build, (trainer_class.__name__,

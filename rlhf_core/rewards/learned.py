@@ -1,4 +1,4 @@
-"""Reward functions: texts in, one float per text out.
+"""Learned and judged rewards: texts in, one float per text out (the sentiment task's rewards).
 
 - :class:`GoldJudge`: VADER's compound sentiment (-1..1), a lexicon judge that ships inside the
   ``vaderSentiment`` package and works offline. The pipeline's "human" labeller and its gold metric.
