@@ -50,15 +50,19 @@ def _pad_right(rows: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = 64,
-                     seed: int = 0) -> Samples:
+                     seed: int = 0, should_stop: Callable[[], bool] | None = None) -> Samples:
     """Pure sampling (no top-k/top-p) of up to ``max_new_tokens`` per prompt, cut after the first EOS.
 
     Seeded, so two policies are compared on the same random stream. The pad token is never sampled.
+    ``should_stop`` (optional) is asked after each new token: True ends the generation there (a server cancelling a
+    request that ran past its time); the caller knows the answers are then cut short.
     """
     model.eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     extra = {"suppress_tokens": [pad_id]} if pad_id != eos else {}
+    if should_stop is not None:
+        extra["stopping_criteria"] = _stopping_criteria(should_stop)
     device = next(model.parameters()).device
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -79,6 +83,17 @@ def sample_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
         torch.random.set_rng_state(generator_state)
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return Samples(list(prompts), query_ids, response_ids, responses)
+
+
+def _stopping_criteria(ask: Callable[[], bool]):
+    """transformers' stopping criteria that end every sequence once ``ask()`` says so (asked once per new token)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList  # only when a caller may stop sampling
+
+    class AskStop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), bool(ask()), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([AskStop()])
 
 
 @torch.no_grad()
