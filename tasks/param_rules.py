@@ -67,7 +67,7 @@ POSITIVE_FLOATS = {
     "rloo": ("learning_rate", "epsilon", "temperature"),
     "kto": ("beta", "learning_rate", "num_train_epochs"),
     "ddpo": ("train_learning_rate", "train_clip_range"),
-    "registry": ("max_kl",),
+    "registry": ("max_kl", "max_kl_increase"),
 }
 """Finite and > 0 (NaN, inf, 0 and negatives rejected)."""
 

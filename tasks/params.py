@@ -136,6 +136,9 @@ class RegistryParams:
     """Challenger must beat the champion's metric by at least this much."""
     max_kl: float
     """Challenger's KL to the SFT reference must not exceed this."""
+    max_kl_increase: float
+    """Nor its KL exceed the champion's by more than this (the gate reports the change either way): a jump from 3.8
+    to 9.3 was once promoted without a word, within ``max_kl``."""
     significance: float
     """And the win must be larger than the evaluation's noise: the paired bootstrap test over the evaluation
     prompts (rlhf_core.evaluation.paired_bootstrap) must give a one-sided p-value below this."""

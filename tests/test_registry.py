@@ -15,7 +15,8 @@ from tasks.registry import Decision, WeightsMismatchError, decide, pick_challeng
 from tasks.serving import load_weights
 
 RULE = RegistryParams(model_name="rlhf-policy", candidates=["ppo", "dpo"], metric="gold_reward",
-                      min_improvement=0.05, max_kl=10.0, significance=0.05, bootstrap_samples=2000, seed=0)
+                      min_improvement=0.05, max_kl=10.0, max_kl_increase=5.0, significance=0.05,
+                      bootstrap_samples=2000, seed=0)
 CLEAR = PairedTest(n=400, gain=0.06, low=0.03, high=0.09, p_value=0.0005)
 NOISE = PairedTest(n=400, gain=0.06, low=-0.02, high=0.14, p_value=0.09)
 NAME = "rlhf-policy"
@@ -39,6 +40,10 @@ def test_pick_challenger_by_metric():
     (m(0.2), m(0.5), None, False, "< min_improvement"),
     (m(0.9, kl=11.0), m(0.5), CLEAR, False, "exceeds registry.max_kl"),
     (m(0.9, kl=11.0), None, None, False, "exceeds registry.max_kl"),
+    # issue 33: a KL jump from 3.8 to 9.3 (within max_kl) was promoted without a word
+    (m(0.9, kl=9.3), m(0.5, kl=3.8), CLEAR, False,
+     "KL 9.300 vs champion 3.800: +5.500 (limit +5) exceeds registry.max_kl_increase 5.0"),
+    (m(0.56, kl=4.8), m(0.5, kl=3.8), CLEAR, True, "KL 4.800 vs champion 3.800: +1.000 (limit +5)"),  # reported
 ])
 def test_decide(challenger, champion, test, promote, words):
     decision = decide(challenger, champion, RULE, test)
