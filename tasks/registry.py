@@ -328,10 +328,14 @@ def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: 
 def _record(rule: RegistryParams, version, registered: bool, reason: str | None = None) -> dict:
     tags = version.tags
     previous = tags.get("champion.version")
-    return {"registered": registered, "model": rule.model_name, "version": int(version.version),
-            "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
-            "previous_champion": int(previous) if previous else None,
-            f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
+    record = {"registered": registered, "model": rule.model_name, "version": int(version.version),
+              "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
+              "previous_champion": int(previous) if previous else None,
+              f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
+    if not registered:  # the version's decision is an earlier run's: this run decided and registered nothing
+        record["earlier_decision"], record["decision"] = record["decision"], "none"
+    return record
+
 
 
 # --------------------------------------------------------------------------------------------

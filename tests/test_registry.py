@@ -381,3 +381,23 @@ def test_registry_refuses_an_evaluation_without_hashes(tmp_path, monkeypatch):
     (root / "metrics" / "evaluate.json").write_text(json.dumps({"sft": m(0.0), "ppo": m(0.3), "dpo": m(0.2)}))
     with pytest.raises(ValueError, match="evaluate.json: no `scored` hashes"):
         registry_task.fn(str(root))
+
+
+def test_a_record_of_nothing_registered_never_states_an_earlier_decision():
+    """Issue 33: a retrain whose weights were already registered recorded "decision: promote" (the earlier run's)
+    while nothing was registered. The record and the retrain commit say what happened."""
+    from types import SimpleNamespace
+
+    from tasks.registry import _record
+    from tasks.worktree import outcome
+
+    version = SimpleNamespace(version="3", tags={"policy": "ppo", "decision": "promote", "reason": "won",
+                                                 "metric.gold_reward": "0.5"})
+    again = _record(RULE, version, False, "already registered for this evaluation")
+    assert again["decision"] == "none" and again["earlier_decision"] == "promote" and not again["registered"]
+    assert outcome(again) == ("nothing registered: already registered for this evaluation; v3 holds these weights "
+                              "(decided promote then)")
+    fresh = _record(RULE, version, True)
+    assert fresh["decision"] == "promote" and outcome(fresh) == "registered rlhf-policy v3: promote"
+    assert outcome({"registered": False, "reason": "tracking store unavailable"}) == (
+        "nothing registered: tracking store unavailable")
