@@ -175,6 +175,30 @@ def judgement_row(j: Judgement) -> dict:
             "reviewer": j.reviewer}
 
 
+def latest_judgements(judgements: list[Judgement]) -> tuple[list[Judgement], list[Refusal]]:
+    """A reviewer's latest judgement of the same thing wins: a rating of one trace (Good, then Bad: the correction),
+    a preference between the same two traces (A over B, then B over A). The earlier ones are left out, marked on
+    their traces as superseded by the later one (kept in the lineage, never dropped silently). ``judgements`` are in
+    judgement order; the result keeps it."""
+    latest: dict[tuple, Judgement] = {}
+    for j in judgements:
+        latest[(j.reviewer, j.kind, _subject(j))] = j
+    kept, refused = [], []
+    for j in judgements:
+        winner = latest[(j.reviewer, j.kind, _subject(j))]
+        if winner is j:
+            kept.append(j)
+        else:
+            refused.append(Refusal(j.assessment_id, j.judged.trace_id, f"superseded by {winner.assessment_id}, "
+                                   f"{j.reviewer}'s later judgement of the same "
+                                   f"{'answer' if j.kind == 'ratings' else 'pair'}"))
+    return kept, refused
+
+
+def _subject(j: Judgement) -> tuple:
+    return (j.judged.trace_id,) if j.kind == "ratings" else tuple(sorted([j.judged.trace_id, j.rejected.trace_id]))
+
+
 def check_rows(judgements: list[Judgement], stored: dict[str, str], limits: IntakeLimits, collection: Collection) -> None:
     """Put each judgement's row through the intake's row checks (schema, texts, limits, duplicates of stored rows
     and of earlier judgements); rows that pass go to ``collection.rows``, the others to ``collection.refused``."""
@@ -243,6 +267,8 @@ def collect(root: str | Path, store_dir: str = "incoming", push: bool = True, co
         experiment_id = mlflow_setup(root)
         client = mlflow.MlflowClient()
         judgements, collection.refused = find_judgements(client, experiment_id, collected_ids(store))
+        judgements, superseded = latest_judgements(judgements)
+        collection.refused += superseded
         check_rows(judgements, stored_keys(store), limits, collection)
         files = _write_files(root, collection.rows)
         if files:

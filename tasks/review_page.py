@@ -301,7 +301,8 @@ class ReviewHandler(BaseHTTPRequestHandler):
 
     def _prefer(self, fields: dict[str, str], reviewer: str) -> None:
         try:
-            record_preference(self.settings.client, fields.get("chosen", ""), fields.get("rejected", ""), reviewer)
+            record_preference(self.settings.client, fields.get("chosen", ""), fields.get("rejected", ""), reviewer,
+                              experiment_id=self.settings.experiment_id)
         except Exception as error:  # noqa: BLE001 - shown to the reviewer, who can retry: never dropped silently
             return self._home(reviewer, error=f"your choice was NOT recorded: {error}")
         self._redirect("/?done=pair")
@@ -311,7 +312,8 @@ class ReviewHandler(BaseHTTPRequestHandler):
         try:
             if good is None:
                 raise JudgementError("good: true or false")
-            record_rating(self.settings.client, fields.get("trace", ""), good, reviewer)
+            record_rating(self.settings.client, fields.get("trace", ""), good, reviewer,
+                          experiment_id=self.settings.experiment_id)
         except Exception as error:  # noqa: BLE001 - shown to the reviewer, who can retry
             return self._home(reviewer, error=f"your rating was NOT recorded: {error}")
         self._redirect(f"/?done={'good' if good else 'bad'}")
