@@ -255,7 +255,8 @@ def emit_ingested(records: list[dict]) -> int:
     from prefect.settings import PREFECT_API_URL  # prefect: only when an event is emitted
 
     if not PREFECT_API_URL.value():  # the environment variable or the active Prefect profile
-        get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (retraining runs on its cron)", EVENT)
+        get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (no Prefect server to trigger: the "
+                          "local intake retrains itself unless --no-retrain; `make retrain` trains later)", EVENT)
         return 0
     from prefect.events import emit_event  # (prefect)
     from prefect.events.worker import EventsWorker

@@ -318,3 +318,49 @@ def test_a_byte_order_mark_is_stripped_from_jsonl_and_excel_csv(tmp_path):
         batch = validate_batch(path)
         assert batch.rows == [PAIR] and batch.lines == [2 if path is csv_path else 1]
         assert canonical_bytes(batch.rows).startswith(b'{"prompt"')  # the stored batch has no BOM
+
+
+HOLD_CHECKOUT = ("import sys, time\n"
+                 "from tasks.locking import checkout_lock\n"
+                 "with checkout_lock(sys.argv[1], 'python -m flows.retrain'):\n"
+                 "    print('held', flush=True)\n"
+                 "    time.sleep(float(sys.argv[2]))\n")
+
+
+def test_a_batch_committed_while_a_retrain_runs_is_retrained_when_it_finishes(tmp_path, monkeypatch, capsys):
+    """Issue 33: collecting feedback while a retrain held the checkout exited 73 after committing, and the batch
+    stayed untrained until `make retrain`. The intake's retrain now queues behind the run holding the checkout
+    (it waits for the lock), and says so."""
+    import argparse
+    import subprocess
+    import sys
+    import time
+
+    import flows.retrain
+    from flows.intake import QUEUE_WAIT_S, retrain_now
+    from tasks.locking import checkout_lock
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    (tmp_path / ".dvc").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CHECKOUT, str(tmp_path), "3"], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started, acquired = time.monotonic(), []
+
+        def retrain_main(argv):  # the retrain's own first step: the checkout lock, with the wait it was given
+            wait = float(argv[argv.index("--wait") + 1])
+            with checkout_lock(tmp_path, "python -m flows.retrain", wait_s=wait):
+                acquired.append(time.monotonic() - started)
+            return 0
+
+        monkeypatch.setattr(flows.retrain, "main", retrain_main)
+        args = argparse.Namespace(no_retrain=False, no_commit=False, no_push=True)
+        assert retrain_now(tmp_path, args) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    out = capsys.readouterr().out
+    assert "another run holds this checkout (pid" in out and "retraining on it is queued" in out
+    assert f"waiting up to {QUEUE_WAIT_S // 3600} h" in out
+    assert acquired and acquired[0] > 1.0  # it waited for the holder, then ran (not exit 73)
