@@ -123,7 +123,7 @@ def _judged_traces(client, experiment_id: str, name: str) -> Iterator:
     """Served traces (spans included) carrying a ``name`` judgement, oldest first, page by page."""
     token = None
     while True:
-        page = client.search_traces(experiment_ids=[experiment_id], max_results=100, page_token=token,
+        page = client.search_traces(locations=[experiment_id], max_results=100, page_token=token,
                                     filter_string=f"tags.`{SERVED_TAG}` = 'true' AND feedback.`{name}` IS NOT NULL",
                                     order_by=["timestamp_ms ASC"])
         yield from page

@@ -107,7 +107,7 @@ def load_generation(client, trace_id: str, experiment_id: str | None = None) -> 
 
 def recent_generations(client, experiment_id: str, limit: int = 20) -> list[Generation]:
     """The newest served generations of the experiment, newest first."""
-    traces = client.search_traces(experiment_ids=[experiment_id], filter_string=f"tags.`{SERVED_TAG}` = 'true'",
+    traces = client.search_traces(locations=[experiment_id], filter_string=f"tags.`{SERVED_TAG}` = 'true'",
                                   order_by=["timestamp_ms DESC"], max_results=limit)
     return [g for g in map(generation, traces) if g is not None]
 

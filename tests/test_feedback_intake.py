@@ -289,3 +289,23 @@ def test_a_reviewers_latest_judgement_of_the_same_answer_or_pair_wins(project):
     assert reasons[good.assessment_id] == f"superseded by {bad.assessment_id}, alice's later judgement of the same answer"
     assert reasons[a_over_b.assessment_id].startswith(f"superseded by {b_over_a.assessment_id}")
     assert client.get_trace(trace).info.tags[MARK + good.assessment_id].startswith("refused: superseded by")
+
+
+def test_reading_judgements_raises_no_deprecation_warning(project):
+    """Issue 33: `search_traces(experiment_ids=...)` printed MLflow's FutureWarning at every collection."""
+    import warnings
+
+    import mlflow
+
+    from tasks.feedback_intake import find_judgements
+    from tasks.review import record_rating, recent_generations
+
+    client = mlflow.MlflowClient()
+    experiment = mlflow.get_experiment_by_name("rlhf-pipeline").experiment_id
+    record_rating(client, served("The film", " was fine."), True, "alice")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        assert len(recent_generations(client, experiment)) == 1
+        found, _ = find_judgements(client, experiment, set())
+    assert len(found) == 1
