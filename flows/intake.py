@@ -26,9 +26,11 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TypeVar  # noqa: E402
 
+from rlhf_core.checkpointing import pid_alive  # noqa: E402
 from rlhf_core.data import DataFormatError  # noqa: E402
 from rlhf_core.feedback import IntakeLimits  # noqa: E402
 from tasks.intake import IntakeError, ingest  # noqa: E402
+from tasks.locking import describe, lock_path, read_holder  # noqa: E402
 from tasks.params import PARAMS_FILE  # noqa: E402
 from tasks.stages import load_params  # noqa: E402
 
@@ -109,9 +111,6 @@ batch is committed already, so waiting loses nothing, and a stopped wait leaves 
 
 def running_holder(root: Path) -> dict | None:
     """The run holding the checkout's lock now (its record), or None."""
-    from rlhf_core.checkpointing import pid_alive
-    from tasks.locking import lock_path, read_holder
-
     holder = read_holder(lock_path(root))
     pid = holder.get("pid")
     return holder if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid) else None
@@ -121,8 +120,6 @@ def retrain_message(holder: dict | None) -> str:
     """What the intake says before it retrains: now, or queued behind the run holding the checkout."""
     if holder is None:
         return "retraining on the new feedback now (python -m flows.retrain; --no-retrain to skip)"
-    from tasks.locking import describe
-
     return (f"the new feedback is committed; another run holds this checkout ({describe(holder)}): retraining on it "
             f"is queued and starts when that run finishes (waiting up to {QUEUE_WAIT_S // 3600} h; if this wait is "
             "stopped, `make retrain` trains the batch)")

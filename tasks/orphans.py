@@ -16,6 +16,7 @@ Linux (``/proc``); elsewhere the orphan sweeps find nothing.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -74,8 +75,6 @@ def serialised_start(start):
 @contextlib.contextmanager
 def prefect_home_lock():
     """An exclusive lock on ``$PREFECT_HOME/rlhf-server-start.lock`` (released when the process dies)."""
-    import fcntl
-
     from prefect.settings import PREFECT_HOME  # prefect: only when a temporary server starts
 
     home = Path(PREFECT_HOME.value()).expanduser()
