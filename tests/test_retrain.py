@@ -206,3 +206,25 @@ def test_a_stage_run_by_hand_names_the_command_that_records_it(monkeypatch):
     assert "python -m tasks.dvc_lockfile commit --force ppo" in unrecorded_note("ppo")
     monkeypatch.setenv("DVC_STAGE", "ppo")
     assert unrecorded_note("ppo") is None
+
+
+def test_the_pipeline_entry_point_refreshes_a_stale_readme_table(tmp_path, capsys):
+    """Issue 33: README's results table went stale after `python -m flows.pipeline` (only `make run` rewrote it)."""
+    import shutil
+
+    from flows.pipeline import note_readme
+    from flows.report import results_block
+
+    (tmp_path / "metrics").mkdir()
+    shutil.copy(ROOT / "metrics" / "evaluate.json", tmp_path / "metrics" / "evaluate.json")
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    readme = (ROOT / "README.md").read_text()
+    block = results_block(ROOT)
+    assert block in readme
+    header, rows = block.split("|", 1)
+    (tmp_path / "README.md").write_text(readme.replace(block, header + "| stale " + rows, 1))
+    note_readme(tmp_path)
+    assert (tmp_path / "README.md").read_text() == readme  # the table, rewritten from metrics/evaluate.json
+    assert "results table rewritten from metrics/evaluate.json" in capsys.readouterr().out
+    note_readme(tmp_path)  # up to date: nothing said
+    assert capsys.readouterr().out == ""
