@@ -1,10 +1,11 @@
 """Serve the champion: ``python -m flows.serve_model`` (``make serve-model``), on http://127.0.0.1:5001.
 
-Writes the served model (``tasks/policy_server.py``: code and settings, no weights) to ``.serve/policy-server`` and then
-becomes MLflow's scoring server on it, wrapped in the project's request limits (``uvicorn --factory
-tasks.serving_http:create_app``, same PID: Ctrl-C or a SIGTERM to it stops the server). It answers with the version holding ``registry.model_name@champion`` (``--alias``), looks
-the alias up again at most every ``--reload-s`` seconds at a request (a promotion is served within that time, no
-restart), and records every generation as a trace in the project's MLflow experiment, tagged with the version.
+Writes the served model (``tasks/policy_server.py``: code and settings, no weights) to ``.serve/policy-server`` and
+then becomes MLflow's scoring server on it, wrapped in the project's request limits (``uvicorn --factory
+tasks.serving_http:create_app``, same PID: Ctrl-C or a SIGTERM to it stops the server). It answers with the version
+holding ``registry.model_name@champion`` (``--alias``), looks the alias up again at most every ``--reload-s`` seconds
+at a request (a promotion is served within that time, no restart), and records every generation as a trace in the
+project's MLflow experiment, tagged with the version.
 
     curl -s http://127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
          -d '{"inputs": ["This movie was"], "params": {"max_new_tokens": 20}}'

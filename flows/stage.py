@@ -2,10 +2,10 @@
 
 Runs the same stage as the pipeline flow (``tasks/stage_task.py``), supervised the same way (``tasks/supervisor.py``);
 DVC itself records the stage in dvc.lock afterwards when DVC ran it; typed by hand, the command ends naming the one
-that records it (``python -m tasks.dvc_lockfile commit --force <name>``). SIGTERM/SIGINT make a training stage save its state at the
-next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command) resumes from
-that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created), else it is
-a top-level run.
+that records it (``python -m tasks.dvc_lockfile commit --force <name>``). SIGTERM/SIGINT make a training stage save
+its state at the next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command)
+resumes from that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created),
+else it is a top-level run.
 
 Under a launcher (``accelerate launch ... -m flows.stage sft``, or ``torchrun``), one copy runs per process.
 Only the main process (global rank 0) runs the stage as a Prefect flow run; every other rank runs the stage

@@ -557,7 +557,8 @@ def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str
         elif kind == "artifact":
             copy = spool.with_name(spool.name + ".files") / record["file"]
             if copy.is_dir():  # a folder lands under its own name, as log_artifact puts it
-                client.log_artifacts(run_id, str(copy), "/".join(filter(None, [record.get("artifact_path"), copy.name])))
+                folder = "/".join(filter(None, [record.get("artifact_path"), copy.name]))
+                client.log_artifacts(run_id, str(copy), folder)
             else:
                 client.log_artifact(run_id, str(copy), record.get("artifact_path"))
     if any(r["kind"] == "finish" for r in records) and client.get_run(run_id).info.status == "RUNNING":

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from test_serving import NAME, registry, server  # noqa: F401  (fixtures: a store of tiny versions, the served model)
+from test_serving import registry, server  # noqa: F401  (fixtures: a store of tiny versions, the served model)
 
 from tasks.serving_http import MAX_BODY_BYTES, Guard
 
