@@ -90,6 +90,7 @@ UNIT_INTERVAL = {"ppo": ("gamma", "lam"), "registry": ("significance",)}
 
 CHOICES = {
     ("ppo", "kl_penalty"): ("kl", "abs", "mse", "full"), ("sft", "arch"): ("gpt2", "llama"),
+    ("prepare", "incoming_judge"): ("keep", "agree"),
     ("dpo", "loss_type"): ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                            "aot_pair", "apo_zero", "apo_down"),
 }

@@ -187,21 +187,30 @@ def test_prepare_reads_schema_fields_only_ratings_included(tmp_path):
                                             {"prompt": "The film", "completion": " fine.", "label": False}]
 
 
-def test_prepare_adds_ingested_ratings_the_judge_agrees_with(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting", ["keep", "agree"])
+def test_prepare_adds_ingested_ratings_overruled_by_the_judge_only_when_asked(tmp_path, monkeypatch, setting):
+    """Issue 33: human judgements the sentiment lexicon disagreed with were dropped silently. By default
+    (``prepare.incoming_judge: keep``) every one trains; ``agree`` keeps the old rule, counting each drop."""
+    import yaml
+
     from tasks.stage_task import run_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
     root = make_project(tmp_path / "proj", git_dvc=False)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["prepare"]["incoming_judge"] = setting
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     agreed = [{**RATED, "completion": " was wonderful, I loved it.", "label": True, "assessment_id": "a-3"},
               {**RATED, "completion": " was awful and boring.", "label": False, "assessment_id": "a-4"}]
     disagreed = {**RATED, "completion": " was terrible, the worst.", "label": True, "assessment_id": "a-5"}
     _store(root, [("ratings", agreed + [disagreed])])
     metrics = run_stage("prepare", str(root))
-    assert metrics["num_incoming_ratings"] == 3 and metrics["num_dropped_incoming_ratings"] == 1
+    trained = agreed + [disagreed] if setting == "keep" else agreed
+    assert metrics["num_incoming_ratings"] == 3 and metrics["num_dropped_incoming_ratings"] == 3 - len(trained)
     rows = [json.loads(line) for line in (root / "data" / "ratings.jsonl").read_text().splitlines()]
-    assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in rows[-2:]] == [
-        {k: r[k] for k in ("prompt", "completion", "label")} for r in agreed]  # after the generated ratings
+    assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in rows[-len(trained):]] == [
+        {k: r[k] for k in ("prompt", "completion", "label")} for r in trained]  # after the generated ratings
     assert metrics["num_ratings"] == len(rows) and not any("reviewer" in r for r in rows)
 
 
