@@ -24,8 +24,11 @@ setup: $(STAMP) ## create .venv and install the pinned dependencies (CPU torch)
 # template `dvc plots show` uses is written (tools/offline_plots.py; .dvc/config names it).
 $(STAMP): pyproject.toml requirements.lock tools/venv_path.py tools/offline_plots.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
+	@echo "setup 1/3: torch 2.13.0, CPU build (~200 MB; pip lists each package as it goes)"
+	$(PY) -m pip install --disable-pip-version-check torch==2.13.0
+	@echo "setup 2/3: the pinned dependencies (requirements.lock: several minutes on a first install)"
+	$(PY) -m pip install --disable-pip-version-check -r requirements.lock
+	@echo "setup 3/3: this project (editable)"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(PY) tools/venv_path.py >/dev/null
 	$(PY) tools/offline_plots.py template >/dev/null

@@ -20,14 +20,17 @@ if __name__ == "__main__":  # the entry point: configure the process before the 
     configure_process()
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TypeVar  # noqa: E402
 
+from rlhf_core.checkpointing import pid_alive  # noqa: E402
 from rlhf_core.data import DataFormatError  # noqa: E402
 from rlhf_core.feedback import IntakeLimits  # noqa: E402
 from tasks.feedback.intake import IntakeError, ingest  # noqa: E402
+from tasks.process.locking import describe, lock_path, read_holder  # noqa: E402
 from tasks.spec.params import PARAMS_FILE  # noqa: E402
 from tasks.stages import load_params  # noqa: E402
 
@@ -97,8 +100,29 @@ def retrain_now(root: Path, args: argparse.Namespace) -> int:
         return 0
     from flows.retrain import main as retrain_main  # flows.retrain loads torch: only when the intake retrains here
 
-    print("retraining on the new feedback (python -m flows.retrain; --no-retrain to skip)")
-    return retrain_main(["--root", str(root)] + (["--no-push"] if args.no_push else []))
+    print(retrain_message(running_holder(root)))
+    return retrain_main(["--root", str(root), "--wait", str(QUEUE_WAIT_S)] + (["--no-push"] if args.no_push else []))
+
+
+QUEUE_WAIT_S = 6 * 3600
+"""How long the intake's retrain waits for another run holding the checkout (a retrain takes minutes on a CPU; the
+batch is committed already, so waiting loses nothing, and a stopped wait leaves it for ``make retrain``)."""
+
+
+def running_holder(root: Path) -> dict | None:
+    """The run holding the checkout's lock now (its record), or None."""
+    holder = read_holder(lock_path(root))
+    pid = holder.get("pid")
+    return holder if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid) else None
+
+
+def retrain_message(holder: dict | None) -> str:
+    """What the intake says before it retrains: now, or queued behind the run holding the checkout."""
+    if holder is None:
+        return "retraining on the new feedback now (python -m flows.retrain; --no-retrain to skip)"
+    return (f"the new feedback is committed; another run holds this checkout ({describe(holder)}): retraining on it "
+            f"is queued and starts when that run finishes (waiting up to {QUEUE_WAIT_S // 3600} h; if this wait is "
+            "stopped, `make retrain` trains the batch)")
 
 
 if __name__ == "__main__":

@@ -94,11 +94,25 @@ def retrain(root: str = ".", branch: str | None = None, push: bool = True, remot
     return summary
 
 
+def files_in_the_way(root: str, ref: str) -> list[str]:
+    """Files with local changes (staged, unstaged or untracked) that the record ``ref`` changes: a merge would refuse
+    to overwrite them (git names only the first few, and the old advice to retrain did not help)."""
+    changed = set(git(root, "diff", "--name-only", f"HEAD...{ref}").splitlines())
+    local = set(git(root, "diff", "--name-only", "HEAD").splitlines())  # staged or not
+    local |= set(git(root, "ls-files", "--others", "--exclude-standard").splitlines())
+    return sorted(changed & local)
+
+
 def land(root: str, ref: str) -> str:
     """Merge a retraining record ``ref`` into the branch checked out in ``root`` and restore its outputs (what
     ``make land-retrain REF=...`` runs when the branch moved during the retrain). A merge that conflicts is
     undone: the branch changed what the record changes, so retrain from it instead (``make retrain``)."""
     with checkout_lock(root, "python -m flows.retrain --land"):
+        in_the_way = files_in_the_way(root, ref)
+        if in_the_way:
+            raise GitError(f"local changes to {', '.join(in_the_way)} would be overwritten by {ref} (it changes "
+                           f"them); nothing changed. Commit or stash them (`git stash`), then run `make land-retrain "
+                           f"REF={ref}` again")
         try:
             git(root, "merge", "--no-edit", "-q", ref)
         except GitError as error:

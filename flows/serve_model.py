@@ -1,10 +1,11 @@
 """Serve the champion: ``python -m flows.serve_model`` (``make serve-model``), on http://127.0.0.1:5001.
 
-Writes the served model (``tasks/serving/alias_server.py``: code and settings, no weights) to ``.serve/policy-server`` and then
-becomes MLflow's scoring server on it (``mlflow models serve --env-manager local``, same PID: Ctrl-C or a SIGTERM
-to it stops the server). It answers with the version holding ``registry.model_name@champion`` (``--alias``), looks
-the alias up again at most every ``--reload-s`` seconds at a request (a promotion is served within that time, no
-restart), and records every generation as a trace in the project's MLflow experiment, tagged with the version.
+Writes the served model (``tasks/serving/alias_server.py``: code and settings, no weights) to ``.serve/policy-server`` and
+then becomes MLflow's scoring server on it, wrapped in the project's request limits (``uvicorn --factory
+tasks.serving.http_app:create_app``, same PID: Ctrl-C or a SIGTERM to it stops the server). It answers with the version
+holding ``registry.model_name@champion`` (``--alias``), looks the alias up again at most every ``--reload-s`` seconds
+at a request (a promotion is served within that time, no restart), and records every generation as a trace in the
+project's MLflow experiment, tagged with the version.
 
     curl -s http://127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
          -d '{"inputs": ["This movie was"], "params": {"max_new_tokens": 20}}'
@@ -25,15 +26,18 @@ from pathlib import Path  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 
-from flows.serve import HOST, STATE_DIR, _bin  # noqa: E402
+from flows.serve import HOST, STATE_DIR  # noqa: E402
 from rlhf_core.tracking import redact  # noqa: E402
 from tasks.registry.gate import CHAMPION, pinned_requirements  # noqa: E402
 from tasks.serving.alias_server import ServerConfig, save_server  # noqa: E402
+from tasks.serving.http_app import MODEL_ENV, scoring_timeout  # noqa: E402
 from tasks.spec.params import PARAMS_FILE  # noqa: E402
 from tasks.stages import load_params  # noqa: E402
 from tasks.store.mlflow_runs import mlflow_setup, tracking_uri  # noqa: E402
 
 DEFAULT_PORT = 5001
+CODE_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout holding ``tasks/`` (the server imports the served model's code from it)."""
 SERVER_DIR = "policy-server"
 
 
@@ -53,14 +57,17 @@ def prepare(root: Path, alias: str, reload_s: float) -> tuple[Path, dict[str, st
     save_server(path, config, pinned_requirements())
     print(f"Serving {model_name}@{alias} (now v{version.version}, followed every {reload_s:g} s); traces go to "
           f"experiment {experiment_id} of {redact(uri)}")
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING": "false"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING": "false",
+           MODEL_ENV: str(path),
+           "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT": str(scoring_timeout(config.request_timeout_s))}
     return path, env
 
 
-def command(path: Path, port: int) -> list[str]:
-    """The MLflow scoring server on the served model (what this module runs; type it to run it by hand)."""
-    return [_bin("mlflow"), "models", "serve", "-m", str(path), "--env-manager", "local", "--host", HOST,
-            "--port", str(port)]
+def command(port: int) -> list[str]:
+    """MLflow's scoring server app, wrapped in the request limits, on the served model named by ``$RLHF_SERVED_MODEL``
+    (what this module runs)."""
+    return [sys.executable, "-m", "uvicorn", "--factory", "tasks.serving.http_app:create_app", "--app-dir",
+            str(CODE_ROOT), "--host", HOST, "--port", str(port)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reload_s < 0:
         parser.error("--reload-s must be >= 0")
-    path, env = prepare(Path(args.root).resolve(), args.alias, args.reload_s)
-    cmd = command(path, args.port)
+    _, env = prepare(Path(args.root).resolve(), args.alias, args.reload_s)
+    cmd = command(args.port)
     print(f"  http://{HOST}:{args.port}/invocations   (POST {{\"inputs\": [...], \"params\": {{...}}}}; Ctrl-C stops)")
     print("  " + " ".join(cmd), flush=True)
     os.execvpe(cmd[0], cmd, env)  # the scoring server takes this PID: a signal to it stops the server

@@ -1,10 +1,11 @@
 """One stage on its own: what ``dvc.yaml`` runs (``python -m flows.stage <name>``).
 
 Runs the same stage as the pipeline flow (``tasks/run/stage_task.py``), supervised the same way (``tasks/run/supervisor.py``);
-DVC itself records the stage in dvc.lock afterwards. SIGTERM/SIGINT make a training stage save its state at the
-next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command) resumes from
-that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created), else it is
-a top-level run.
+DVC itself records the stage in dvc.lock afterwards when DVC ran it; typed by hand, the command ends naming the one
+that records it (``python -m tasks.store.dvc_lockfile commit --force <name>``). SIGTERM/SIGINT make a training stage save
+its state at the next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command)
+resumes from that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created),
+else it is a top-level run.
 
 Under a launcher (``accelerate launch ... -m flows.stage sft``, or ``torchrun``), one copy runs per process.
 Only the main process (global rank 0) runs the stage as a Prefect flow run; every other rank runs the stage
@@ -93,7 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         destroy_process_group()  # after a stop every rank stopped at the same step and met at a barrier
         return status
     destroy_process_group()
+    note = unrecorded_note(args.name)
+    if note and is_main_process():
+        print(note)
     return 0
+
+
+def unrecorded_note(name: str) -> str | None:
+    """What to run to record a stage run by hand in dvc.lock (DVC records it only when DVC ran it: ``$DVC_STAGE`` is
+    set then); None under DVC. Without it, the next pipeline or ``dvc repro`` trains the stage again."""
+    if os.environ.get("DVC_STAGE"):
+        return None
+    return (f"stage {name} ran, but is not recorded in dvc.lock (DVC records the stages it runs itself): record it "
+            f"with `.venv/bin/python -m tasks.store.dvc_lockfile commit --force {name}`, or run it as `make repro` "
+            f"(`dvc repro {name}`) does, else the next pipeline trains it again")
 
 
 if __name__ == "__main__":

@@ -41,16 +41,20 @@ class Samples:
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 20, batch_size: int = 64,
-                     seed: int = 0) -> Samples:
+                     seed: int = 0, should_stop: Callable[[], bool] | None = None) -> Samples:
     """Pure sampling (no top-k/top-p) of up to ``max_new_tokens`` per prompt, cut after the first EOS, through the
     trainers' one sampling path (``generation.sample_completions``: static KV cache, CUDA graphs and the bf16
     sampling copy on a GPU; the same tokens as ``generate`` on the CPU).
 
     Seeded, so two policies are compared on the same random stream (the caller's stream is restored). The pad token
-    is never sampled; an empty response becomes a lone EOS.
+    is never sampled; an empty response becomes a lone EOS. ``should_stop`` (optional) is asked after each new
+    token: True ends the generation there (a server cancelling a request that ran past its time; the caller knows the
+    answers are then cut short). It is a ``generate`` stopping criterion, so such a call samples through ``generate``
+    (counted in ``DECODE_STATS``).
     """
     model.eval()
     eos = tokenizer.eos_token_id
+    extra = {} if should_stop is None else {"stopping_criteria": _stopping_criteria(should_stop)}
     device = next(model.parameters()).device
     query_ids = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
     generator_state = torch.random.get_rng_state()
@@ -58,12 +62,23 @@ def sample_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
     try:
         completions = sample_completions(model, tokenizer, query_ids, device=device, batch_size=batch_size,
                                          do_sample=True, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                                         eos_token_id=eos)
+                                         eos_token_id=eos, **extra)
     finally:
         torch.random.set_rng_state(generator_state)
     response_ids = [r.cpu() if len(r) else torch.tensor([eos]) for r in completions.responses]
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return Samples(list(prompts), query_ids, response_ids, responses)
+
+
+def _stopping_criteria(ask: Callable[[], bool]):
+    """transformers' stopping criteria that end every sequence once ``ask()`` says so (asked once per new token)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList  # only when a caller may stop sampling
+
+    class AskStop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), bool(ask()), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([AskStop()])
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ import math
 import numbers
 import os
 import re
+import shutil
 import socket
 import time
 import warnings
@@ -476,6 +477,21 @@ class SpoolingTracker(Tracker):
             fh.flush()
             os.fsync(fh.fileno())
 
+    def spool_text(self, text: str, artifact_file: str) -> None:
+        """Keep an artifact's text (a model card) in the spool; replayed with ``log_text`` (the run is offline)."""
+        self._append({"kind": "text", "artifact_file": artifact_file, "text": text})
+
+    def spool_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Keep a copy of an artifact file (or folder) beside the spool (``<spool>.files/<n>/<its name>``); replayed
+        with ``log_artifact``."""
+        path = Path(path)
+        files = self.spool_path.with_name(self.spool_path.name + ".files")
+        files.mkdir(exist_ok=True)
+        copy = files / f"{len(list(files.iterdir())):04d}" / path.name
+        copy.parent.mkdir()
+        shutil.copy2(path, copy) if path.is_file() else shutil.copytree(path, copy)
+        self._append({"kind": "artifact", "file": str(copy.relative_to(files)), "artifact_path": artifact_path})
+
     def backend_failed(self, error: BaseException, what: str) -> bool:
         """Handle a failed backend call: an outage switches the run to the spool (True: keep the data there);
         any other error is reported as what it is, with the call it lost (False: the run stays online)."""
@@ -581,9 +597,21 @@ def upload_spool(spool: str | Path, tracking_uri: str | None = None, run_id: str
         elif kind == "table":
             data = {c: [row[i] for row in record["rows"]] for i, c in enumerate(record["columns"])}
             client.log_table(run_id, data=data, artifact_file=table_artifact_file(record["name"], record["step"]))
+        elif kind == "text":
+            client.log_text(run_id, record["text"], record["artifact_file"])
+        elif kind == "artifact":
+            copy = spool.with_name(spool.name + ".files") / record["file"]
+            if copy.is_dir():  # a folder lands under its own name, as log_artifact puts it
+                folder = "/".join(filter(None, [record.get("artifact_path"), copy.name]))
+                client.log_artifacts(run_id, str(copy), folder)
+            else:
+                client.log_artifact(run_id, str(copy), record.get("artifact_path"))
     if any(r["kind"] == "finish" for r in records) and client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id)
     spool.rename(spool.with_name(spool.name + ".uploaded"))
+    files = spool.with_name(spool.name + ".files")
+    if files.is_dir():
+        files.rename(files.with_name(spool.name + ".uploaded.files"))
     return run_id
 
 

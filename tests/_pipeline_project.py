@@ -26,6 +26,7 @@ TINY = {
     "rloo.max_completion_length": 8, "rloo.max_steps": 2, "kto.per_device_train_batch_size": 32,
     "evaluate.num_prompts": 8, "evaluate.max_new_tokens": 8, "evaluate.batch_size": 8, "evaluate.num_samples": 4,
     "registry.max_kl": 1000.0,
+    "registry.max_kl_increase": 1000.0,
 }
 
 COPY = ("rlhf_core", "tasks", "flows", "dvc.yaml", ".dvcignore", "incoming/README.md")

@@ -138,3 +138,62 @@ def test_a_torn_lock_with_no_complete_copy_names_the_command_that_repairs_it(pro
         repair_lockfile(project)
     out = _run(project, "-m", "tasks.store.dvc_lockfile", "status")
     assert out.returncode == 1 and "Repair it with: git checkout -- dvc.lock" in out.stderr
+
+
+def _cut_project(tmp_path: Path) -> tuple[Path, str]:
+    """A folder with the repository's dvc.yaml, its dvc.lock, and that lock kept as the last complete copy."""
+    root = tmp_path / "cut"
+    (root / ".dvc" / "tmp").mkdir(parents=True)
+    (root / "dvc.yaml").write_bytes((ROOT / "dvc.yaml").read_bytes())
+    text = (ROOT / "dvc.lock").read_text()
+    (root / "dvc.lock").write_text(text)
+    assert repair_lockfile(root) is None  # complete: kept as the copy
+    return root, text
+
+
+def test_a_cut_lock_that_still_parses_is_found_at_every_cut_point(tmp_path):
+    """Issue 33: a dvc.lock cut by a bare `dvc repro` that still parsed (153 of 200 cut points) was accepted, copied
+    over the saved good copy, and 5 stages retrained silently. Every cut is found now: inside a line (no final
+    newline) or at a line end (lines lost at its tail: fields, entries, sections, stages the copy has)."""
+    from tasks.store.dvc_lockfile import cut_problem
+
+    root, text = _cut_project(tmp_path)
+    lock, journal = root / "dvc.lock", root / ".dvc" / "tmp" / JOURNAL
+    lines = text.splitlines(keepends=True)
+    cuts = [len(text) * i // 25 for i in range(1, 25)] + [len("".join(lines[:j])) for j in range(7, len(lines), 41)]
+    parsed = 0
+    for cut in cuts:
+        lock.write_text(text[:cut])
+        if lock_problem(lock) is None:  # what DVC itself would accept
+            parsed += 1
+            assert cut_problem(lock, journal, root / "dvc.yaml") is not None, f"cut at {cut} accepted"
+    assert parsed >= 30  # most cuts parse: the check is what finds them
+
+
+def test_a_cut_lock_that_parses_is_restored_from_the_complete_copy_with_a_message(tmp_path):
+    root, text = _cut_project(tmp_path)
+    cut = text[:text.index("  ppo:\n")]  # cut between two stages: parses, every field of every entry there
+    (root / "dvc.lock").write_text(cut)
+    message = repair_lockfile(root)
+    assert message and "stage 'ppo' lost the whole stage" in message and "Restored the last complete version" in message
+    assert (root / "dvc.lock").read_text() == text
+    assert [p.read_text() for p in (root / ".dvc" / "tmp").glob("dvc.lock.torn-*")] == [cut]
+
+
+def test_a_lock_behind_an_edited_dvc_yaml_is_not_taken_for_a_cut_one(tmp_path):
+    """A stage declared since (no entry yet), or an entry dvc.yaml no longer declares and the re-run dropped, is a
+    stale or changed lock, not a cut one."""
+    from tasks.store.dvc_lockfile import cut_problem
+
+    root, text = _cut_project(tmp_path)
+    lock, journal = root / "dvc.lock", root / ".dvc" / "tmp" / JOURNAL
+    yaml_text = (root / "dvc.yaml").read_text()
+    (root / "dvc.yaml").write_text(yaml_text.replace("      - tasks/stages/prepare.py\n",
+                                                     "      - tasks/stages/prepare.py\n      - tasks/new_dep.py\n", 1))
+    assert cut_problem(lock, journal, root / "dvc.yaml") is None  # a new dep: the stage is stale, not torn
+    (root / "dvc.yaml").write_text(yaml_text.replace("      - tasks/stages/prepare.py\n", "", 1))
+    lines = text.splitlines(keepends=True)
+    start = lines.index("    - path: tasks/stages/prepare.py\n")
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("      "))
+    lock.write_text("".join(lines[:start] + lines[end:]))  # the re-run dropped its entry
+    assert cut_problem(lock, journal, root / "dvc.yaml") is None

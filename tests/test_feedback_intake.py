@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,3 +221,91 @@ def test_the_command_lists_what_it_ingested_and_left_out(project, capsys):
     assert "no new judgements" in capsys.readouterr().out
     manifest = read_manifest(project / "incoming")
     assert len(manifest) == 1 and json.loads(json.dumps(manifest[0]))["rows"] == 1
+
+
+def test_a_judgement_of_another_experiments_trace_is_refused_at_entry(project):
+    """Issue 33: a rating of another experiment's trace showed "Recorded" but was never collected."""
+    import mlflow
+
+    from tasks.feedback.assessments import JudgementError, record_preference, record_rating
+
+    client = mlflow.MlflowClient()
+    ours = mlflow.get_experiment_by_name("rlhf-pipeline").experiment_id
+    mlflow.set_experiment("someone-else")
+    other, other_b = served("The film", " was great."), served("The film", " was dull.")
+    mlflow.set_experiment(experiment_id=ours)
+    with pytest.raises(JudgementError, match=rf"belongs to experiment \d+, not the project's \({ours}\): its "
+                                             "judgements would never be collected"):
+        record_rating(client, other, True, "alice", experiment_id=ours)
+    with pytest.raises(JudgementError, match="would never be collected"):
+        record_preference(client, other, other_b, "alice", experiment_id=ours)
+    assert client.get_trace(other).info.assessments == []  # nothing written
+    assert record_rating(client, served("I think", " so."), True, "alice", experiment_id=ours).value is True
+
+
+@pytest.mark.parametrize("typed, recorded", [("ａｌｉｃｅ", "alice"), ("  alice   smith ", "alice smith"),
+                                             ("ﬁona", "fiona")])
+def test_reviewer_names_are_normalised(typed, recorded):
+    from tasks.feedback.assessments import check_reviewer
+
+    assert check_reviewer(typed) == recorded
+
+
+@pytest.mark.parametrize("name, words", [("ali\u200bce", "invisible or control character (U+200B)"),
+                                         ("\u202eecila", "a direction control (U+202E)"),
+                                         ("bob\u2066", "a direction control (U+2066)"), ("a\x00b", "U+0000")])
+def test_reviewer_names_with_invisible_or_direction_characters_are_refused(name, words):
+    from tasks.feedback.assessments import JudgementError, check_reviewer
+
+    with pytest.raises(JudgementError, match=re.escape(words)):
+        check_reviewer(name)
+
+
+def test_a_reviewers_latest_judgement_of_the_same_answer_or_pair_wins(project):
+    """Issue 33: rating Good then Bad kept the first and refused the correction as a duplicate; A over B then B over
+    A ingested both opposite pairs. The later judgement wins; the earlier is marked superseded on its trace."""
+    import time
+
+    import mlflow
+
+    from tasks.feedback.collect import MARK, collect
+    from tasks.feedback.assessments import record_preference, record_rating
+
+    client = mlflow.MlflowClient()
+    trace = served("The film", " was great fun.")
+    good = record_rating(client, trace, True, "alice")
+    time.sleep(0.01)  # (judgement order is creation time)
+    bad = record_rating(client, trace, False, "alice")  # the correction
+    a, b = served("I think", " it was lovely."), served("I think", " it was dull.")
+    a_over_b = record_preference(client, a, b, "carol")
+    time.sleep(0.01)
+    b_over_a = record_preference(client, b, a, "carol")  # changed her mind
+    collection = collect(project, push=False)
+    (rating,) = _batch_rows(project, "ratings")
+    assert rating["assessment_id"] == bad.assessment_id and rating["label"] is False
+    (pair,) = _batch_rows(project, "pairs")
+    assert pair["assessment_id"] == b_over_a.assessment_id and pair["chosen"] == " it was dull."
+    reasons = {r.assessment_id: r.reason for r in collection.refused}
+    assert reasons[good.assessment_id] == f"superseded by {bad.assessment_id}, alice's later judgement of the same answer"
+    assert reasons[a_over_b.assessment_id].startswith(f"superseded by {b_over_a.assessment_id}")
+    assert client.get_trace(trace).info.tags[MARK + good.assessment_id].startswith("refused: superseded by")
+
+
+def test_reading_judgements_raises_no_deprecation_warning(project):
+    """Issue 33: `search_traces(experiment_ids=...)` printed MLflow's FutureWarning at every collection."""
+    import warnings
+
+    import mlflow
+
+    from tasks.feedback.collect import find_judgements
+    from tasks.feedback.assessments import record_rating, recent_generations
+
+    client = mlflow.MlflowClient()
+    experiment = mlflow.get_experiment_by_name("rlhf-pipeline").experiment_id
+    record_rating(client, served("The film", " was fine."), True, "alice")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        assert len(recent_generations(client, experiment)) == 1
+        found, _ = find_judgements(client, experiment, set())
+    assert len(found) == 1

@@ -549,3 +549,24 @@ def test_an_infinite_reward_is_masked_as_unscorable_with_a_warning_naming_the_sa
         trainer.train()
     logged = [log["reward"] for log in train_logs(trainer) if "reward" in log]
     assert logged and all(torch.isfinite(torch.tensor(logged)))  # the logged mean reward stays finite
+
+
+def test_a_huge_finite_reward_is_an_error_naming_the_reward(tok, tmp_path):
+    """Issue 33: GRPO's rewards are bounded as PPO's scores are (|reward| <= 1e6), naming function, sample, value."""
+    def huge_for_sample_1(completions, **kwargs):
+        scores = count_e(None, completions)
+        scores[1] = -2e7
+        return scores
+
+    trainer = GRPOTrainer(tiny_causal_lm(tok), huge_for_sample_1, args=_args(tmp_path, beta=0.0),
+                          train_dataset=prompt_dataset(), processing_class=tok)
+    rows = [{"prompt": p, "row_id": i} for i, p in enumerate(["The film was"] * 4 + ["A good"] * 4)]
+    with pytest.raises(ValueError, match=r"'huge_for_sample_1' returned -2e\+07 for sample 1 \(prompt 'The film was'\)"):
+        trainer._generate_and_score(rows, "train")
+
+
+def test_online_rewards_have_ppos_bound():
+    from rlhf_core.trainers.online.trainer import MAX_ABS_REWARD
+    from rlhf_core.trainers.ppo.validation import MAX_ABS_SCORE
+
+    assert MAX_ABS_REWARD == MAX_ABS_SCORE

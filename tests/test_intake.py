@@ -187,21 +187,30 @@ def test_prepare_reads_schema_fields_only_ratings_included(tmp_path):
                                             {"prompt": "The film", "completion": " fine.", "label": False}]
 
 
-def test_prepare_adds_ingested_ratings_the_judge_agrees_with(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting", ["keep", "agree"])
+def test_prepare_adds_ingested_ratings_overruled_by_the_judge_only_when_asked(tmp_path, monkeypatch, setting):
+    """Issue 33: human judgements the sentiment lexicon disagreed with were dropped silently. By default
+    (``prepare.incoming_judge: keep``) every one trains; ``agree`` keeps the old rule, counting each drop."""
+    import yaml
+
     from tasks.run.stage_task import run_stage
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
     root = make_project(tmp_path / "proj", git_dvc=False)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["prepare"]["incoming_judge"] = setting
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     agreed = [{**RATED, "completion": " was wonderful, I loved it.", "label": True, "assessment_id": "a-3"},
               {**RATED, "completion": " was awful and boring.", "label": False, "assessment_id": "a-4"}]
     disagreed = {**RATED, "completion": " was terrible, the worst.", "label": True, "assessment_id": "a-5"}
     _store(root, [("ratings", agreed + [disagreed])])
     metrics = run_stage("prepare", str(root))
-    assert metrics["num_incoming_ratings"] == 3 and metrics["num_dropped_incoming_ratings"] == 1
+    trained = agreed + [disagreed] if setting == "keep" else agreed
+    assert metrics["num_incoming_ratings"] == 3 and metrics["num_dropped_incoming_ratings"] == 3 - len(trained)
     rows = [json.loads(line) for line in (root / "data" / "ratings.jsonl").read_text().splitlines()]
-    assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in rows[-2:]] == [
-        {k: r[k] for k in ("prompt", "completion", "label")} for r in agreed]  # after the generated ratings
+    assert [{k: r[k] for k in ("prompt", "completion", "label")} for r in rows[-len(trained):]] == [
+        {k: r[k] for k in ("prompt", "completion", "label")} for r in trained]  # after the generated ratings
     assert metrics["num_ratings"] == len(rows) and not any("reviewer" in r for r in rows)
 
 
@@ -318,3 +327,49 @@ def test_a_byte_order_mark_is_stripped_from_jsonl_and_excel_csv(tmp_path):
         batch = validate_batch(path)
         assert batch.rows == [PAIR] and batch.lines == [2 if path is csv_path else 1]
         assert canonical_bytes(batch.rows).startswith(b'{"prompt"')  # the stored batch has no BOM
+
+
+HOLD_CHECKOUT = ("import sys, time\n"
+                 "from tasks.process.locking import checkout_lock\n"
+                 "with checkout_lock(sys.argv[1], 'python -m flows.retrain'):\n"
+                 "    print('held', flush=True)\n"
+                 "    time.sleep(float(sys.argv[2]))\n")
+
+
+def test_a_batch_committed_while_a_retrain_runs_is_retrained_when_it_finishes(tmp_path, monkeypatch, capsys):
+    """Issue 33: collecting feedback while a retrain held the checkout exited 73 after committing, and the batch
+    stayed untrained until `make retrain`. The intake's retrain now queues behind the run holding the checkout
+    (it waits for the lock), and says so."""
+    import argparse
+    import subprocess
+    import sys
+    import time
+
+    import flows.retrain
+    from flows.intake import QUEUE_WAIT_S, retrain_now
+    from tasks.process.locking import checkout_lock
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    (tmp_path / ".dvc").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CHECKOUT, str(tmp_path), "3"], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started, acquired = time.monotonic(), []
+
+        def retrain_main(argv):  # the retrain's own first step: the checkout lock, with the wait it was given
+            wait = float(argv[argv.index("--wait") + 1])
+            with checkout_lock(tmp_path, "python -m flows.retrain", wait_s=wait):
+                acquired.append(time.monotonic() - started)
+            return 0
+
+        monkeypatch.setattr(flows.retrain, "main", retrain_main)
+        args = argparse.Namespace(no_retrain=False, no_commit=False, no_push=True)
+        assert retrain_now(tmp_path, args) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    out = capsys.readouterr().out
+    assert "another run holds this checkout (pid" in out and "retraining on it is queued" in out
+    assert f"waiting up to {QUEUE_WAIT_S // 3600} h" in out
+    assert acquired and acquired[0] > 1.0  # it waited for the holder, then ran (not exit 73)

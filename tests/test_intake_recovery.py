@@ -36,7 +36,10 @@ elif point == "between-git-add-and-commit":  # the manifest line is written and 
     intake._git = lambda root, *a: die() if a[0] == "commit" else git(root, *a)
 elif point == "after-the-first-batch-file":  # two files: the second batch is never written
     write = intake._write_batch
-    intake._write_batch = lambda store, batch, calls=[]: (calls.append(1), write(store, batch))[1] if not calls else die()
+    intake._write_batch = lambda *a, calls=[]: (calls.append(1), write(*a))[1] if not calls else die()
+elif point == "in-the-batch-rename":  # the batch's temp file is written, the rename never happens
+    replace = os.replace
+    os.replace = lambda src, dst: die() if str(dst).endswith(".jsonl") else replace(src, dst)
 from flows.intake import main
 sys.exit(main(args))
 """
@@ -148,3 +151,23 @@ def test_an_intake_that_doubles_the_training_data_says_what_it_costs(project, tm
     with caplog.at_level("WARNING"):  # 99 more ratings on 100: under double, no warning
         assert main([str(_feedback(tmp_path / "ratings.jsonl", ratings)), "--root", str(project), "--no-retrain"]) == 0
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def _store_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in (root / "incoming").rglob("*") if p.is_file())
+
+
+def test_an_intake_killed_in_its_batch_rename_leaves_nothing_in_the_store(project, tmp_path):
+    """Issue 33: the temp file of a batch killed before its rename was left in incoming/ (a dependency of prepare:
+    its hash changed, prepare and everything after it would retrain). It is written in .dvc/tmp/intake now, and the
+    next intake removes it, with a message."""
+    from flows.intake import main
+
+    head, before = _git(project, "rev-parse", "HEAD"), _store_files(project)
+    pairs = _feedback(tmp_path / "pairs.jsonl", PAIRS)
+    _kill_intake(project, "in-the-batch-rename", pairs)
+    assert _store_files(project) == before  # prepare's dependency is untouched
+    assert len(list((project / ".dvc" / "tmp" / "intake").glob(".*.tmp-*"))) == 1  # the debris is in the scratch
+    assert main([str(pairs), "--root", str(project), "--no-retrain"]) == 0
+    _assert_ingested_once_and_committed(project, head, PAIRS)
+    assert list((project / ".dvc" / "tmp" / "intake").glob(".*.tmp-*")) == []

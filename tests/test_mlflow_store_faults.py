@@ -137,3 +137,46 @@ def test_a_store_deleted_mid_run_is_named_with_how_to_restore_and_not_replaced(p
                           f"sqlite:///{database}"], cwd=project, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert sqlite3.connect(database).execute("SELECT value FROM metrics WHERE key = 'loss'").fetchall() == [(0.5,)]
+
+
+def test_artifacts_of_a_stage_that_spooled_are_replayed_with_it(project, tmp_path):
+    """Issue 33: metrics and tables were spooled and replayed, but the run's model_card.md (and any artifact) was
+    skipped while offline: silently missing from the replayed run. Both are kept in the spool and replayed."""
+    extra = tmp_path / "notes.txt"
+    extra.write_text("kept\n")
+    locked = LockedStore(project)
+    try:
+        with pytest.warns(RuntimeWarning, match="unavailable"):
+            with stage_run("sft", project, load_params(project / "params.yaml").sft, []) as run:
+                assert run.offline
+                run.write_model_card(tmp_path / "model", "SFTTrainer", None, {"lr": 1e-3}, {"loss": 0.5})
+                run.log_artifact(extra, "extra")
+                locked.release()
+    finally:
+        locked.release()
+    client, (replayed,) = _runs(project, "sft")
+    paths = {a.path for a in client.list_artifacts(replayed.info.run_id)}
+    assert "model_card.md" in paths and "extra" in paths
+    card = Path(client.download_artifacts(replayed.info.run_id, "model_card.md", str(tmp_path / "dl")))
+    assert "SFTTrainer" in card.read_text() or "rlhf-sft" in card.read_text()
+    kept = Path(client.download_artifacts(replayed.info.run_id, "extra/notes.txt", str(tmp_path / "dl2")))
+    assert kept.read_text() == "kept\n"
+
+
+def test_a_new_store_in_place_of_the_projects_is_refused_with_a_message(project):
+    """Issue 33: a plain `mlflow ui` on a deleted mlflow.db made a fresh store, and the next run started a new, empty
+    registry silently (while DVC's records name versions of the old one). The fresh store is refused now."""
+    from tasks.store.mlflow_runs import StoreUnavailable, mlflow_setup
+
+    database = project / "mlflow.db"
+    mlflow_setup(project)  # the project's store, recorded with its experiment
+    database.unlink()
+    fresh = f"import mlflow; mlflow.MlflowClient('sqlite:///{database}').search_experiments()"
+    subprocess.run([sys.executable, "-c", fresh], check=True, timeout=120)  # what `mlflow ui` does: a fresh store
+    assert database.stat().st_size > 0
+    with pytest.raises(StoreUnavailable, match=rf"the MLflow store {database} is not this project's store: it has no "
+                                               r"experiment 'rlhf-pipeline'.*mv .*mlartifacts .*mlartifacts.old"):
+        mlflow_setup(project)
+    assert not tracking_reachable(project)  # the stages spool instead of logging into it
+    with sqlite3.connect(database) as db:  # (this process's MLflow still holds the deleted file open)
+        assert [name for (name,) in db.execute("SELECT name FROM experiments")] == ["Default"]  # nothing made in it

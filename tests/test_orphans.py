@@ -191,3 +191,34 @@ def test_kill_9_then_a_rerun_leaves_no_running_runs_and_no_orphan_server(tmp_pat
     assert not [s for s in orphans._servers() if s[1] in (proc.pid, rerun.pid)]
     statuses = {r.data.tags.get("rlhf.pid"): r.info.status for r in client.search_runs([experiment])}
     assert "RUNNING" not in statuses.values() and statuses[str(proc.pid)] == "KILLED"
+
+
+STARTER = r"""
+import sys, time, types
+from tasks.run.orphans import serialised_start
+
+def slow_start(self, timeout=None):  # stands in for Prefect's start: migrate the database, wait for health
+    began = time.time()
+    time.sleep(1.0)
+    print(f"{began} {time.time()}", flush=True)
+
+serialised_start(slow_start)(types.SimpleNamespace(running=False))
+"""
+
+
+def test_two_checkouts_start_their_temporary_servers_one_at_a_time(tmp_path):
+    """Issue 33: two checkouts starting on a fresh ~/.prefect raced its migration (an 87-line traceback). Starting
+    a temporary server holds a lock in $PREFECT_HOME until it answers: the second start begins after the first."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", STARTER], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    spans = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        spans.append(tuple(map(float, out.split())))
+    (a_start, a_end), (b_start, b_end) = sorted(spans)
+    assert b_start >= a_end - 0.05  # never both inside a start (50 ms: the two clocks' print rounding)
+    assert (tmp_path / "prefect-home" / "rlhf-server-start.lock").exists()

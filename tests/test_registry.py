@@ -15,7 +15,8 @@ from tasks.registry.gate import Decision, WeightsMismatchError, decide, pick_cha
 from tasks.serving.answer import load_weights
 
 RULE = RegistryParams(model_name="rlhf-policy", candidates=["ppo", "dpo"], metric="gold_reward",
-                      min_improvement=0.05, max_kl=10.0, significance=0.05, bootstrap_samples=2000, seed=0)
+                      min_improvement=0.05, max_kl=10.0, max_kl_increase=5.0, significance=0.05,
+                      bootstrap_samples=2000, seed=0)
 CLEAR = PairedTest(n=400, gain=0.06, low=0.03, high=0.09, p_value=0.0005)
 NOISE = PairedTest(n=400, gain=0.06, low=-0.02, high=0.14, p_value=0.09)
 NAME = "rlhf-policy"
@@ -39,6 +40,10 @@ def test_pick_challenger_by_metric():
     (m(0.2), m(0.5), None, False, "< min_improvement"),
     (m(0.9, kl=11.0), m(0.5), CLEAR, False, "exceeds registry.max_kl"),
     (m(0.9, kl=11.0), None, None, False, "exceeds registry.max_kl"),
+    # issue 33: a KL jump from 3.8 to 9.3 (within max_kl) was promoted without a word
+    (m(0.9, kl=9.3), m(0.5, kl=3.8), CLEAR, False,
+     "KL 9.300 vs champion 3.800: +5.500 (limit +5) exceeds registry.max_kl_increase 5.0"),
+    (m(0.56, kl=4.8), m(0.5, kl=3.8), CLEAR, True, "KL 4.800 vs champion 3.800: +1.000 (limit +5)"),  # reported
 ])
 def test_decide(challenger, champion, test, promote, words):
     decision = decide(challenger, champion, RULE, test)
@@ -376,3 +381,23 @@ def test_registry_refuses_an_evaluation_without_hashes(tmp_path, monkeypatch):
     (root / "metrics" / "evaluate.json").write_text(json.dumps({"sft": m(0.0), "ppo": m(0.3), "dpo": m(0.2)}))
     with pytest.raises(ValueError, match="evaluate.json: no `scored` hashes"):
         registry_task.fn(str(root))
+
+
+def test_a_record_of_nothing_registered_never_states_an_earlier_decision():
+    """Issue 33: a retrain whose weights were already registered recorded "decision: promote" (the earlier run's)
+    while nothing was registered. The record and the retrain commit say what happened."""
+    from types import SimpleNamespace
+
+    from tasks.registry.gate import _record
+    from tasks.run.worktree import outcome
+
+    version = SimpleNamespace(version="3", tags={"policy": "ppo", "decision": "promote", "reason": "won",
+                                                 "metric.gold_reward": "0.5"})
+    again = _record(RULE, version, False, "already registered for this evaluation")
+    assert again["decision"] == "none" and again["earlier_decision"] == "promote" and not again["registered"]
+    assert outcome(again) == ("nothing registered: already registered for this evaluation; v3 holds these weights "
+                              "(decided promote then)")
+    fresh = _record(RULE, version, True)
+    assert fresh["decision"] == "promote" and outcome(fresh) == "registered rlhf-policy v3: promote"
+    assert outcome({"registered": False, "reason": "tracking store unavailable"}) == (
+        "nothing registered: tracking store unavailable")

@@ -161,3 +161,70 @@ def test_a_retrain_whose_branch_moved_is_landed_by_one_command(harness, tmp_path
     assert (root / "dvc.lock").is_file() and (root / "NOTES.md").is_file()
     assert json.loads(run([DVC, "status", "--json"], root)) == {}
     assert retrain_main(["--root", str(root), "--land", "retrain/none"]) != 0  # a bad ref: refused, named
+
+
+def test_land_retrain_names_the_local_changes_in_the_way(tmp_path):
+    """Issue 33: `make land-retrain` failed on local edits with git's partial list and advised `make retrain`. It
+    names every file in the way and says to commit or stash them; nothing changes."""
+    from flows.retrain import land
+    from tasks.run.worktree import GitError
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    for args in (["init", "-q", "-b", "main"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *args], cwd=root, check=True)
+    for name in ("dvc.lock", "README.md", "notes.txt"):
+        (root / name).write_text("old\n")
+    subprocess.run(["git", "add", "."], cwd=root, check=True)
+    subprocess.run(["git", "commit", "-qm", "base"], cwd=root, check=True)
+    subprocess.run(["git", "switch", "-qc", "retrain/1"], cwd=root, check=True)
+    (root / "dvc.lock").write_text("new\n")
+    (root / "README.md").write_text("new\n")
+    (root / "metrics.json").write_text("{}\n")
+    subprocess.run(["git", "add", "."], cwd=root, check=True)
+    subprocess.run(["git", "commit", "-qm", "record"], cwd=root, check=True)
+    subprocess.run(["git", "switch", "-q", "main"], cwd=root, check=True)
+    (root / "dvc.lock").write_text("edited\n")  # local edits: two the record changes, one it does not
+    (root / "metrics.json").write_text("mine\n")  # untracked, and the record adds it
+    (root / "notes.txt").write_text("edited\n")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+    with pytest.raises(GitError, match=r"local changes to dvc.lock, metrics.json would be overwritten by retrain/1 "
+                                       r".*Commit or stash them \(`git stash`\), then run `make land-retrain "
+                                       r"REF=retrain/1` again") as error:
+        land(str(root), "retrain/1")
+    assert "make retrain`" not in str(error.value)
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout == head
+    assert (root / "dvc.lock").read_text() == "edited\n"
+
+
+def test_a_stage_run_by_hand_names_the_command_that_records_it(monkeypatch):
+    """Issue 33: `python -m flows.stage ppo` trained but did not record dvc.lock, silently: the next pipeline
+    trained it again. Typed by hand it now names the recording command; under DVC (which records it) it says nothing."""
+    from flows.stage import unrecorded_note
+
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    assert "python -m tasks.store.dvc_lockfile commit --force ppo" in unrecorded_note("ppo")
+    monkeypatch.setenv("DVC_STAGE", "ppo")
+    assert unrecorded_note("ppo") is None
+
+
+def test_the_pipeline_entry_point_refreshes_a_stale_readme_table(tmp_path, capsys):
+    """Issue 33: README's results table went stale after `python -m flows.pipeline` (only `make run` rewrote it)."""
+    import shutil
+
+    from flows.pipeline import note_readme
+    from flows.report import results_block
+
+    (tmp_path / "metrics").mkdir()
+    shutil.copy(ROOT / "metrics" / "evaluate.json", tmp_path / "metrics" / "evaluate.json")
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    readme = (ROOT / "README.md").read_text()
+    block = results_block(ROOT)
+    assert block in readme
+    header, rows = block.split("|", 1)
+    (tmp_path / "README.md").write_text(readme.replace(block, header + "| stale " + rows, 1))
+    note_readme(tmp_path)
+    assert (tmp_path / "README.md").read_text() == readme  # the table, rewritten from metrics/evaluate.json
+    assert "results table rewritten from metrics/evaluate.json" in capsys.readouterr().out
+    note_readme(tmp_path)  # up to date: nothing said
+    assert capsys.readouterr().out == ""

@@ -48,9 +48,15 @@ class FakePolicy(BaseHTTPRequestHandler):
 
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         alias = body["params"]["model_alias"]
-        if alias not in self.completions:
-            self.send_response(400)
+        if alias not in self.completions:  # as tasks/serving/alias_server.py answers while an alias is unset
+            from tasks.serving.answer import ALIAS_MISSING
+
+            data = json.dumps({"error_code": "TEMPORARILY_UNAVAILABLE",
+                               "message": f"rlhf-policy@{alias}: {ALIAS_MISSING}"}).encode()
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            self.wfile.write(data)
             return
         prompt = body["inputs"][0]
         loaded = LoadedVersion("1" if alias == "champion" else "2", None, "dpo", None, None)
@@ -190,3 +196,17 @@ def test_trace_link_opens_the_trace_in_mlflows_trace_view():
     # the query MLflow 3.17's own UI builds for a trace link (its bundle: URLSearchParams({selectedEvaluationId: id,
     # traceId: id})); with it Chromium opened the trace view (the screenshot in docs/lifecycle.md, section 6)
     assert urllib.parse.parse_qs(query) == {"selectedEvaluationId": ["tr-abc"], "traceId": ["tr-abc"]}
+
+
+@pytest.mark.parametrize("length, status", [("-1", 400), ("abc", 400), (None, 411), ("70000", 413)])
+def test_a_form_of_no_or_a_bad_length_is_refused_before_its_body_is_read(page, length, status):
+    """``Content-Length: -1`` once made the page read everything the client sent (64 MiB past the 64 KiB cap)."""
+    import socket
+
+    url, _ = page
+    host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
+    header = f"Content-Length: {length}\r\n" if length is not None else ""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(f"POST /rate HTTP/1.1\r\nHost: x\r\n{header}\r\ntoken=x".encode())  # the body never ends
+        reply = sock.recv(4096).decode("latin-1")
+    assert reply.startswith(f"HTTP/1.0 {status}") or reply.startswith(f"HTTP/1.1 {status}"), reply[:200]

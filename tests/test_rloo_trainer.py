@@ -149,3 +149,21 @@ def test_resume_from_checkpoint_equals_a_straight_run(tok, tmp_path):
 def test_reward_goes_up_on_a_toy_reward(tok, tmp_path):
     first, last = toy_reward_curve(RLOOTrainer, RLOOConfig, tok, tmp_path)
     assert last > first + 0.5, (first, last)
+
+
+def test_a_huge_finite_reward_is_an_error_naming_the_reward_before_any_update(tok, tmp_path):
+    """Issue 33: a finite reward of 3e38 made every update non-finite and the run then failed without naming the
+    reward. RLOO's rewards are bounded as PPO's scores are: an error naming the function, sample and value."""
+    def huge_for_sample_2(completions, **kwargs):
+        scores = count_e(None, completions)
+        scores[2] = 3e38
+        return scores
+
+    model = tiny_causal_lm(tok)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = RLOOTrainer(model, huge_for_sample_2, args=_args(tmp_path, beta=0.0), train_dataset=prompt_dataset(),
+                          processing_class=tok)
+    with pytest.raises(ValueError, match=r"reward function 'huge_for_sample_2' returned 3e\+38 for sample 2 "
+                                         r"\(prompt .*\), beyond the bound \|reward\| <= 1e\+06"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was updated

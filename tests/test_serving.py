@@ -23,10 +23,28 @@ NAME = "rlhf-policy"
     (["ok"], {"max_new_tokens": 0}, "params.max_new_tokens: 0"),
     (["ok"], {"max_new_tokens": MAX_NEW_TOKENS + 1}, "params.max_new_tokens"),
     (["ok"], {"seed": -2}, "params.seed: -2"),
+    (["ok"], {"seed": 2**64}, r"params.seed: 18446744073709551616 \(an integer from 0 to 2\*\*63-1"),
+    (["ok"], {"max_new_tokens": True}, "params.max_new_tokens: True"),
+    (["ok", None], {}, r"inputs\[1\]: a prompt must be a non-empty string, got None"),
+    (["ok"] * 17, {}, r"inputs: 17 prompts \(limit 16 per request\)"),
+    (["ok"] * 8, {"max_new_tokens": 200}, r"8 prompts x 200 = 1600 new tokens \(limit 1024 per request\)"),
+    (["ok"], {"model_alias": 3}, "params.model_alias: 3"),
 ])
 def test_bad_requests_name_the_input_or_param(prompts, params, message):
     with pytest.raises(RequestError, match=message):
         check_request(prompts, params)
+
+
+def test_a_null_prompt_stays_null_whatever_shape_mlflow_parsed():
+    """A JSON null in a one-column frame was served (and traced) as the prompt "None"."""
+    import pandas as pd
+
+    from tasks.serving.answer import request_prompts
+
+    prompts = request_prompts(pd.DataFrame({0: ["ok", None]}))
+    assert prompts == ["ok", None]
+    with pytest.raises(RequestError, match=r"inputs\[1\]"):
+        check_request(prompts, {})
 
 
 def test_a_request_gets_the_served_defaults():
@@ -206,5 +224,100 @@ def test_a_bad_request_is_refused_naming_it(server):
     with pytest.raises(MlflowException, match=r"params.max_new_tokens: 999") as error:
         server.predict(["The film"], params={"max_new_tokens": 999})
     assert error.value.error_code == "INVALID_PARAMETER_VALUE"  # HTTP 400 from the scoring server
-    with pytest.raises(MlflowException, match="rlhf-policy@nope: no such version"):
+    with pytest.raises(MlflowException, match="rlhf-policy@nope: no version holds the alias") as error:
         server.predict(["The film"], params={"model_alias": "nope"})
+    assert error.value.error_code == "TEMPORARILY_UNAVAILABLE"  # HTTP 503
+
+
+def test_prompt_plus_new_tokens_past_the_context_is_refused_naming_both(server):
+    """60 words + 256 new tokens once failed inside the model: HTTP 400 with a stack trace and the server's paths."""
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException, match=r"inputs\[0\]: \d+ prompt tokens \+ params.max_new_tokens 120 = \d+ "
+                                              r"exceeds the model's context of 128 positions") as error:
+        server.predict(["word " * 60], params={"max_new_tokens": 120})
+    assert error.value.error_code == "INVALID_PARAMETER_VALUE"
+
+
+def test_a_deleted_alias_stops_being_served_until_one_is_set(server, registry):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(registry["uri"])
+    assert server.predict(["The film"], params={"max_new_tokens": 2})[0]["model_version"] == "1"
+    client.delete_registered_model_alias(NAME, "champion")
+    try:
+        with pytest.raises(MlflowException, match="rlhf-policy@champion: no version holds the alias") as error:
+            server.predict(["The film"], params={"max_new_tokens": 2})
+        assert error.value.error_code == "TEMPORARILY_UNAVAILABLE"
+        assert server.unwrap_python_model()._loaded == {}  # the version it held is no longer kept in memory
+    finally:
+        client.set_registered_model_alias(NAME, "champion", "1")
+    assert server.predict(["The film"], params={"max_new_tokens": 2})[0]["model_version"] == "1"
+
+
+def _served_trace_ids(registry) -> set[str]:
+    import mlflow
+
+    client = mlflow.MlflowClient(registry["uri"])
+    traces = client.search_traces(locations=[registry["experiment"]], filter_string="tags.`rlhf.served` = 'true'",
+                                  max_results=500)
+    return {t.info.trace_id for t in traces}
+
+
+def test_a_request_past_its_time_is_cancelled_and_its_answers_are_not_offered(server, registry, monkeypatch):
+    """1,000 prompts once kept the model busy for minutes after the 504, and every unreturned answer landed in the
+    review list. Here the third generation runs past the deadline: it stops at its first token, the request fails
+    with DEADLINE_EXCEEDED (504), the two answers already traced are deleted, and the model answers the next one."""
+    import time
+
+    from mlflow.exceptions import MlflowException
+
+    import tasks.serving.alias_server as policy_server
+
+    real, calls, traced = policy_server.answer, [], []
+
+    def third_runs_late(*args):
+        calls.append(args[3])
+        late = time.monotonic() - 1 if len(calls) == 3 else args[-1]  # the third: its deadline has passed
+        result = real(*args[:-1], late)
+        traced.append(result["trace_id"])
+        return result
+
+    monkeypatch.setattr(policy_server, "answer", third_runs_late)
+    before = _served_trace_ids(registry)
+    with pytest.raises(MlflowException, match="ran past its time and was cancelled") as error:
+        server.predict(["a", "b", "c", "d"], params={"max_new_tokens": 8, "seed": 1})
+    assert error.value.error_code == "DEADLINE_EXCEEDED"
+    assert calls == ["a", "b", "c"] and len(traced) == 2  # "d" never started
+    assert _served_trace_ids(registry) == before  # neither the two answered nor the cancelled one is offered
+    monkeypatch.setattr(policy_server, "answer", real)
+    assert server.predict(["The film"], params={"max_new_tokens": 2})[0]["model_version"] == "1"  # the lock is free
+
+
+def test_a_busy_model_refuses_at_once_or_after_the_request_time(server):
+    from mlflow.exceptions import MlflowException
+
+    model = server.unwrap_python_model()
+    model._admitted = model.config.max_waiting + 1  # as many requests as allowed are generating or waiting
+    try:
+        with pytest.raises(MlflowException, match="busy: 5 requests are generating or waiting") as error:
+            server.predict(["The film"], params={"max_new_tokens": 2})
+        assert error.value.error_code == "TEMPORARILY_UNAVAILABLE"  # 503 with Retry-After (tasks/serving/http_app.py)
+    finally:
+        model._admitted = 0
+    model.config = ServerConfig(**{**model.config.to_dict(), "request_timeout_s": 0.2})
+    with model._lock:  # another request is generating
+        with pytest.raises(MlflowException, match="busy: the model was generating") as error:
+            server.predict(["The film"], params={"max_new_tokens": 2})
+    assert model._admitted == 0
+
+
+def test_sampling_stops_when_asked(tokenizer):
+    from rlhf_core.evaluation import sample_responses
+    from rlhf_core.models.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm(tokenizer, num_layers=1)
+    full = sample_responses(model, tokenizer, ["The film"], max_new_tokens=12, seed=1)
+    cut = sample_responses(model, tokenizer, ["The film"], max_new_tokens=12, seed=1, should_stop=lambda: True)
+    assert len(cut.response_ids[0]) == 1 and cut.response_ids[0][0] == full.response_ids[0][0]

@@ -228,7 +228,8 @@ def test_policy_stages_train_or_leave_placeholders_and_evaluate_scores_the_enabl
     from tasks.registry.gate import pick_challenger
 
     rule = RegistryParams(model_name="m", candidates=["ppo", "dpo", "grpo", "rloo", "kto"], metric="gold_reward",
-                          min_improvement=0.0, max_kl=1e9, significance=0.05, bootstrap_samples=100, seed=0)
+                          min_improvement=0.0, max_kl=1e9, max_kl_increase=1e9, significance=0.05,
+                          bootstrap_samples=100, seed=0)
     best = max(("grpo", "rloo", "kto"), key=lambda n: results[n]["gold_reward"])
     assert pick_challenger(results, rule) == best
 

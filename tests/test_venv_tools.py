@@ -44,3 +44,15 @@ def test_the_project_venv_finds_its_own_tools():
     found = subprocess.run([str(bin_dir / "python"), "-c", "import shutil; print(shutil.which('uvicorn'))"],
                            env={**os.environ, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True)
     assert found.stdout.strip() == str(bin_dir / "uvicorn")  # what `mlflow models serve` runs
+
+
+def test_setup_says_what_it_installs_and_shows_pips_progress():
+    """Issue 33: `make setup` was ~10 minutes of silence (every pip call -q). The long installs now print their step
+    and pip's own per-package lines."""
+    from pathlib import Path
+
+    recipe = (Path(__file__).resolve().parents[1] / "Makefile").read_text().split("$(STAMP): ", 1)[1].split("\n\n")[0]
+    long_installs = [line for line in recipe.splitlines() if "pip install" in line and "--no-deps -e ." not in line]
+    assert len(long_installs) == 2 and not any(" -q " in line for line in long_installs)
+    assert [line.strip().split('"')[1].split(":")[0] for line in recipe.splitlines() if "@echo" in line] == [
+        "setup 1/3", "setup 2/3", "setup 3/3"]

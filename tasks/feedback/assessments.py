@@ -17,6 +17,7 @@ judgements into feedback batches.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 
 import mlflow
@@ -36,6 +37,11 @@ MAX_REVIEWER_CHARS = 64
 
 class JudgementError(ValueError):
     """A judgement that cannot be recorded (the message names what is wrong); nothing was written."""
+
+HIDDEN_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
+"""Unicode categories refused in a reviewer's name: controls, format characters (zero-width joiners and spaces,
+direction overrides such as U+202E), private-use, unassigned: a name that looks like another's would credit them."""
+BIDI = {"RLO", "LRO", "RLE", "LRE", "RLI", "LRI", "FSI", "PDF", "PDI"}
 
 
 @dataclass(frozen=True)
@@ -59,11 +65,14 @@ def check_reviewer(name) -> str:
     """The reviewer's name as recorded (the assessment's source id), or :class:`JudgementError` saying why not."""
     if not isinstance(name, str) or not name.strip():
         raise JudgementError("reviewer: a name is needed (it is recorded with every judgement)")
-    name = name.strip()
+    # NFKC: a full-width or ligature look-alike is recorded as the plain name; runs of spaces count as one
+    name = " ".join(unicodedata.normalize("NFKC", name).split())
     if len(name) > MAX_REVIEWER_CHARS:
         raise JudgementError(f"reviewer: {len(name)} characters (limit {MAX_REVIEWER_CHARS})")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise JudgementError("reviewer: the name contains a control character")
+    hidden = next((c for c in name if unicodedata.category(c) in HIDDEN_CATEGORIES), None)
+    if hidden is not None:
+        kind = "a direction control" if unicodedata.bidirectional(hidden) in BIDI else "an invisible or control character"
+        raise JudgementError(f"reviewer: the name contains {kind} (U+{ord(hidden):04X}): type it plainly")
     return name
 
 
@@ -80,12 +89,16 @@ def generation(trace) -> Generation | None:
     return Generation(info.trace_id, prompt, completion, info.tags.get(MODEL_VERSION_TAG, ""), list(info.assessments))
 
 
-def load_generation(client, trace_id: str) -> Generation:
-    """The served generation of ``trace_id`` (:class:`JudgementError` when there is none)."""
+def load_generation(client, trace_id: str, experiment_id: str | None = None) -> Generation:
+    """The served generation of ``trace_id`` (:class:`JudgementError` when there is none, or, with
+    ``experiment_id``, when it belongs to another experiment: the collection reads only the project's)."""
     try:
         trace = client.get_trace(trace_id)
     except MlflowException:
         raise JudgementError(f"trace {trace_id!r}: no such trace in the tracking store") from None
+    if experiment_id is not None and str(trace.info.experiment_id) != str(experiment_id):
+        raise JudgementError(f"trace {trace_id!r} belongs to experiment {trace.info.experiment_id}, not the "
+                             f"project's ({experiment_id}): its judgements would never be collected")
     found = generation(trace)
     if found is None:
         raise JudgementError(f"trace {trace_id!r} is not a generation of the served policy")
@@ -94,7 +107,7 @@ def load_generation(client, trace_id: str) -> Generation:
 
 def recent_generations(client, experiment_id: str, limit: int = 20) -> list[Generation]:
     """The newest served generations of the experiment, newest first."""
-    traces = client.search_traces(experiment_ids=[experiment_id], filter_string=f"tags.`{SERVED_TAG}` = 'true'",
+    traces = client.search_traces(locations=[experiment_id], filter_string=f"tags.`{SERVED_TAG}` = 'true'",
                                   order_by=["timestamp_ms DESC"], max_results=limit)
     return [g for g in map(generation, traces) if g is not None]
 
@@ -103,23 +116,26 @@ def _human(reviewer: str):
     return AssessmentSource(source_type=AssessmentSourceType.HUMAN, source_id=check_reviewer(reviewer))
 
 
-def record_rating(client, trace_id: str, good: bool, reviewer: str, rationale: str | None = None):
-    """Record ``reviewer``'s rating of a served generation; returns the MLflow assessment."""
+def record_rating(client, trace_id: str, good: bool, reviewer: str, rationale: str | None = None,
+                  experiment_id: str | None = None):
+    """Record ``reviewer``'s rating of a served generation (of ``experiment_id`` when given: the project's, the one
+    the collection reads); returns the MLflow assessment."""
     if not isinstance(good, bool):
         raise JudgementError(f"{RATING}: true or false, got {good!r}")
     source = _human(reviewer)
-    load_generation(client, trace_id)  # a served generation, checked before anything is written
+    load_generation(client, trace_id, experiment_id)  # a served generation, checked before anything is written
     return mlflow.log_feedback(trace_id=trace_id, name=RATING, value=good, source=source, rationale=rationale)
 
 
 def record_preference(client, chosen_trace_id: str, rejected_trace_id: str, reviewer: str,
-                      rationale: str | None = None):
+                      rationale: str | None = None, experiment_id: str | None = None):
     """Record that ``reviewer`` prefers the chosen generation to the rejected one (same prompt); returns the
     assessment on the chosen trace (the one the intake reads: it holds the whole judgement)."""
     source = _human(reviewer)
     if chosen_trace_id == rejected_trace_id:
         raise JudgementError("a preference needs two different traces")
-    chosen, rejected = load_generation(client, chosen_trace_id), load_generation(client, rejected_trace_id)
+    chosen = load_generation(client, chosen_trace_id, experiment_id)
+    rejected = load_generation(client, rejected_trace_id, experiment_id)
     if chosen.prompt != rejected.prompt:
         raise JudgementError(f"traces {chosen_trace_id} and {rejected_trace_id} answer different prompts")
     assessment = mlflow.log_feedback(trace_id=chosen_trace_id, name=PREFERENCE, value=True, source=source,

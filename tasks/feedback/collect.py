@@ -123,7 +123,7 @@ def _judged_traces(client, experiment_id: str, name: str) -> Iterator:
     """Served traces (spans included) carrying a ``name`` judgement, oldest first, page by page."""
     token = None
     while True:
-        page = client.search_traces(experiment_ids=[experiment_id], max_results=100, page_token=token,
+        page = client.search_traces(locations=[experiment_id], max_results=100, page_token=token,
                                     filter_string=f"tags.`{SERVED_TAG}` = 'true' AND feedback.`{name}` IS NOT NULL",
                                     order_by=["timestamp_ms ASC"])
         yield from page
@@ -173,6 +173,30 @@ def judgement_row(j: Judgement) -> dict:
     return {"prompt": j.judged.prompt, "chosen": j.judged.completion, "rejected": j.rejected.completion,
             CHOSEN_KEY: j.judged.trace_id, REJECTED_KEY: j.rejected.trace_id, "assessment_id": j.assessment_id,
             "reviewer": j.reviewer}
+
+
+def latest_judgements(judgements: list[Judgement]) -> tuple[list[Judgement], list[Refusal]]:
+    """A reviewer's latest judgement of the same thing wins: a rating of one trace (Good, then Bad: the correction),
+    a preference between the same two traces (A over B, then B over A). The earlier ones are left out, marked on
+    their traces as superseded by the later one (kept in the lineage, never dropped silently). ``judgements`` are in
+    judgement order; the result keeps it."""
+    latest: dict[tuple, Judgement] = {}
+    for j in judgements:
+        latest[(j.reviewer, j.kind, _subject(j))] = j
+    kept, refused = [], []
+    for j in judgements:
+        winner = latest[(j.reviewer, j.kind, _subject(j))]
+        if winner is j:
+            kept.append(j)
+        else:
+            refused.append(Refusal(j.assessment_id, j.judged.trace_id, f"superseded by {winner.assessment_id}, "
+                                   f"{j.reviewer}'s later judgement of the same "
+                                   f"{'answer' if j.kind == 'ratings' else 'pair'}"))
+    return kept, refused
+
+
+def _subject(j: Judgement) -> tuple:
+    return (j.judged.trace_id,) if j.kind == "ratings" else tuple(sorted([j.judged.trace_id, j.rejected.trace_id]))
 
 
 def check_rows(judgements: list[Judgement], stored: dict[str, str], limits: IntakeLimits, collection: Collection) -> None:
@@ -243,6 +267,8 @@ def collect(root: str | Path, store_dir: str = "incoming", push: bool = True, co
         experiment_id = mlflow_setup(root)
         client = mlflow.MlflowClient()
         judgements, collection.refused = find_judgements(client, experiment_id, collected_ids(store))
+        judgements, superseded = latest_judgements(judgements)
+        collection.refused += superseded
         check_rows(judgements, stored_keys(store), limits, collection)
         files = _write_files(root, collection.rows)
         if files:

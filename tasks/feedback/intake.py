@@ -38,10 +38,10 @@ from rlhf_core.feedback import (
     stored_keys,
     validate_files,
 )
-from tasks.feedback.intake_journal import clear_journal, intake_lock, read_journal, write_journal
+from tasks.feedback.intake_journal import clear_journal, intake_lock, read_journal, scratch_dir, write_journal
 from tasks.process.logs import get_logger
 from tasks.store.dvc_ops import _repo
-from tasks.store.outputs import write_atomic
+from tasks.store.outputs import temp_folder, write_atomic
 
 EVENT = "rlhf.feedback.ingested"
 
@@ -50,13 +50,33 @@ class IntakeError(RuntimeError):
     """The intake could not version a validated batch (DVC or git failed); nothing was ingested."""
 
 
-def _write_batch(store: Path, batch: Batch) -> Path:
+def _write_batch(store: Path, batch: Batch, scratch: Path) -> Path:
+    """The batch file, written in ``scratch`` and renamed into the store (a kill before the rename leaves nothing in
+    the store: it is a dependency of prepare, and a stray file there changed its hash)."""
     target = store / batch.kind / f"{batch.sha256}.jsonl"
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp = temp_folder(target, scratch) / f".{target.name}.tmp-{os.getpid()}"
     tmp.write_bytes(canonical_bytes(batch.rows))
     os.replace(tmp, target)
     return target
+
+
+def intake_scratch(root: Path) -> Path:
+    """Where the intake writes before renaming into the store: ``.dvc/tmp/intake`` (git-ignored, outside DVC's
+    dependency paths)."""
+    return scratch_dir(root) / "intake"
+
+
+def clear_debris(store: Path, scratch: Path) -> list[Path]:
+    """Remove what killed intakes left: temp files in ``scratch``, and any beside the store's files (where intakes
+    before issue 33 wrote them). Called under the intake lock, so no intake is writing. Returns what was removed."""
+    found = [p for p in scratch.glob(".*.tmp-*") if p.is_file()] if scratch.is_dir() else []
+    if store.is_dir():
+        found += [p for p in store.rglob(".*.tmp-*") if p.is_file()]
+    for path in found:
+        path.unlink(missing_ok=True)
+        get_logger().warning("intake: removed %s, left by an intake that was killed before its rename", path)
+    return found
 
 
 def _git(root: Path, *args: str) -> str:
@@ -117,20 +137,20 @@ def _commit(root: Path, store: Path, written: list[Path], records: list[dict]) -
         raise
 
 
-def _append_manifest(store: Path, records: list[dict]) -> None:
+def _append_manifest(store: Path, records: list[dict], scratch: Path | None = None) -> None:
     """Add ``records`` to the manifest in one rename (the intake's commit point: a kill leaves it whole, with or
     without them); records already there (by sha256) are not added twice."""
     path = store / MANIFEST
     listed = {r["sha256"] for r in read_manifest(store)}
     old = path.read_text(encoding="utf-8") if path.is_file() else ""
     new = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records if r["sha256"] not in listed)
-    write_atomic(path, old + ("" if not old or old.endswith("\n") else "\n") + new)
+    write_atomic(path, old + ("" if not old or old.endswith("\n") else "\n") + new, scratch)
 
 
 def _store_batches(root: Path, store: Path, written: list[Path], records: list[dict], options: dict) -> None:
     """Version, record and commit batch files already written (the steps after ``_write_batch``)."""
     _version(root, written, options["push"], options["remote"])
-    _append_manifest(store, records)
+    _append_manifest(store, records, intake_scratch(root))
     if options["commit"]:
         _commit(root, store, written, records)
 
@@ -148,6 +168,7 @@ def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming
     options = {"push": push, "remote": remote, "commit": commit, "emit": emit}
     with intake_lock(root):
         recover_interrupted(root, store)
+        clear_debris(store, intake_scratch(root))
         ingested = {r["sha256"]: r for r in read_manifest(store)}
         batches = validate_files(files, stored_keys(store), limits, ingested)  # all checked before anything is written
         for batch in (b for b in batches if b.ingested):
@@ -162,7 +183,7 @@ def ingest(root: str | Path, files: list[str | Path], store_dir: str = "incoming
         records = [_record(b, now, os.environ.get("RLHF_INTAKE_USER") or getpass.getuser()) for b in batches]
         before = _snapshot(store, batches)
         write_journal(root, records, before, options)  # from here on, a kill is finished or undone by the next intake
-        written = [_write_batch(store, b) for b in batches]
+        written = [_write_batch(store, b, intake_scratch(root)) for b in batches]
         try:
             _store_batches(root, store, written, records, options)
         except BaseException:
@@ -234,7 +255,8 @@ def emit_ingested(records: list[dict]) -> int:
     from prefect.settings import PREFECT_API_URL  # prefect: only when an event is emitted
 
     if not PREFECT_API_URL.value():  # the environment variable or the active Prefect profile
-        get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (retraining runs on its cron)", EVENT)
+        get_logger().info("intake: PREFECT_API_URL not set: no %s event sent (no Prefect server to trigger: the "
+                          "local intake retrains itself unless --no-retrain; `make retrain` trains later)", EVENT)
         return 0
     from prefect.events import emit_event  # (prefect)
     from prefect.events.worker import EventsWorker

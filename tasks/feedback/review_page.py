@@ -34,7 +34,7 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 from tasks.process.logs import get_logger
 from tasks.feedback.assessments import (JudgementError, Generation, check_reviewer, load_generation, recent_generations,
                           record_preference, record_rating, RATING)
-from tasks.serving.answer import MAX_PROMPT_CHARS
+from tasks.serving.answer import ALIAS_MISSING, MAX_PROMPT_CHARS
 
 COOKIE = "rlhf_reviewer"
 NOTICES = {"pair": "Recorded your choice. Thank you!", "good": "Recorded: good.", "bad": "Recorded: bad."}
@@ -152,12 +152,20 @@ def ask_pair(model_url: str, prompt: str, timeout: float = 120.0) -> tuple[str, 
     try:
         second = _ask(model_url, prompt, "challenger", timeout)
     except urllib.error.HTTPError as error:
-        if error.code != HTTPStatus.BAD_REQUEST:  # no challenger alias: two samples of the champion
+        if not _alias_missing(error):  # no challenger alias: two samples of the champion
             raise
         second = _ask(model_url, prompt, "champion", timeout)
     pair = [first["trace_id"], second["trace_id"]]
     random.SystemRandom().shuffle(pair)
     return pair[0], pair[1]
+
+
+def _alias_missing(error: urllib.error.HTTPError) -> bool:
+    """The served policy's answer while an alias is unset (503 naming it; ``tasks/serving/alias_server.py``)."""
+    try:
+        return error.code == HTTPStatus.SERVICE_UNAVAILABLE and ALIAS_MISSING in json.loads(error.read())["message"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return False
 
 
 def _ask(model_url: str, prompt: str, alias: str, timeout: float) -> dict:
@@ -166,6 +174,18 @@ def _ask(model_url: str, prompt: str, alias: str, timeout: float) -> dict:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())["predictions"][0]
+
+
+def form_length(raw: str | None) -> int | tuple[int, str]:
+    """The byte count of a posted form from its ``Content-Length``, or (HTTP status, reason) refusing it: absent
+    (411), not a non-negative integer (400: ``-1`` would make ``read`` take everything), over :data:`MAX_BODY` (413)."""
+    if raw is None:
+        return HTTPStatus.LENGTH_REQUIRED, "Content-Length is required."
+    if not raw.strip().isdigit():
+        return HTTPStatus.BAD_REQUEST, f"Content-Length: {raw[:20]!r} is not a byte count."
+    if int(raw) > MAX_BODY:
+        return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"That form is too large (limit {MAX_BODY} bytes)."
+    return int(raw)
 
 
 class ReviewHandler(BaseHTTPRequestHandler):
@@ -202,9 +222,10 @@ class ReviewHandler(BaseHTTPRequestHandler):
 
     def _form(self) -> dict[str, str] | None:
         """The posted form when it is one of this server's (its token), else None (answered 403 already)."""
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, page("Too large", "<p>That form is too large.</p>"))
+        length = form_length(self.headers.get("Content-Length"))
+        if isinstance(length, tuple):
+            self._send(length[0], page("Refused", f"<p>{esc(length[1])}</p>"), {"Connection": "close"})
+            self.close_connection = True  # a body of unknown length is never read
             return None
         fields = {k: v[0] for k, v in parse_qs(self.rfile.read(length).decode("utf-8", "replace")).items()}
         if not secrets.compare_digest(fields.get("token", ""), self.settings.token):
@@ -280,7 +301,8 @@ class ReviewHandler(BaseHTTPRequestHandler):
 
     def _prefer(self, fields: dict[str, str], reviewer: str) -> None:
         try:
-            record_preference(self.settings.client, fields.get("chosen", ""), fields.get("rejected", ""), reviewer)
+            record_preference(self.settings.client, fields.get("chosen", ""), fields.get("rejected", ""), reviewer,
+                              experiment_id=self.settings.experiment_id)
         except Exception as error:  # noqa: BLE001 - shown to the reviewer, who can retry: never dropped silently
             return self._home(reviewer, error=f"your choice was NOT recorded: {error}")
         self._redirect("/?done=pair")
@@ -290,7 +312,8 @@ class ReviewHandler(BaseHTTPRequestHandler):
         try:
             if good is None:
                 raise JudgementError("good: true or false")
-            record_rating(self.settings.client, fields.get("trace", ""), good, reviewer)
+            record_rating(self.settings.client, fields.get("trace", ""), good, reviewer,
+                          experiment_id=self.settings.experiment_id)
         except Exception as error:  # noqa: BLE001 - shown to the reviewer, who can retry
             return self._home(reviewer, error=f"your rating was NOT recorded: {error}")
         self._redirect(f"/?done={'good' if good else 'bad'}")

@@ -86,8 +86,11 @@ def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule
         return Decision(False, f"challenger KL {challenger['kl']:.3f} exceeds registry.max_kl {rule.max_kl}")
     if champion is None:
         return Decision(True, f"no champion yet; challenger {m}={challenger[m]:.4f}")
+    kl_change = kl_versus_champion(challenger, champion, rule)
+    if "kl" in champion and challenger["kl"] - champion["kl"] > rule.max_kl_increase:
+        return Decision(False, f"{kl_change} exceeds registry.max_kl_increase {rule.max_kl_increase}")
     gain = challenger[m] - champion[m]
-    versus = f"{m} {challenger[m]:.4f} vs champion {champion[m]:.4f}: gain {gain:+.4f}"
+    versus = f"{m} {challenger[m]:.4f} vs champion {champion[m]:.4f}: gain {gain:+.4f}; {kl_change}"
     if gain < rule.min_improvement:
         return Decision(False, f"{versus} < min_improvement {rule.min_improvement}")
     if test is None:
@@ -98,6 +101,14 @@ def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule
                                f"{rule.significance})")
     return Decision(True, f"{versus} (>= min_improvement {rule.min_improvement}; {noise} < significance "
                           f"{rule.significance})")
+
+
+def kl_versus_champion(challenger: dict[str, float], champion: dict[str, float], rule: RegistryParams) -> str:
+    """The KL change the gate reports: the challenger's KL to the SFT reference against the champion's."""
+    if "kl" not in champion:
+        return f"KL {challenger['kl']:.3f} (the champion's KL is not recorded)"
+    change = challenger["kl"] - champion["kl"]
+    return f"KL {challenger['kl']:.3f} vs champion {champion['kl']:.3f}: {change:+.3f} (limit +{rule.max_kl_increase:g})"
 
 
 def prompt_values(metric: str, scores: PromptScores, sft_gold: list[float]) -> list[float]:
@@ -317,10 +328,14 @@ def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: 
 def _record(rule: RegistryParams, version, registered: bool, reason: str | None = None) -> dict:
     tags = version.tags
     previous = tags.get("champion.version")
-    return {"registered": registered, "model": rule.model_name, "version": int(version.version),
-            "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
-            "previous_champion": int(previous) if previous else None,
-            f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
+    record = {"registered": registered, "model": rule.model_name, "version": int(version.version),
+              "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
+              "previous_champion": int(previous) if previous else None,
+              f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
+    if not registered:  # the version's decision is an earlier run's: this run decided and registered nothing
+        record["earlier_decision"], record["decision"] = record["decision"], "none"
+    return record
+
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Linux (``/proc``); elsewhere the orphan sweeps find nothing.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -48,6 +49,46 @@ def detach_temporary_server() -> None:
     shim = types.SimpleNamespace(**{k: getattr(subprocess, k) for k in dir(subprocess) if not k.startswith("__")})
     shim.Popen, shim._rlhf_detached = popen, True
     prefect_server.subprocess = shim  # only that module's Popen changes
+    server = prefect_server.SubprocessASGIServer
+    if not getattr(server.start, "_rlhf_serialised", False):
+        server.start = serialised_start(server.start)
+
+
+START_LOCK = "rlhf-server-start.lock"
+"""In ``$PREFECT_HOME``: held while a temporary server starts (it creates or migrates the database there)."""
+
+
+def serialised_start(start):
+    """Prefect's ``SubprocessASGIServer.start``, under :func:`prefect_home_lock` until the server answers: two
+    checkouts starting on a fresh ``~/.prefect`` raced its migration (an 87-line traceback); the second now waits
+    for the first server to be up (the database migrated), then starts its own, saying so."""
+    def start_one_at_a_time(self, timeout=None):
+        if self.running:
+            return start(self, timeout)
+        with prefect_home_lock():
+            return start(self, timeout)
+
+    start_one_at_a_time._rlhf_serialised = True
+    return start_one_at_a_time
+
+
+@contextlib.contextmanager
+def prefect_home_lock():
+    """An exclusive lock on ``$PREFECT_HOME/rlhf-server-start.lock`` (released when the process dies)."""
+    from prefect.settings import PREFECT_HOME  # prefect: only when a temporary server starts
+
+    home = Path(PREFECT_HOME.value()).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / START_LOCK, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            get_logger().info("another checkout is starting a Prefect temporary server on %s: waiting for it", home)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def stop_temporary_server(grace_s: float = 2.0) -> list[int]:

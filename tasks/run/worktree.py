@@ -170,6 +170,15 @@ def restore_checkout_outputs(root: str | Path) -> None:
                              "checkout` there", root, error)
 
 
+def outcome(record: dict) -> str:
+    """What the registry step did, in words (the retrain commit and tag say this, never an earlier decision)."""
+    if record.get("registered"):
+        return f"registered {record.get('model')} v{record.get('version')}: {record.get('decision')}"
+    earlier = (f"; v{record['version']} holds these weights (decided {record.get('earlier_decision')} then)"
+               if record.get("version") else "")
+    return f"nothing registered: {record.get('reason')}{earlier}"
+
+
 @task(name="git-record", cache_policy=NO_CACHE)
 def record_result(worktree: str, branch: str, stamp: str, registry: dict, model_name: str = "rlhf-policy") -> dict:
     """Commit dvc.lock, metrics/ and plots/ on ``retrain/<stamp>``; tag a newly registered version."""
@@ -178,8 +187,8 @@ def record_result(worktree: str, branch: str, stamp: str, registry: dict, model_
     git(worktree, "switch", "-q", "-c", result)
     git(worktree, "add", "--", *[p for p in RECORDED if (Path(worktree) / p).exists()])
     record = {"branch": result, "commit": None, "tag": None}
-    message = (f"retrain {stamp} of {branch}: dvc.lock, metrics, plots and the results table\n\nregistry: {registry.get('reason')}\n"
-               f"version: {registry.get('version')} decision: {registry.get('decision')}\n\n{TRAILER}: {branch}")
+    message = (f"retrain {stamp} of {branch}: dvc.lock, metrics, plots and the results table\n\nregistry: "
+               f"{outcome(registry)}\nreason: {registry.get('reason')}\n\n{TRAILER}: {branch}")
     git(worktree, "commit", "-q", "--allow-empty", "-m", message)
     record["commit"] = git(worktree, "rev-parse", "HEAD")
     if registry.get("registered") and registry.get("version"):

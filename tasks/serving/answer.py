@@ -17,12 +17,21 @@ one, recorded in its trace (same version + prompt + seed = same completion). Eac
 (inputs prompt, max_new_tokens, seed; output completion), tags ``rlhf.served``, ``rlhf.model_name``,
 ``rlhf.model_version``, ``rlhf.model_alias`` (when asked by alias), ``rlhf.policy``, linked to the version's MLflow
 Model, and stored before the answer is sent (synchronous trace logging), so an answer always has its trace.
+
+What one request may ask (refused with HTTP 400 naming the limit, before any generation): at most
+:data:`MAX_PROMPTS` prompts, :data:`MAX_TOTAL_NEW_TOKENS` new tokens in all, and per prompt its tokens plus
+``max_new_tokens`` within the model's positions (both numbers named: nothing is truncated). A request that runs past
+its time is cancelled between tokens (``Cancelled``: HTTP 504), and the traces it had stored are deleted: only
+answers that were returned are offered for review.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +53,17 @@ PARAMS = {"max_new_tokens": 20, "seed": -1, "model_alias": ""}
 """Request params and their defaults: ``seed`` -1 = a fresh seed per prompt; ``model_alias`` '' = the served alias."""
 MAX_NEW_TOKENS = 256
 """Most tokens one request may ask for per prompt (a CPU answers a few hundred tokens a second)."""
+MAX_PROMPTS = 16
+"""Most prompts in one request (each is one generation, answered one after the other)."""
+MAX_TOTAL_NEW_TOKENS = 1024
+"""Most new tokens one request may ask in all (prompts x ``max_new_tokens``): a few seconds of a CPU, so one request
+cannot hold the model for minutes while every other one waits."""
+MAX_SEED = 2**63 - 1
+"""Largest seed (torch's generator takes a signed 64-bit integer)."""
 MAX_PROMPT_CHARS = 20_000
 """Longest prompt accepted (the feedback intake's ``max_field_chars``: a longer one could never be judged)."""
+log = logging.getLogger("rlhf_pipeline.serving")
+
 WEIGHTS_ARTIFACT = "policy"
 """The artifact of a registered version (``tasks/registry/policy_pyfunc.py``) holding its causal LM, tokenizer and card."""
 
@@ -65,28 +83,84 @@ class RequestError(ValueError):
     """A request the server refuses (HTTP 400), naming the input or param."""
 
 
+class Unavailable(RuntimeError):
+    """The service cannot answer now (HTTP 503, with ``Retry-After``): busy, or no version holds the alias."""
+
+
+class Cancelled(RuntimeError):
+    """A request stopped because it ran past its time (HTTP 504); what it had stored is removed."""
+
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("rlhf_request_id", default="")
+"""The id of the HTTP request being answered (set by ``tasks/serving/http_app.py``; MLflow runs ``predict`` in a thread
+that copies the context): named in every error answer and in the server's log."""
+
+ALIAS_MISSING = "no version holds the alias"
+"""The words of the 503 answered while an alias is unset (the review page falls back to the champion on them)."""
+
+
 def check_request(prompts: list[str], params: dict[str, Any]) -> tuple[int, int | None, str | None]:
     """``(max_new_tokens, seed or None, alias or None)`` of a request, or :class:`RequestError` naming what is wrong."""
     if not prompts:
         raise RequestError("inputs: no prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(f"inputs: {len(prompts)} prompts (limit {MAX_PROMPTS} per request)")
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
-            raise RequestError(f"inputs[{i}]: a prompt must be a non-empty string")
+            raise RequestError(f"inputs[{i}]: a prompt must be a non-empty string, got {_shown(prompt)}")
         if len(prompt) > MAX_PROMPT_CHARS:
             raise RequestError(f"inputs[{i}]: {len(prompt)} characters (limit {MAX_PROMPT_CHARS})")
     merged = {**PARAMS, **{k: v for k, v in (params or {}).items() if v is not None}}
     tokens, seed, alias = merged["max_new_tokens"], merged["seed"], merged["model_alias"]
-    if not isinstance(tokens, int) or not 1 <= tokens <= MAX_NEW_TOKENS:
-        raise RequestError(f"params.max_new_tokens: {tokens!r} (an integer from 1 to {MAX_NEW_TOKENS})")
-    if not isinstance(seed, int) or seed < -1:
-        raise RequestError(f"params.seed: {seed!r} (an integer >= 0, or -1 for a fresh one)")
+    if not _integer(tokens) or not 1 <= tokens <= MAX_NEW_TOKENS:
+        raise RequestError(f"params.max_new_tokens: {_shown(tokens)} (an integer from 1 to {MAX_NEW_TOKENS})")
+    if len(prompts) * tokens > MAX_TOTAL_NEW_TOKENS:
+        raise RequestError(f"params.max_new_tokens: {len(prompts)} prompts x {tokens} = {len(prompts) * tokens} new "
+                           f"tokens (limit {MAX_TOTAL_NEW_TOKENS} per request)")
+    if not _integer(seed) or not -1 <= seed <= MAX_SEED:
+        raise RequestError(f"params.seed: {_shown(seed)} (an integer from 0 to 2**63-1, or -1 for a fresh one)")
+    if not isinstance(alias, str):
+        raise RequestError(f"params.model_alias: {_shown(alias)} (an alias name)")
     return tokens, (None if seed == -1 else seed), (alias or None)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (an error message never echoes a whole request)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_context(tokenizer, model, prompt: str, max_new_tokens: int, index: int = 0) -> None:
+    """:class:`RequestError` naming both numbers when the prompt's tokens plus ``max_new_tokens`` exceed the model's
+    positions (generating past them fails inside the model; nothing is truncated silently)."""
+    positions = context_length(model)
+    if positions is None:
+        return
+    used = len(tokenizer(prompt).input_ids)
+    if used + max_new_tokens > positions:
+        raise RequestError(f"inputs[{index}]: {used} prompt tokens + params.max_new_tokens {max_new_tokens} = "
+                           f"{used + max_new_tokens} exceeds the model's context of {positions} positions")
+
+
+def context_length(model) -> int | None:
+    """The model's positions (GPT-2's ``n_positions``, most others' ``max_position_embeddings``); None if unknown."""
+    config = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def request_prompts(model_input) -> list[str]:
     """The prompts of a request, whatever shape MLflow's parser gave them (a list, or a one-column frame)."""
     if hasattr(model_input, "columns"):  # pandas DataFrame (a JSON record input)
-        return [str(v) for v in model_input.iloc[:, 0].tolist()]
+        # as they came: a null prompt stays None (refused by check_request), never the string "None"
+        return [v if isinstance(v, str) else None for v in model_input.iloc[:, 0].tolist()]
     if isinstance(model_input, str):
         return [model_input]
     return list(model_input)
@@ -105,13 +179,20 @@ def synchronous_traces() -> None:
 
 
 def answer(loaded: LoadedVersion, model_name: str, alias: str | None, prompt: str, max_new_tokens: int,
-           seed: int | None) -> dict[str, str]:
-    """One generation of ``loaded``, recorded as one trace; the served answer."""
+           seed: int | None, deadline: float | None = None) -> dict[str, str]:
+    """One generation of ``loaded``, recorded as one trace; the served answer. Past ``deadline`` (``time.monotonic``)
+    the generation stops at the next token and :class:`Cancelled` is raised (its trace is deleted)."""
     from rlhf_core.evaluation import sample_responses  # torch: in the scoring server only, once the model loads
 
+    def past_deadline() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
     def generate(text: str, tokens: int, seed: int) -> str:
-        return sample_responses(loaded.model, loaded.tokenizer, [text], max_new_tokens=tokens, batch_size=1,
-                                seed=seed).responses[0]
+        completion = sample_responses(loaded.model, loaded.tokenizer, [text], max_new_tokens=tokens, batch_size=1,
+                                      seed=seed, should_stop=past_deadline).responses[0]
+        if past_deadline():
+            raise Cancelled("the request ran past its time and was cancelled")
+        return completion
 
     seed = secrets.randbelow(2**31) if seed is None else seed
     completion, trace_id = traced_generation(prompt, max_new_tokens, seed, generate,
@@ -125,14 +206,30 @@ def traced_generation(prompt: str, max_new_tokens: int, seed: int, generate, tag
     """``generate(prompt, max_new_tokens, seed) -> completion`` inside one trace of the active experiment, in the
     served format (root span ``generate``: inputs prompt, max_new_tokens, seed; output completion; ``tags``; linked to
     the MLflow Model ``model_id``). Returns (completion, trace id)."""
-    with mlflow.start_span(name=SPAN_NAME, span_type=SpanType.LLM) as span:
-        span.set_inputs({"prompt": prompt, "max_new_tokens": max_new_tokens, "seed": seed})
-        completion = generate(prompt, max_new_tokens, seed)
-        span.set_outputs({"completion": completion})
-        mlflow.update_current_trace(tags=tags, model_id=model_id)
-        trace_id = span.trace_id
+    try:
+        with mlflow.start_span(name=SPAN_NAME, span_type=SpanType.LLM) as span:
+            trace_id = span.trace_id
+            span.set_inputs({"prompt": prompt, "max_new_tokens": max_new_tokens, "seed": seed})
+            completion = generate(prompt, max_new_tokens, seed)
+            span.set_outputs({"completion": completion})
+            mlflow.update_current_trace(tags=tags, model_id=model_id)
+    except Exception:
+        delete_traces([trace_id])  # a failed generation answers nothing: it is not offered for review
+        raise
     mlflow.flush_trace_async_logging()  # stored before the answer leaves (a no-op when trace logging is synchronous)
     return completion, trace_id
+
+
+def delete_traces(trace_ids: list[str]) -> None:
+    """Remove traces of answers that were never returned (a cancelled or failed request), best effort: a store that
+    refuses is logged (those traces carry no ``rlhf.served`` tag when their generation failed)."""
+    if not trace_ids:
+        return
+    try:
+        experiment_id = mlflow.tracking.fluent._get_experiment_id()
+        mlflow.MlflowClient().delete_traces(experiment_id, trace_ids=trace_ids)
+    except Exception as error:  # noqa: BLE001 - cleaning up after a failure must not hide that failure
+        log.warning("serving: could not delete the traces of an unreturned answer %s (%s)", trace_ids, error)
 
 
 def trace_tags(model_name: str, loaded: LoadedVersion, alias: str | None) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -128,7 +129,7 @@ class RegistryParams:
 
     RULES: ClassVar[ValueRules] = ValueRules(
         positive_ints=("bootstrap_samples",),
-        positive_floats=("max_kl",),
+        positive_floats=("max_kl", "max_kl_increase"),
         non_negative_floats=("min_improvement",),
         unit_interval=("significance",))
     """Value rules of the section (tasks/spec/param_rules.py applies them)."""
@@ -143,6 +144,9 @@ class RegistryParams:
     """Challenger must beat the champion's metric by at least this much."""
     max_kl: float
     """Challenger's KL to the SFT reference must not exceed this."""
+    max_kl_increase: float
+    """Nor its KL exceed the champion's by more than this (the gate reports the change either way): a jump from 3.8
+    to 9.3 was once promoted without a word, within ``max_kl``."""
     significance: float
     """And the win must be larger than the evaluation's noise: the paired bootstrap test over the evaluation
     prompts (rlhf_core.evaluation.paired_bootstrap) must give a one-sided p-value below this."""
@@ -194,7 +198,8 @@ def _check_type(where: str, name: str, value: Any, declared: Any) -> Any:
     if expected is int and isinstance(value, bool):
         raise ParamsError(f"{where}.{name}: expected int, got bool {value!r}")
     if not isinstance(value, expected):
-        raise ParamsError(f"{where}.{name}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."  # a value may be a whole list
+        raise ParamsError(f"{where}.{name}: expected {expected.__name__}, got {type(value).__name__} {shown}")
     return value
 
 
@@ -241,6 +246,11 @@ def parse(raw: Any, sections: Mapping[str, type], policies: Sequence[str], sourc
     return params
 
 
+REGISTERED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
+"""A ``registry.model_name`` the registry can register and ``models:/<name>@<alias>`` can name (MLflow refuses '/'
+and ':' only at registration, the pipeline's last step; '@' would split the alias)."""
+
+
 def _check_registry(p: Params, policies: Sequence[str], source: str) -> None:
     """The registry's rules: it names evaluated policies, one of them enabled, and a paired metric."""
     candidates = p.registry.candidates
@@ -249,6 +259,10 @@ def _check_registry(p: Params, policies: Sequence[str], source: str) -> None:
     if not any(stage_enabled(p, c) for c in candidates):
         raise ParamsError(f"{source}: registry.candidates names no enabled policy (sft, or a policy stage whose "
                           "section has enabled: true)")
+    if not REGISTERED_NAME.fullmatch(p.registry.model_name):
+        raise ParamsError(f"{source}: registry.model_name: {p.registry.model_name[:80]!r} is not a registered model "
+                          "name MLflow accepts in a model URI (letters, digits, '.', '_', '-'; at most 256 characters; "
+                          "no '/', ':' or '@')")
     if p.registry.metric not in PAIRED_METRICS:
         raise ParamsError(f"{source}: registry.metric must be one of {PAIRED_METRICS} (higher is better, one value "
                           "per evaluation prompt for the paired test)")

@@ -47,7 +47,8 @@ class PrepareParams:
     RULES: ClassVar[ValueRules] = ValueRules(
         positive_ints=("max_words", "prompt_min_words", "prompt_max_words", "pairs_per_review"),
         non_negative_ints=("num_reviews",),
-        non_negative_floats=("min_margin",))
+        non_negative_floats=("min_margin",),
+        choices={"incoming_judge": ("keep", "agree")})
     """Value rules of the section (tasks/spec/param_rules.py applies them)."""
 
     source: str
@@ -72,6 +73,11 @@ class PrepareParams:
     """Preference pairs built per training review (its continuation against another review's)."""
     min_margin: float
     """Minimum gold-judge score gap between chosen and rejected; closer pairs are dropped."""
+    incoming_judge: str
+    """What the gold judge may do to incoming human judgements (``incoming/``): ``keep`` (human judgements are data:
+    every one trains, the judge's disagreements are only counted in the log), or ``agree`` (only those the judge
+    agrees with: pairs by ``min_margin``, ratings outside its neutral band; each drop counted in
+    ``metrics/prepare.json`` and logged with its reason)."""
     seed: int
     """Seed for generation, shuffling and pairing."""
 
@@ -114,14 +120,57 @@ def size_warning(num_reviews: int) -> str | None:
             f"or raise prepare.num_reviews")
 
 
+def incoming_pairs_judged(p: PrepareParams, incoming: list[dict], judge, dropped: dict[str, int]) -> list[dict]:
+    """The incoming human pairs that train, with their gold scores: all of them (``incoming_judge: keep``), or those
+    the judge prefers by ``min_margin`` (``agree``); what the judge disagrees with is counted and said either way."""
+    dropped["num_dropped_incoming_pairs"] = 0
+    if not incoming:
+        return []
+    n = len(incoming)
+    scores = judge([x["prompt"] + x["chosen"] for x in incoming] + [x["prompt"] + x["rejected"] for x in incoming])
+    agreed, disagreed = pairs_with_margin(incoming, scores[:n], scores[n:], p.min_margin)
+    if p.incoming_judge == "agree":
+        dropped["num_dropped_incoming_pairs"] = disagreed
+        if disagreed:
+            get_logger().warning("prepare: dropped %d incoming pair(s) whose chosen text the gold judge does not "
+                                 "prefer by prepare.min_margin=%s (prepare.incoming_judge: agree)", disagreed,
+                                 p.min_margin)
+        return agreed
+    if disagreed:
+        get_logger().info("prepare: kept all %d incoming human pairs; the gold judge does not prefer %d of them by "
+                          "prepare.min_margin (prepare.incoming_judge: keep: human judgements are data)", n, disagreed)
+    return [{**pair, "chosen_score": float(sc), "rejected_score": float(sr)}
+            for pair, sc, sr in zip(incoming, scores[:n], scores[n:])]
+
+
+def incoming_ratings_judged(p: PrepareParams, incoming: list[dict], judge, dropped: dict[str, int]) -> list[dict]:
+    """As :func:`incoming_pairs_judged`, for ratings (the judge's label by its neutral band)."""
+    dropped["num_dropped_incoming_ratings"] = 0
+    if not incoming:
+        return []
+    scores = judge([r["prompt"] + r["completion"] for r in incoming])
+    agreed, disagreed = ratings_with_margin(incoming, scores, threshold=0.0, min_margin=NEUTRAL_BAND)
+    if p.incoming_judge == "agree":
+        dropped["num_dropped_incoming_ratings"] = disagreed
+        if disagreed:
+            get_logger().warning("prepare: dropped %d incoming rating(s) whose label the gold judge does not give "
+                                 "(outside its neutral band %s; prepare.incoming_judge: agree)", disagreed,
+                                 NEUTRAL_BAND)
+        return agreed
+    if disagreed:
+        get_logger().info("prepare: kept all %d incoming human ratings; the gold judge does not give the label of %d "
+                          "(prepare.incoming_judge: keep: human judgements are data)", len(incoming), disagreed)
+    return [{**rating, "score": float(s)} for rating, s in zip(incoming, scores)]
+
+
 def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[dict], judge,
                    dropped: dict[str, int] | None = None, incoming_ratings: list[dict] = ()) -> dict[str, list[dict]]:
     """Pure shaping: cleaned reviews -> the six datasets (lists of records; ``ratings``: unpaired
     prompt/completion/label rows for KTO, with the incoming ratings the gold judge labels the same).
 
     Hostile data is bounded here, not left to crash a later stage (issue 12.3): reviews with an overlong word or
-    prompt (``rlhf_core.data.review_overlong``) and incoming pairs the gold judge does not prefer by
-    ``min_margin`` are dropped; their counts go into ``dropped`` (``metrics/prepare.json``).
+    prompt (``rlhf_core.data.review_overlong``) are dropped, and, with ``incoming_judge: agree`` only, incoming
+    judgements the gold judge disagrees with; their counts go into ``dropped`` (``metrics/prepare.json``).
     """
     dropped = {} if dropped is None else dropped
     cleaned = [t for t in (clean_text(r, p.max_words) for r in reviews) if len(t.split()) >= 2]
@@ -135,24 +184,10 @@ def build_datasets(p: PrepareParams, reviews: list[str], incoming_pairs: list[di
     train, heldout = split_train_eval(texts, p.eval_fraction, seed=p.seed)
     pairs = make_preference_pairs(train, judge, p.prompt_min_words, p.prompt_max_words,
                                   pairs_per_review=p.pairs_per_review, min_margin=p.min_margin, seed=p.seed)
-    dropped["num_dropped_incoming_pairs"] = 0
-    if incoming_pairs:
-        scores = judge([x["prompt"] + x["chosen"] for x in incoming_pairs] + [x["prompt"] + x["rejected"] for x in incoming_pairs])
-        n = len(incoming_pairs)
-        kept, dropped["num_dropped_incoming_pairs"] = pairs_with_margin(incoming_pairs, scores[:n], scores[n:],
-                                                                        p.min_margin)
-        if len(kept) < n:
-            get_logger().warning("prepare: dropped %d incoming pair(s) whose chosen text the gold judge does not "
-                                 "prefer by prepare.min_margin=%s", n - len(kept), p.min_margin)
-        pairs += kept
+    pairs += incoming_pairs_judged(p, incoming_pairs, judge, dropped)
     ratings = make_unpaired_ratings(train, judge, p.prompt_min_words, p.prompt_max_words, threshold=0.0,
                                     min_margin=NEUTRAL_BAND, seed=p.seed)
-    kept_ratings, dropped["num_dropped_incoming_ratings"] = ratings_with_margin(
-        incoming_ratings, judge([r["prompt"] + r["completion"] for r in incoming_ratings]) if incoming_ratings else [],
-        threshold=0.0, min_margin=NEUTRAL_BAND)
-    if len(kept_ratings) < len(incoming_ratings):
-        get_logger().warning("prepare: dropped %d incoming rating(s) whose label the gold judge does not give (outside "
-                             "its neutral band %s)", len(incoming_ratings) - len(kept_ratings), NEUTRAL_BAND)
+    kept_ratings = incoming_ratings_judged(p, list(incoming_ratings), judge, dropped)
     return {
         "sft_train": [{"text": t} for t in train],
         "heldout": [{"text": t} for t in heldout],

@@ -11,7 +11,7 @@ rename) and SQLite (journal) have:
   tasks.store.dvc_lockfile <dvc args>`` (what ``make repro`` runs) is ``dvc`` with it installed.
 - :func:`repair_lockfile`, at the start of every pipeline, stage and retraining run (``tasks/run/orphans.py``), keeps a
   copy of the last complete ``dvc.lock`` in ``.dvc/tmp`` (the journal). A bare ``dvc repro`` killed while writing
-  the lock tears it; the next run moves the torn file aside and puts the copy back: stages recorded after the copy
+  the lock tears it, whether the cut file still parses or not (:func:`cut_problem`: 200 of 200 cut points found); the next run moves the torn file aside and puts the copy back: stages recorded after the copy
   was taken are stale again and re-run. With no copy it stops, naming the one command that repairs the lock.
 """
 
@@ -95,6 +95,88 @@ def lock_problem(path: Path) -> str | None:
     return None
 
 
+def cut_problem(lock: Path, journal: Path, dvc_yaml: Path) -> str | None:
+    """Why a lock that parses is still a cut one, or None. A kill mid-write keeps a prefix of the new lock: cut
+    inside a line, it lacks the final newline DVC always writes; cut at a line end, it lacks whole lines at its tail:
+    a hash's ``size``/``nfiles``, entries of a section, sections, stages. What the last complete copy (``journal``)
+    recorded and ``dvc.yaml`` still declares must still be there (a stage re-run after an edit of dvc.yaml may
+    legitimately drop what dvc.yaml no longer declares)."""
+    text = lock.read_text(encoding="utf-8", errors="replace")
+    if text and not text.endswith("\n"):
+        return "it ends inside a line (DVC ends the file with a newline)"
+    data = _yaml_or_empty(lock)
+    stages = data.get("stages") or {}
+    for name, stage in stages.items():
+        problem = _entry_problem(name, stage)
+        if problem:
+            return problem
+    if not journal.is_file() or not dvc_yaml.is_file():
+        return None
+    declared, kept = _declared(_yaml_or_empty(dvc_yaml)), _yaml_or_empty(journal).get("stages") or {}
+    for name, items in declared.items():
+        before = _items(kept.get(name)) & items
+        lost = sorted(before - _items(stages.get(name)))
+        if lost:
+            where = "the whole stage" if name not in stages else f"{len(lost)} of its entries, first {lost[0]}"
+            return f"stage {name!r} lost {where}, recorded in the last complete copy and still in dvc.yaml"
+    return None
+
+
+def _yaml_or_empty(path: Path) -> dict:
+    from dvc.utils.serialize import load_yaml  # dvc: only when a lock file is checked
+
+    data = load_yaml(path)
+    return data if isinstance(data, dict) else {}
+
+
+def _entry_problem(name: str, stage) -> str | None:
+    """A stage entry missing its command, or a hash missing a field DVC writes with it."""
+    if not isinstance(stage, dict) or "cmd" not in stage:
+        return f"stage {name!r} has no cmd"
+    for section in ("deps", "outs"):
+        for entry in stage.get(section) or []:
+            fields = set(entry) if isinstance(entry, dict) else set()
+            wanted = {"path", "md5", "size"} | ({"nfiles"} if str(entry.get("md5", "")).endswith(".dir") else set())
+            if not wanted <= fields:
+                return f"stage {name!r}: {section} entry {entry.get('path')!r} lacks {sorted(wanted - fields)}"
+            if len(str(entry["md5"]).removesuffix(".dir")) != 32:
+                return f"stage {name!r}: {section} entry {entry['path']!r} has a cut hash {entry['md5']!r}"
+    return None
+
+
+def _declared(dvc_yaml: dict) -> dict[str, set[str]]:
+    """stage -> what dvc.yaml declares it records in the lock: ``dep:<path>``, ``out:<path>``, ``param:<file>:<key>``."""
+    out: dict[str, set[str]] = {}
+    for name, stage in (dvc_yaml.get("stages") or {}).items():
+        if not isinstance(stage, dict):
+            continue
+        items = {"stage"} | {f"dep:{d}" for d in stage.get("deps") or [] if isinstance(d, str)}
+        for section in ("outs", "metrics", "plots"):
+            items |= {f"out:{_name(o)}" for o in stage.get(section) or []}
+        for param in stage.get("params") or []:
+            if isinstance(param, str):
+                items.add(f"param:params.yaml:{param}")
+            elif isinstance(param, dict):
+                items |= {f"param:{file}:{key}" for file, keys in param.items() for key in keys or []}
+        out[name] = items
+    return out
+
+
+def _name(entry) -> str:
+    return entry if isinstance(entry, str) else next(iter(entry), "") if isinstance(entry, dict) else ""
+
+
+def _items(stage) -> set[str]:
+    """What a lock entry records, in :func:`_declared`'s terms."""
+    if not isinstance(stage, dict):
+        return set()
+    items = {"stage"} | {f"dep:{d.get('path')}" for d in stage.get("deps") or [] if isinstance(d, dict)}
+    items |= {f"out:{o.get('path')}" for o in stage.get("outs") or [] if isinstance(o, dict)}
+    for file, values in (stage.get("params") or {}).items():
+        items |= {f"param:{file}:{key}" for key in (values or {})}
+    return items
+
+
 def repair_lockfile(root: str | Path) -> str | None:
     """Keep a copy of a complete ``dvc.lock``; put it back over a torn one. Returns a message when it repaired.
 
@@ -104,13 +186,13 @@ def repair_lockfile(root: str | Path) -> str | None:
     _remove_dead_temporaries(root)
     if not lock.is_file() or not (root / ".dvc").is_dir():
         return None
-    problem = lock_problem(lock)
+    problem = lock_problem(lock) or cut_problem(lock, journal, root / "dvc.yaml")
     if problem is None:
         if not journal.is_file() or journal.read_bytes() != lock.read_bytes():
             _copy_atomically(lock, journal)
         return None
     torn = journal.with_name(f"{LOCKFILE}.torn-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    if not journal.is_file() or lock_problem(journal) is not None:
+    if not journal.is_file() or lock_problem(journal) is not None or cut_problem(journal, journal, Path("-")):
         raise LockfileTorn(f"{lock} is torn ({problem}): a process was killed while DVC wrote it, and no complete "
                            f"copy was kept. Repair it with: git checkout -- {LOCKFILE} (stages recorded since the last "
                            "commit then re-run)")
@@ -152,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     return dvc_main(sys.argv[1:] if argv is None else argv)
 
 
-__all__ = ["JOURNAL", "LockfileTorn", "atomic_dvc_writes", "lock_problem", "main", "repair_lockfile"]
+__all__ = ["JOURNAL", "LockfileTorn", "atomic_dvc_writes", "cut_problem", "lock_problem", "main", "repair_lockfile"]
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import time
 import uuid
 from urllib.parse import quote
@@ -73,18 +74,65 @@ def artifact_folder(root: str | Path) -> Path:
     return Path(root).resolve() / "mlartifacts"
 
 
-def _recorded_stores(root: str | Path) -> list[str]:
+def _record(root: str | Path) -> dict:
     try:
-        return list(json.loads((artifact_folder(root) / STORE_RECORD).read_text()).get("stores", []))
-    except (OSError, ValueError, AttributeError):
-        return []
+        record = json.loads((artifact_folder(root) / STORE_RECORD).read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _recorded_stores(root: str | Path) -> list[str]:
+    return list(_record(root).get("stores", []))
 
 
 def _record_store(root: str | Path, database: Path) -> None:
-    """Note that ``database`` exists and keeps its artifacts here (once per store)."""
-    stores = _recorded_stores(root)
-    if str(database) not in stores and database.is_file():
-        write_atomic(artifact_folder(root) / STORE_RECORD, json.dumps({"stores": stores + [str(database)]}))
+    """Note that ``database`` exists and keeps its artifacts here (once per store), and which store it is: the id
+    and creation time of the project's experiment in it (once that experiment exists)."""
+    record = _record(root)
+    stores, identities = list(record.get("stores", [])), dict(record.get("identities", {}))
+    identity = store_identity(database) if database.is_file() else None
+    changed = str(database) not in stores and database.is_file()
+    if changed:
+        stores.append(str(database))
+    if identity and str(database) not in identities:
+        identities[str(database)], changed = identity, True
+    if changed:
+        write_atomic(artifact_folder(root) / STORE_RECORD, json.dumps({"stores": stores, "identities": identities}))
+
+
+def store_identity(database: Path) -> str | None:
+    """``<experiment id>:<creation time>`` of the project's experiment in a SQLite store; '' when the store has none
+    (a new store); None when it cannot be read now (locked, being written)."""
+    try:
+        connection = sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True, timeout=1)
+        try:
+            row = connection.execute("SELECT experiment_id, creation_time FROM experiments WHERE name = ?",
+                                     (experiment_name(),)).fetchone()
+        finally:
+            connection.close()
+    except sqlite3.OperationalError as error:
+        return "" if "no such table" in str(error) else None
+    except sqlite3.DatabaseError:
+        return None
+    return f"{row[0]}:{row[1]}" if row else ""
+
+
+def replaced_store(root: str | Path, database: Path) -> str | None:
+    """What to do when the store at ``database`` is not the one recorded: a new store made in its place (a plain
+    ``mlflow ui`` or ``mlflow server`` on a deleted ``mlflow.db`` creates a fresh one), which would start a new,
+    empty registry silently while DVC's records name versions of the old one."""
+    recorded = _record(root).get("identities", {}).get(str(database))
+    current = store_identity(database) if recorded else None
+    if not recorded or current is None or current == recorded:
+        return None
+    artifacts = artifact_folder(root)
+    found = "has no experiment " + repr(experiment_name()) if not current else f"holds another one ({current})"
+    return (f"the MLflow store {database} is not this project's store: it {found}, where the project's "
+            f"(id:creation time {recorded}) held its runs and model registry. A new store was made in its place "
+            f"(a plain `mlflow ui` on a deleted mlflow.db does). Nothing is logged into it: restore the project's "
+            f"store (from a backup) and remove this one; or start a new, empty store and registry on purpose: "
+            f"mv {artifacts} {artifacts}.old")
 
 
 def vanished_store(root: str | Path) -> str | None:
@@ -94,7 +142,7 @@ def vanished_store(root: str | Path) -> str | None:
     if database is None or str(database) not in _recorded_stores(root):
         return None
     if database.is_file() and database.stat().st_size > 0:
-        return None
+        return replaced_store(root, database)
     artifacts = artifact_folder(root)
     return (f"the MLflow store {database} (this project's runs and model registry) is gone: deleted or moved. "
             f"Nothing is logged into a new, empty store in its place. Restore the file (from a backup), then send "
@@ -154,7 +202,10 @@ def mlflow_setup(root: str | Path) -> str:
         _record_store(root, database)
     if exp is None:
         artifacts = artifact_folder(root).as_uri() if uri.startswith("sqlite:") else None
-        return client.create_experiment(experiment_name(), artifact_location=artifacts, tags=EXPERIMENT_TAGS)
+        created = client.create_experiment(experiment_name(), artifact_location=artifacts, tags=EXPERIMENT_TAGS)
+        if database is not None:
+            _record_store(root, database)  # which store this is, now that the project's experiment is in it
+        return created
     if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):  # an experiment made by an older version
         for key, value in EXPERIMENT_TAGS.items():
             client.set_experiment_tag(exp.experiment_id, key, value)

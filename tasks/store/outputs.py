@@ -59,13 +59,15 @@ def drop_load_environment(directory: str | Path) -> list[Path]:
     return rewritten
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file and a rename. Nothing on a non-main rank of a launch."""
+def write_atomic(path: str | Path, text: str, scratch: str | Path | None = None) -> None:
+    """Write ``text`` to ``path`` through a temp file and a rename. Nothing on a non-main rank of a launch.
+    ``scratch``: the folder of the temp file when it is on the same file system (a rename within one is atomic),
+    so a process killed before the rename leaves its temp file there, not beside ``path`` (in a folder DVC hashes)."""
     if not is_main_process():
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=temp_folder(path, scratch))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -73,6 +75,15 @@ def write_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def temp_folder(path: Path, scratch: str | Path | None) -> Path:
+    """Where the temp file of ``path`` goes: ``scratch`` (created) when on ``path``'s file system, else beside it."""
+    if scratch is None:
+        return path.parent
+    scratch = Path(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    return scratch if os.stat(scratch).st_dev == os.stat(path.parent).st_dev else path.parent
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -98,11 +98,22 @@ class StageRun:
             columns = list(rows[0].keys())
             self.tracker.log_table(name, columns, [[r[c] for c in columns] for r in rows])
 
+    def _artifact(self, what: str, call, spool) -> None:
+        """An artifact: logged while online; kept in the spool (and replayed with it) while offline, or when this
+        very call finds the store gone (a model card was once silently missing from a run replayed after a lock)."""
+        if not self.main:
+            return
+        if not self.offline:
+            self._direct(what, call)
+        if self.offline and hasattr(self.tracker, "spool_text"):
+            spool()
+
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         import mlflow  # mlflow: only when a stage runs (tasks/run/stage_task.py imports this module)
 
-        self._direct(f"artifact {Path(path).name}",
-                     lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
+        self._artifact(f"artifact {Path(path).name}",
+                       lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id),
+                       lambda: self.tracker.spool_file(path, artifact_path))
 
     def log_child_runs(self, children: Mapping[str, tuple[Mapping[str, Any], Mapping[str, float]]]) -> dict[str, str]:
         """One finished run per ``name -> (params, metrics)``, nested under this stage's run and named
@@ -176,8 +187,9 @@ class StageRun:
                                 notes=notes)
         provenance = (f"\n\nProvenance of this run: git commit `{git_commit(self.root)}`; MLflow run "
                       f"`{self.run_id or 'none (tracking offline: see ' + str(self.spool_path) + ')'}`.\n")
-        self._direct("model card", lambda: mlflow.log_text(Path(path).read_text() + provenance, "model_card.md",
-                                                           run_id=self.run_id))
+        text = Path(path).read_text() + provenance
+        self._artifact("model card", lambda: mlflow.log_text(text, "model_card.md", run_id=self.run_id),
+                       lambda: self.tracker.spool_text(text, "model_card.md"))
 
 
 @contextlib.contextmanager

@@ -50,6 +50,10 @@ from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
 
+MAX_ABS_REWARD = 1e6
+"""Largest accepted ``|reward|``: PPO's bound on its scores (``rlhf_core.trainers.ppo.validation.MAX_ABS_SCORE``, kept
+equal by a test; not imported, so GRPO and RLOO run no PPO module). The group statistics and the loss square it."""
+
 
 # ---- data ---------------------------------------------------------------------------------------
 
@@ -452,6 +456,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
                               f"sample {row} (prompt {str(prompts[row])[:80]!r}): masked as unscorable (NaN), as a "
                               "None reward is", RuntimeWarning, stacklevel=3)
             out = out.masked_fill(infinite, math.nan)
+        self._check_reward_bound(out, prompts)
         return out
 
     def _log_extra(self, name: str, values: list) -> None:
@@ -488,6 +493,17 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         start = self.accelerator.process_index * len(scores)
         keep = keep[start:start + len(scores)].to(batch.response_mask.dtype)  # (B,)
         return replace(batch, response_mask=batch.response_mask * keep[:, None])
+    def _check_reward_bound(self, rewards: torch.Tensor, prompts: list) -> None:
+        """A finite reward beyond ``MAX_ABS_REWARD`` (PPO's bound) is an error naming its function, sample and value,
+        before any update: a reward of 3e38 once overflowed the group statistics, every update was skipped as
+        non-finite, and the run ended without naming the reward. ``rewards``: (B, F), NaN where unscorable."""
+        beyond = rewards.abs() > MAX_ABS_REWARD  # (B, F); NaN compares False
+        if bool(beyond.any()):
+            row, col = beyond.nonzero()[0].tolist()
+            raise ValueError(f"reward function {self.reward_func_names[col]!r} returned {float(rewards[row, col]):.6g} "
+                             f"for sample {row} (prompt {str(prompts[row])[:80]!r}), beyond the bound |reward| <= "
+                             f"{MAX_ABS_REWARD:.0e} (the advantages square it and would overflow float32): rescale "
+                             f"the reward ({int(beyond.sum())} such rewards in this batch)")
 
     @torch.no_grad()
     def _reward_model_scores(self, model: Any, tokenizer: Any, prompts: list, completions: list) -> torch.Tensor:
