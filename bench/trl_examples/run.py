@@ -185,7 +185,8 @@ def main() -> None:
         notes = {c["name"]: c.get("note", "") for c in CLIENTS}
         rows = [{**r, "note": notes.get(r["name"], r.get("note", ""))}
                 for r in json.loads((args.work / "results.json").read_text())]
-        text = table(rows, "python bench/trl_examples/run.py --trl " + os.path.relpath(args.trl.absolute(), ROOT))
+        text = table(rows, "python bench/trl_examples/run.py --trl " + os.path.relpath(args.trl.absolute(), ROOT)
+                     + " --out docs/trl_clients.md")
         print(text)
         if args.out:
             args.out.write_text(text)
