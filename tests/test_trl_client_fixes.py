@@ -123,3 +123,25 @@ def test_kto_config_maps_warmup_ratio(tmp_path):
     assert "warmup_ratio" not in portable_training_args(config)  # training_args.json keeps its bytes
     with pytest.raises(ValueError, match="set warmup_steps only"):
         KTOConfig(output_dir=str(tmp_path), warmup_ratio=0.1, warmup_steps=5)
+
+
+def test_kto_trainer_takes_trl_0_11_tokenizer_keyword(tokenizer, tmp_path):
+    from datasets import Dataset
+
+    from rlhf_core import KTOConfig, KTOTrainer
+
+    rows = Dataset.from_dict({"prompt": ["a film", "the plot"], "completion": [" good", " bad"], "label": [True, False]})
+    args = KTOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                     use_cpu=True, save_strategy="no", max_length=16)
+    with pytest.warns(FutureWarning, match="processing_class"):
+        trainer = KTOTrainer(tiny_causal_lm(tokenizer), args=args, train_dataset=rows, tokenizer=tokenizer)
+    assert trainer.processing_class is tokenizer
+    with pytest.raises(ValueError, match="two tokenizers"):
+        KTOTrainer(tiny_causal_lm(tokenizer), args=args, train_dataset=rows, tokenizer=tokenizer,
+                   processing_class=copy_of(tokenizer))
+
+
+def copy_of(tokenizer):
+    import copy
+
+    return copy.deepcopy(tokenizer)

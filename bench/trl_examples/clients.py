@@ -15,9 +15,13 @@ from __future__ import annotations
 TRAIN = ["--output_dir", "{out}", "--max_steps", "2", "--per_device_train_batch_size", "2",
          "--per_device_eval_batch_size", "2", "--gradient_accumulation_steps", "1", "--logging_steps", "1",
          "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no"]
-TRAIN_1X = TRAIN + ["--bf16", "False"]
+TRAIN_1X = TRAIN + ["--bf16", "False"]  # TRL 1.x defaults to bf16, which a CPU-only run does not want
 # rlhf_core's SFT, DPO and reward trainers are TRL 0.11's (the promise); TRL 1.x's scripts for them pass 1.x options
-OLD_API = "outside the promise: rlhf_core's SFT/DPO/reward configs are TRL 0.11's (e.g. `max_seq_length`, not 1.x's `max_length`)"  # TRL 1.x defaults to bf16, which a CPU-only run does not want
+OLD_API = ("outside the promise: rlhf_core's SFT/DPO/reward configs are TRL 0.11's (e.g. `max_seq_length`, not "
+           "1.x's `max_length`)")
+# the 1.x GRPO/RLOO scripts import trl.rewards at start, whatever rewards they use
+NEEDS_REWARDS = ("imports `trl.rewards` (`accuracy_reward`, ...): the verifier rewards, issue 32's "
+                 "`rlhf_core/rewards/` package")
 
 CLIENTS: list[dict] = [
     # TRL v0.11.4: examples/
@@ -84,15 +88,17 @@ CLIENTS: list[dict] = [
      "args": ["--model_name_or_path", "trl-lib/qwen1.5-1.8b-sft", "--dataset_name", "trl-lib/kto-mix-14k",
               "--max_length", "96", *TRAIN_1X]},
     {"name": "trl 1.16 trl/scripts/grpo.py (reward model)", "era": "1.x", "source": ("file", "trl/scripts/grpo.py"),
+     "note": NEEDS_REWARDS,
      "args": ["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--dataset_name", "trl-lib/tldr",
               "--reward_model_name_or_path", "trl-lib/Qwen2-0.5B-Reward", "--num_generations", "2",
               "--max_completion_length", "8", *TRAIN_1X]},
     {"name": "trl 1.16 trl/scripts/rloo.py (reward model)", "era": "1.x", "source": ("file", "trl/scripts/rloo.py"),
+     "note": NEEDS_REWARDS,
      "args": ["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--dataset_name", "trl-lib/tldr",
               "--reward_model_name_or_path", "trl-lib/Qwen2-0.5B-Reward", "--num_generations", "2",
               "--max_completion_length", "8", *TRAIN_1X]},
     {"name": "trl 1.16 trl/scripts/grpo.py --reward_funcs think_format_reward", "era": "1.x",
-     "note": "`trl.rewards` (the verifier rewards) comes with issue 32's `rlhf_core/rewards/` package",
+     "note": NEEDS_REWARDS,
      "source": ("file", "trl/scripts/grpo.py"),
      "args": ["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--dataset_name", "trl-lib/tldr",
               "--reward_funcs", "think_format_reward", "--num_generations", "2", "--max_completion_length", "8",

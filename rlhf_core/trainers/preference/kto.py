@@ -17,6 +17,7 @@ z0 = mean over processes of the batch KL estimate, clamped at 0 (``losses.kto_re
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -259,13 +260,27 @@ class KTOTrainer(base.StoredMetricsMixin, base.RlhfTrainerMixin, Trainer):
 
     trainer_name = "kto"
 
+    @staticmethod
+    def _processing_class(processing_class: Any, tokenizer: Any) -> Any:
+        """``processing_class``, or TRL 0.11's ``tokenizer=`` (with a FutureWarning); both given is an error."""
+        if tokenizer is None:
+            return processing_class
+        if processing_class is not None and processing_class is not tokenizer:
+            raise ValueError("KTOTrainer: tokenizer= (TRL 0.11's name) and processing_class= name two tokenizers; "
+                             "pass processing_class= only")
+        warnings.warn("KTOTrainer(tokenizer=...) is TRL 0.11's name; TRL 1.x names it processing_class=",
+                      FutureWarning, stacklevel=3)
+        return tokenizer
+
     def __init__(self, model: Any, ref_model: nn.Module | None = None, args: KTOConfig | None = None,
                  data_collator: Callable | None = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, compute_metrics: Callable | None = None, callbacks: list | None = None,
                  optimizers: tuple = (None, None), quantization_config: Any = None, peft_config: Any = None,
-                 **tracking: Unpack[TrackingOptions]) -> None:
-        """TRL 1.16.0's positional order; ``tracking``: ``TrackingOptions``."""
+                 tokenizer: Any = None, **tracking: Unpack[TrackingOptions]) -> None:
+        """TRL 1.16.0's positional order; ``tokenizer``: TRL 0.11's name of ``processing_class`` (its kto.py passes
+        it); ``tracking``: ``TrackingOptions``."""
         tracking = check_tracking(type(self).__name__, tracking)
+        processing_class = self._processing_class(processing_class, tokenizer)
         args = self._resolve_args(model, args)
         if train_dataset is None:
             raise ValueError("KTOTrainer needs train_dataset= (rows with prompt, completion, label)")
