@@ -143,7 +143,7 @@ def _set_scores(root: Path, **gold: list[float]) -> None:
 
 def _rescored_as(monkeypatch, gold: list[float]) -> list[int]:
     """Make re-scoring the champion return these per-prompt gold scores; returns the list of calls."""
-    from tasks.registry.gate import gate as registry
+    from tasks.registry import gate as registry
 
     calls = []
 

@@ -49,6 +49,9 @@ HEADER = """\
 """
 
 
+CHARTS_COMMENT = "# Charts that combine columns or files (the per-stage plots above draw one column each).\n"
+
+
 def import_graph(root: Path = ROOT) -> ImportGraph:
     """The walk over the project's library and pipeline (``rlhf_core``'s lazy exports followed)."""
     return ImportGraph(root, ("rlhf_core", "tasks"), {n: m for m, names in PUBLIC.items() for n in names})
@@ -85,6 +88,14 @@ def stage_entry(stage: Stage, paths: PathsParams, graph: ImportGraph, root: Path
     return entry
 
 
+def stage_charts(stage: Stage, paths: PathsParams) -> list[dict]:
+    """The stage's charts for dvc.yaml's top-level ``plots``, their ``y`` naming plot files by path."""
+    io = stage.io(paths)
+    return [{title: {**{k: v for k, v in options.items() if k != "y"},
+                     "y": {io.plots[name]: list(columns) for name, columns in options["y"].items()}}}
+            for title, options in stage.charts.items()]
+
+
 class _Dumper(yaml.SafeDumper):
     """Lists indented under their key, as DVC's own examples write them."""
 
@@ -98,7 +109,9 @@ def render(root: Path = ROOT) -> str:
     graph = import_graph(root)
     stages = {s.name: stage_entry(s, paths, graph, root) for s in STAGES}
     body = yaml.dump({"stages": stages}, Dumper=_Dumper, sort_keys=False, width=120, default_flow_style=False)
-    return HEADER + body
+    charts = yaml.dump({"plots": [chart for s in STAGES for chart in stage_charts(s, paths)]}, Dumper=_Dumper,
+                       sort_keys=False, width=120, default_flow_style=None)
+    return HEADER + body + CHARTS_COMMENT + charts
 
 
 def main(argv: list[str] | None = None) -> int:

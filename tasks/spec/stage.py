@@ -90,6 +90,9 @@ class Stage:
     """May run under ``accelerate launch`` / ``torchrun`` (every rank trains, rank 0 writes)."""
     optional: bool = False
     """Outside the default pipeline (off unless its section says ``enabled: true``; still run and recorded)."""
+    charts: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Charts that combine columns of its plot files, by title (dvc.yaml's top-level ``plots``): DVC's options, with
+    ``y`` naming the plot (``curve``, ``windows``...) and its columns: ``{"curve": ["reward_mean", "kl"]}``."""
     extra_plots: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """More plot files the body returns, by name (each written to ``plots/<name>.csv``: evaluate's frontier), with
     DVC's options of each."""

@@ -102,6 +102,9 @@ class PPOParams(ConfigSection, config="PPOConfig", keys=PPO_CONFIG_KEYS, stage=P
 COLUMNS = ("step", "reward_mean", "kl", "kl_coef")
 """plots/ppo.csv: per PPO step, the mean reward of its rollouts, the KL to SFT and the KL coefficient."""
 PLOT = dict(title="PPO adaptive KL coefficient (reward and KL are in the chart above)", x="step", y="kl_coef")
+CHARTS = {"PPO reward-model score and KL to the reference per step":
+          dict(template="linear", x="step", y={"curve": ["reward_mean", "kl"]})}
+"""The chart of ``plots/ppo.csv``'s reward and KL together (dvc.yaml's top-level ``plots``)."""
 """DVC's options of ``plots/ppo.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 
 
