@@ -95,3 +95,19 @@ def test_soft_overlong_punishment_is_daposs_eq_13():
     assert hard(completion_ids=[[0] * 10, [0] * 11]) == [0.0, -1.0]
     with pytest.raises(ValueError, match="soft_punish_cache"):
         get_soft_overlong_punishment(10, 11)
+
+
+def test_reasoning_accuracy_reward_verifies_only_what_follows_the_reasoning():
+    """TRL 1.16's reasoning_accuracy_reward (trl/scripts/grpo.py imports it): the answer after the reasoning counts,
+    unfinished reasoning is 0.0 (not None), an unreadable solution None."""
+    from rlhf_core.rewards import reasoning_accuracy_reward
+
+    completions = ["<think>1 + 2 = <answer>4</answer>?</think> <answer>3</answer>",  # the answer after </think>
+                   "<think>1 + 2 = 3 so <answer>3</answer>",  # reasoning never closed
+                   "<think>ok</think> <answer>4</answer>",
+                   [{"role": "assistant", "content": "<think>x</think>#### 3"}]]
+    assert reasoning_accuracy_reward(completions, ["3", "3", "3", "3"]) == [1.0, 0.0, 0.0, 1.0]
+    assert reasoning_accuracy_reward(["<think>a</think> <answer>3</answer>"], ["no number"]) == [None]
+    logged = {}
+    reasoning_accuracy_reward(completions[:2], ["3", "3"], log_extra=lambda k, v: logged.setdefault(k, v))
+    assert logged["answer_parsed"] == ["3", "[incomplete reasoning]"]

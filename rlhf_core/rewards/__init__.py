@@ -1,6 +1,6 @@
 """Rewards: learned and judged scorers (texts in, floats out) and verifiers with TRL 1.16's reward contract.
 
-``rlhf_core.rewards`` is also this project's ``trl.rewards``: :func:`accuracy_reward`, :func:`think_format_reward`
+``rlhf_core.rewards`` is also this project's ``trl.rewards``: :func:`accuracy_reward`, :func:`reasoning_accuracy_reward`, :func:`think_format_reward`
 and :func:`get_soft_overlong_punishment` keep TRL 1.16's names and signatures.
 
 - :mod:`~rlhf_core.rewards.learned`: ``GoldJudge``, ``PipelineReward``, ``RewardModelScorer``, ``make_reward``.
@@ -20,6 +20,7 @@ from rlhf_core.rewards.verifiers import (
     answer_format_reward,
     get_answer_format_reward,
     get_soft_overlong_punishment,
+    reasoning_accuracy_reward,
     think_format_reward,
     verify,
 )
@@ -27,4 +28,5 @@ from rlhf_core.rewards.verifiers import (
 __all__ = ["ANSWER_FORMATS", "AnswerFormatReward", "GoldJudge", "PipelineReward", "RewardCall", "RewardModelScorer",
            "SoftOverlongPunishment", "Verdict", "accuracy_reward", "answer_format_reward", "call_reward_funcs",
            "completion_text", "extract_answer", "get_answer_format_reward", "get_soft_overlong_punishment",
-           "gold_answer", "is_async", "make_reward", "parse_number", "think_format_reward", "verify"]
+           "gold_answer", "is_async", "make_reward", "parse_number", "reasoning_accuracy_reward", "think_format_reward",
+           "verify"]

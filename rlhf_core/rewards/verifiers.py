@@ -59,6 +59,32 @@ def accuracy_reward(completions: Sequence[Any], solution: Sequence[Any],
     return [None if v.correct is None else float(v.correct) for v in verdicts]
 
 
+def reasoning_accuracy_reward(completions: Sequence[Any], solution: Sequence[Any],
+                              reasoning_delimiters: Sequence[str] | None = None,
+                              log_extra: Callable[[str, list], None] | None = None, **kwargs: Any) -> list[float | None]:
+    """TRL 1.16's ``reasoning_accuracy_reward`` on this module's exact answers: only what follows the reasoning (the
+    text after the first of ``reasoning_delimiters``, default ``["</think>"]``, that occurs) is verified; a completion
+    whose reasoning never ends gets 0.0 (not None: incomplete reasoning is penalised), a solution without a readable
+    number None. TRL compares LaTeX through ``math_verify``; here answers are numbers, compared exactly.
+
+    Example: solution "3"; "<think>1+2</think> <answer>3</answer>" -> 1.0; "<think>... <answer>3</answer>" -> 0.0.
+    """
+    if len(completions) != len(solution):
+        raise ValueError(f"reasoning_accuracy_reward: {len(completions)} completions but {len(solution)} solutions")
+    delimiters = ["</think>"] if reasoning_delimiters is None else list(reasoning_delimiters)
+    finals = []
+    for completion in completions:
+        text = completion_text(completion)
+        delimiter = next((d for d in delimiters if d in text), None)
+        finals.append(None if delimiter is None else text.split(delimiter)[-1])
+    verdicts = [None if final is None else verify(final, sol) for final, sol in zip(finals, solution)]
+    if log_extra is not None:
+        log_extra("solution", [str(sol) for sol in solution])
+        log_extra("answer_parsed", ["[incomplete reasoning]" if v is None else v.answer or "[no answer]"
+                                    for v in verdicts])
+    return [0.0 if v is None else None if v.correct is None else float(v.correct) for v in verdicts]
+
+
 def think_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     """1.0 when a completion starts with ``<think>``, opens no second ``<think>`` and closes it with
     ``</think>`` (anything may follow); else 0.0. TRL 1.16's rule."""
