@@ -210,17 +210,23 @@ def section_keys(schema: type) -> dict[str, Any]:
     return {f.name: f.type for f in fields(schema)}
 
 
+def _refuse_unknown_and_missing(source: str, what: str, given: Mapping[str, Any], declared: Mapping[str, Any]) -> None:
+    """``ParamsError`` naming the keys of ``given`` that are not ``declared`` (``unknown <what>``), then those
+    ``declared`` that ``given`` lacks (``missing <what>``)."""
+    unknown = sorted(set(given) - set(declared))
+    missing = sorted(set(declared) - set(given))
+    if unknown:
+        raise ParamsError(f"{source}: unknown {what}: {', '.join(unknown)}")
+    if missing:
+        raise ParamsError(f"{source}: missing {what}: {', '.join(missing)}")
+
+
 def build_section(name: str, schema: type, raw: Any, source: str = PARAMS_FILE):
     """Build section ``name`` from a mapping; unknown or missing keys are errors (no defaults)."""
     if not isinstance(raw, dict):
         raise ParamsError(f"{source}: section {name!r} must be a mapping, got {type(raw).__name__}")
     declared = section_keys(schema)
-    unknown = sorted(set(raw) - set(declared))
-    missing = sorted(set(declared) - set(raw))
-    if unknown:
-        raise ParamsError(f"{source}: unknown key(s) in section {name!r}: {', '.join(unknown)}")
-    if missing:
-        raise ParamsError(f"{source}: missing key(s) in section {name!r}: {', '.join(missing)}")
+    _refuse_unknown_and_missing(source, f"key(s) in section {name!r}", raw, declared)
     values = {k: _check_type(f"{source}:{name}", k, raw[k], declared[k]) for k in declared}
     return schema.from_values(values) if issubclass(schema, ConfigSection) else schema(**values)
 
@@ -230,12 +236,7 @@ def parse(raw: Any, sections: Mapping[str, type], policies: Sequence[str], sourc
     order); ``policies``: what ``registry.candidates`` may name (sft and the policy stages)."""
     if not isinstance(raw, dict):
         raise ParamsError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(sections))
-    missing = sorted(set(sections) - set(raw))
-    if unknown:
-        raise ParamsError(f"{source}: unknown section(s): {', '.join(unknown)}")
-    if missing:
-        raise ParamsError(f"{source}: missing section(s): {', '.join(missing)}")
+    _refuse_unknown_and_missing(source, "section(s)", raw, sections)
     params = Params({name: build_section(name, schema, raw[name], source) for name, schema in sections.items()})
     param_rules.check(raw, sections, source)  # value rules (sizes, rates, vocabularies, positions, paths), naming the key
     for name, section in params.sections().items():  # cross-field rules, checked before any stage touches state
