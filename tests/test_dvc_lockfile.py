@@ -4,12 +4,10 @@ start from the last complete copy, or, with none, the error names the one comman
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _dvc_project import init_dvc_project, run_dvc, run_python
 
 from tasks.store.dvc_lockfile import JOURNAL, LockfileTorn, lock_problem, repair_lockfile
 from tasks.run.orphans import clean_after_dead_runs
@@ -49,27 +47,13 @@ DVC_YAML = """stages:
 """
 
 
-def _env() -> dict:
-    return {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1"}
-
-
-def _run(root: Path, *code_or_args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *code_or_args], cwd=root, env=_env(), capture_output=True, text=True,
-                          timeout=300)
-
-
-def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return _run(root, "-m", "dvc", *args)
+_run, _dvc = run_python, run_dvc
 
 
 @pytest.fixture
 def project(tmp_path) -> Path:
     """A git + DVC project with two stages, both recorded in dvc.lock; then b's dependency changes (b is stale)."""
-    root = tmp_path / "proj"
-    root.mkdir()
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    assert _dvc(root, "init", "-q").returncode == 0
-    (root / "dvc.yaml").write_text(DVC_YAML)
+    root = init_dvc_project(tmp_path / "proj", DVC_YAML)
     assert _dvc(root, "repro").returncode == 0
     assert "b:" in (root / "dvc.lock").read_text()
     (root / "dvc.yaml").write_text(DVC_YAML.replace("echo a >", "echo A >"))

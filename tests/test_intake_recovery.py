@@ -159,7 +159,7 @@ def _store_files(root: Path) -> list[str]:
 
 def test_an_intake_killed_in_its_batch_rename_leaves_nothing_in_the_store(project, tmp_path):
     """Issue 33: the temp file of a batch killed before its rename was left in incoming/ (a dependency of prepare:
-    its hash changed, prepare and everything after it would retrain). It is written in .dvc/tmp/intake now, and the
+    its hash changed, prepare and everything after it would retrain). It is written in the folder intake of .dvc/tmp now, and the
     next intake removes it, with a message."""
     from flows.intake import main
 

@@ -5,7 +5,6 @@ safely when stages finish at the same moment (threads of the pipeline, or separa
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _dvc_project import init_dvc_project, run_dvc
 import yaml
 
 from tasks.run import parallel_stages
@@ -113,19 +113,13 @@ def test_stage_processes_overlap_under_the_prefect_task_runner(tmp_path, monkeyp
 DVC_YAML = "stages:\n" + "".join(f"  {s}:\n    cmd: echo {s} > {s}.txt\n    outs: [{s}.txt]\n" for s in STAGES)
 
 
-def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+_dvc = run_dvc
 
 
 @pytest.fixture
 def project(tmp_path) -> Path:
     """A git + DVC project with four stages, none recorded, each output written as its command would."""
-    root = tmp_path / "proj"
-    root.mkdir()
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    assert _dvc(root, "init", "-q").returncode == 0
-    (root / "dvc.yaml").write_text(DVC_YAML)
+    root = init_dvc_project(tmp_path / "proj", DVC_YAML)
     for stage in STAGES:
         (root / f"{stage}.txt").write_text(f"{stage}\n")
     return root

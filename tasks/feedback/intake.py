@@ -62,7 +62,7 @@ def _write_batch(store: Path, batch: Batch, scratch: Path) -> Path:
 
 
 def intake_scratch(root: Path) -> Path:
-    """Where the intake writes before renaming into the store: ``.dvc/tmp/intake`` (git-ignored, outside DVC's
+    """Where the intake writes before renaming into the store: ``intake`` in ``.dvc/tmp`` (git-ignored, outside DVC's
     dependency paths)."""
     return scratch_dir(root) / "intake"
 

@@ -65,7 +65,7 @@ a thread waiting here costs no polling)."""
 
 @contextlib.contextmanager
 def one_recorder(root: str | Path) -> Iterator[None]:
-    """Hold the checkout's recording lock (``.dvc/tmp/rlhf-record.lock``) for the block: stages that end at the same
+    """Hold the checkout's recording lock (``rlhf-record.lock`` in ``.dvc/tmp``) for the block: stages that end at the same
     moment (side by side, or two processes) update dvc.lock one after another. DVC's own repo lock would make the
     second recorder fail after a few retries rather than wait, and dvc.lock is read, changed and written whole, so
     two unordered writers would lose an entry."""
