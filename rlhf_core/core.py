@@ -19,6 +19,13 @@ from torch.nn.utils.rnn import pad_sequence
 # Value used to pad ragged stats when they are stacked (classic TRL uses the same sentinel).
 WANDB_PADDING = -1
 
+MAX_ABS_REWARD = 1e6
+"""Largest accepted ``|reward|`` (PPO's scores, GRPO's and RLOO's rewards). Every trainer squares its rewards (PPO's
+score scaling, whitening, value loss and gradient norm; the group statistics and loss of GRPO and RLOO): a finite
+reward of 3e38 overflowed float32 and every update was skipped as non-finite. A million keeps those squares far
+below float32's 3.4e38 while leaving room for any reward scale in use (reward models give single digits); rescale a
+larger reward before training."""
+
 
 # --------------------------------------------------------------------------------------------
 # log-probabilities and entropy

@@ -31,6 +31,7 @@ from transformers import (
     TrainerCallback,
 )
 
+from rlhf_core.core import MAX_ABS_REWARD
 from rlhf_core.models.embedding_grads import sparse_tied_embedding_grad
 from rlhf_core.models.fused_kernels import fuse_kernels, fuses_on
 from rlhf_core.rewards.contract import RewardCall, call_reward_funcs
@@ -49,11 +50,6 @@ from rlhf_core.trainers.online.config import OnlineRLConfig
 from rlhf_core.trainers.ref_sync import SyncRefModelCallback, mix_into_reference
 
 RewardFunc = Callable[..., Sequence[float | None]] | PreTrainedModel | str
-
-MAX_ABS_REWARD = 1e6
-"""Largest accepted ``|reward|``: PPO's bound on its scores (``rlhf_core.trainers.ppo.validation.MAX_ABS_SCORE``, kept
-equal by a test; not imported, so GRPO and RLOO run no PPO module). The group statistics and the loss square it."""
-
 
 # ---- data ---------------------------------------------------------------------------------------
 

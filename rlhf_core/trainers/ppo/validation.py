@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlhf_core.core import MAX_ABS_REWARD
+
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
-MAX_ABS_SCORE = 1e6
-"""Largest accepted ``|score|``. PPO squares its rewards (score scaling's running variance, whitening, the value
-loss against returns that hold the score, the gradient norm): a finite score of 3e38 overflowed float32 and every
-update was skipped as non-finite. A million keeps each of those squares far below float32's 3.4e38 while leaving
-room for any reward scale in use (reward models give single digits); rescale a larger reward before stepping."""
+MAX_ABS_SCORE = MAX_ABS_REWARD
+"""Largest accepted ``|score|``: the one reward bound of every trainer (``rlhf_core.core.MAX_ABS_REWARD``)."""
 
 
 def check_step_inputs(batch_size: int, queries, responses, scores, response_masks=None, *, vocab: int | None,
