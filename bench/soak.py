@@ -5,7 +5,7 @@
 Each step: generate (response lengths vary 3-8 tokens, drawn from a seeded generator and forced with
 ``min_new_tokens``, so the work per step does not drift as the policy learns to end responses later),
 score, ``step``, ``log_stats`` to a null tracker.
-Measured: RSS (``/proc/self/statm``, after ``gc.collect()``) every 10 steps; per-step CPU time
+Measured: RSS (``/proc/self/statm``, after ``gc.collect()``) and the number of live tensors every 10 steps; per-step CPU time
 (``time.process_time``, insensitive to other processes on a shared machine) and wall time. Reported: RSS
 growth from the end of warm-up to the end, its least-squares slope (MB per 100 steps), and the median step
 time of the first and last 50 post-warm-up steps. ``tests/test_soak.py`` runs this and asserts the bounds.
@@ -34,6 +34,15 @@ def rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def live_tensors() -> int:
+    """Tensors the garbage collector can see: exact, unlike RSS, which moves with the allocator's arenas."""
+    import torch
+
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op shim warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     den = sum((x - mx) ** 2 for x in xs)
@@ -56,7 +65,7 @@ def run_soak(steps: int = 300, warmup: int = 50, seed: int = 0) -> dict:
     prompts = ["This movie was", "I", "The plot", "A good film", "The actors", "Honestly the", "My friend", "It"]
     half = len(tokenizer) // 2
     generator = torch.Generator().manual_seed(seed)
-    cpu, wall, rss = [], [], []
+    cpu, wall, rss, tensors = [], [], [], []
     for step in range(steps):
         c0, w0 = time.process_time(), time.perf_counter()
         batch = [prompts[(step * 4 + i) % len(prompts)] for i in range(4)]
@@ -74,7 +83,9 @@ def run_soak(steps: int = 300, warmup: int = 50, seed: int = 0) -> dict:
         if step % 10 == 9 or step == warmup - 1:
             gc.collect()
             rss.append((step + 1, rss_mb()))
+            tensors.append((step + 1, live_tensors()))
     after = [(s, m) for s, m in rss if s >= warmup]
+    tensors_after = [n for s, n in tensors if s >= warmup]
     post = slice(warmup, None)
     cpu_post, wall_post = cpu[post], wall[post]
     window = min(50, len(cpu_post) // 2)
@@ -84,6 +95,8 @@ def run_soak(steps: int = 300, warmup: int = 50, seed: int = 0) -> dict:
         "rss_growth_mb": round(after[-1][1] - after[0][1], 2),
         "rss_max_minus_warmup_mb": round(max(m for _, m in after) - after[0][1], 2),
         "rss_slope_mb_per_100_steps": round(100 * slope([s for s, _ in after], [m for _, m in after]), 3),
+        "live_tensors_at_warmup": tensors_after[0], "live_tensors_final": tensors_after[-1],
+        "live_tensor_growth": tensors_after[-1] - tensors_after[0],
         "cpu_s_per_step_first": round(statistics.median(cpu_post[:window]), 4),
         "cpu_s_per_step_last": round(statistics.median(cpu_post[-window:]), 4),
         "cpu_time_ratio_last_over_first": round(statistics.median(cpu_post[-window:]) / statistics.median(cpu_post[:window]), 3),
