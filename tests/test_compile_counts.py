@@ -59,8 +59,9 @@ def test_compiled_ppo_over_ragged_batches_stops_compiling_and_matches_eager(toke
                 assert float(stats[key]) == pytest.approx(float(reference[key]), abs=1e-5), key
     torch._dynamo.reset()
     assert counts[0] > 0  # the stand-in backend was used
-    # measured: 9, 11, 11, 12, then 12 for every later length; one compilation per shape would be ~2 per step
-    assert counts[-1] == counts[4] and counts[-1] <= 16, counts
+    # measured: 7, 7, 7, 8, then 8 for every later length (9, 11, 11, 12, 12 while transformers' hooks were installed
+    # inside the first traced forward); one compilation per shape would be ~2 per step
+    assert counts[-1] == counts[4] and counts[-1] <= 10, counts
 
 
 def test_compiled_transformers_trace_without_graph_breaks(tokenizer, monkeypatch):

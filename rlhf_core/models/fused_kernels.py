@@ -9,7 +9,8 @@ same computation in one kernel where the backend has one. Their rotary embedding
 same function in Llama, Qwen2/3, Mistral and Gemma 1-3) is ten kernels per layer: for each of q and k,
 ``rotate_half``'s neg and cat, two multiplies and an add. ``fused_rotary`` moves ``rotate_half``'s sign onto ``sin``
 once for both (neg, cat), swaps the halves with one ``flip`` and does the rest with one multiply and one ``addcmul``:
-eight kernels, a fifth fewer, and one pass less over q and k (bench/rotary_kernels.py counts them).
+eight kernels, a fifth fewer (bench/rotary_kernels.py counts them), reading and writing q or k seven times instead
+of ten.
 
 All three agree with the eager code to rounding, not bit for bit (another evaluation order), so ``fuse_kernels`` runs
 only where asked: the trainers call it for a model on a CUDA device (``fuses_on``); on the CPU the eager modules stay
