@@ -191,3 +191,23 @@ def test_the_fused_rotary_runs_in_the_model_and_gives_its_logits_and_logprobs(to
     # fp32: addcmul rounds once where multiply-then-add rounds twice; ~1e-7 relative per layer
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_model_traces_as_one_graph(tokenizer):
+    """On CUDA the fused model may also run under ``torch_compile`` / the compiled decode step: dynamo traces the
+    rebound attention forward (its copied globals) and the fused norms as one graph, no graph break."""
+    from torch._dynamo.utils import counters
+
+    model = _models(tokenizer)["llama"].eval()
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        assert fuse_kernels(model) == 7
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            got = torch.compile(model, backend="eager", dynamic=True)(input_ids=ids).logits
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+        finally:
+            torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fused vs eager kernels: fp32 rounding
