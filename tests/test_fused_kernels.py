@@ -1,5 +1,5 @@
-"""The one-kernel GELU / RMSNorm (``models.fused_kernels``), forced on the CPU: the same function as transformers'
-eager modules to rounding, in the forward and the backward, and never applied on the CPU by the trainers."""
+"""The fused GELU / RMSNorm / rotary embedding (``models.fused_kernels``), forced on the CPU: the same function as
+transformers' eager code to rounding, in the forward and the backward, and never applied on the CPU by the trainers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import copy
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 from transformers.activations import FastGELUActivation, NewGELUActivation
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from rlhf_core.models.fused_kernels import TanhGELU, fuse_kernels, fuses_on
+from rlhf_core.models import fused_kernels
+from rlhf_core.models.fused_kernels import TanhGELU, fuse_kernels, fused_rotary, fuses_on
 from rlhf_core.models.tiny import tiny_causal_lm
 
 
@@ -28,14 +31,17 @@ def _models(tokenizer):
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": len(tokenizer)}
     return {"gpt2": tiny_causal_lm(tokenizer, arch="gpt2"), "llama": tiny_causal_lm(tokenizer, arch="llama"),
-            "qwen2": Qwen2ForCausalLM(Qwen2Config(**shape)), "mistral": MistralForCausalLM(MistralConfig(**shape))}
+            "qwen2": Qwen2ForCausalLM(Qwen2Config(**shape)), "mistral": MistralForCausalLM(MistralConfig(**shape)),
+            "gemma": GemmaForCausalLM(GemmaConfig(**shape, head_dim=8))}
 
 
-@pytest.mark.parametrize("arch,changed", [("gpt2", 2), ("llama", 5), ("qwen2", 5), ("mistral", 5)])
+# GPT-2: one GELU per layer; Llama-style: 2 norms per layer + the final one, and each layer's attention (rotary);
+# Gemma: its attention only (its RMSNorm scales by 1 + weight: not the Llama one)
+@pytest.mark.parametrize("arch,changed", [("gpt2", 2), ("llama", 7), ("qwen2", 7), ("mistral", 7), ("gemma", 2)])
 def test_a_fused_model_gives_the_eager_logits_and_gradients_to_rounding(tokenizer, arch, changed):
     eager = _models(tokenizer)[arch].train(False)
     fused = copy.deepcopy(eager)
-    assert fuse_kernels(fused) == changed  # GPT-2: one GELU per layer; Llama-style: 2 norms per layer + final
+    assert fuse_kernels(fused) == changed
     assert set(fused.state_dict()) == set(eager.state_dict())
     ids = torch.randint(3, len(tokenizer), (3, 11), generator=torch.Generator().manual_seed(1))
     outs = []
@@ -72,7 +78,13 @@ def test_the_trainers_fuse_on_cuda_only(tokenizer):
     assert fuse_kernels(None) == 0
 
 
-def test_a_ppo_step_with_the_cuda_fusion_forced_matches_the_eager_step(tokenizer, monkeypatch):
+def _fused_modules(model) -> int:
+    return sum(isinstance(m, TanhGELU) or "forward" in m.__dict__ for m in model.modules())
+
+
+# fused modules per model: GPT-2 2 GELUs; Llama 5 RMSNorms and 2 rotary attentions
+@pytest.mark.parametrize("arch,per_model", [("gpt2", 2), ("llama", 7)])
+def test_a_ppo_step_with_the_cuda_fusion_forced_matches_the_eager_step(tokenizer, monkeypatch, arch, per_model):
     """The trainer's CUDA branch, forced on the CPU: policy and reference fused, one step's stats and updated
     weights equal the eager trainer's to fp32 rounding."""
     from rlhf_core import PPOConfig, PPOTrainer
@@ -85,11 +97,11 @@ def test_a_ppo_step_with_the_cuda_fusion_forced_matches_the_eager_step(tokenizer
     for forced in (False, True):
         monkeypatch.setattr(ppo_trainer, "fuses_on", lambda device: forced)
         torch.manual_seed(0)
-        model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, seed=0))
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_causal_lm(tokenizer, arch=arch, seed=0))
         trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=1, learning_rate=1e-3, seed=0), model, None,
                              tokenizer)
-        fused = [isinstance(m, TanhGELU) for m in (*trainer.model.modules(), *trainer.ref_model.modules())]
-        assert sum(fused) == (4 if forced else 0)  # 2 layers x (policy, reference)
+        fused = _fused_modules(trainer.model) + _fused_modules(trainer.ref_model)
+        assert fused == (2 * per_model if forced else 0)  # policy and reference
         stats = trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(-1.0)])
         results.append((stats, [p.detach().clone() for p in trainer.model.parameters()]))
     (eager, eager_w), (fused_stats, fused_w) = results
@@ -111,3 +123,91 @@ def test_a_copy_of_a_fused_model_runs_its_own_weights(tokenizer):
         twin.model.norm.weight.mul_(2.0)
     x = torch.randn(2, 3, 32)
     torch.testing.assert_close(twin.model.norm(x), 2.0 * model.model.norm(x))
+
+
+def _rotary_inputs(dtype):
+    """q (2, 4, 9, 16), k (2, 2, 9, 16) and the cos / sin Llama's rotary embedding makes for ragged positions."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 16, generator=g, dtype=dtype), torch.randn(2, 2, 9, 16, generator=g, dtype=dtype)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64))
+    positions = torch.stack([torch.arange(9), torch.arange(9).clamp(min=3) - 3])  # a left-padded row
+    cos, sin = rotary(q, positions)
+    return q, k, cos, sin
+
+
+def test_the_fused_rotary_is_transformers_rotary_to_rounding():
+    q, k, cos, sin = _rotary_inputs(torch.float64)
+    fused, eager = fused_rotary(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)
+    for a, b in zip(fused, eager):
+        # float64: the same products, summed in one addcmul instead of a multiply and an add (~1e-16 relative); a
+        # sign or half swapped wrongly is O(1) off
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert (fused[0] - q * cos[:, None]).abs().max() > 0.5  # the rotation part is not negligible here
+    q32, k32, cos32, sin32 = (t.float() for t in (q, k, cos, sin))
+    for a, b in zip(fused_rotary(q32, k32, cos32, sin32), apply_rotary_pos_emb(q32, k32, cos32, sin32)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # fp32: one rounding fewer (addcmul), ~1 ulp
+    with pytest.raises(ValueError, match="cos has 8 features, q has 16"):
+        fused_rotary(q, k, cos[..., :8], sin[..., :8])  # a partial rotary is not this function
+
+
+def test_the_rotary_is_replaced_only_where_it_is_llamas():
+    """Every family listed calls Llama's very code (so the swap is exact to rounding); Phi3's partial rotary is
+    another function and is not matched."""
+    import importlib
+
+    for name in sorted(fused_kernels._ROTARY_ATTENTION):
+        family = name.removesuffix("Attention").lower()
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        assert fused_kernels._standard_rotary(getattr(module, name).forward), name
+    from transformers.models.phi3.modeling_phi3 import Phi3Attention
+
+    assert not fused_kernels._standard_rotary(Phi3Attention.forward)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fused_rotary_runs_in_the_model_and_gives_its_logits_and_logprobs(tokenizer, monkeypatch, arch):
+    """Counted: one ``fused_rotary`` call per layer per forward of the fused model, none from an eager model of the
+    same class (the swap is per module, not in transformers' module); logits and log-probs as eager to rounding."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return fused_rotary(*args, **kwargs)
+
+    monkeypatch.setattr(fused_kernels, "fused_rotary", counting)
+    eager = _models(tokenizer)[arch].train(False)
+    fused = copy.deepcopy(eager)
+    fuse_kernels(fused)
+    ids = torch.randint(3, len(tokenizer), (3, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: positions start later in that row
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    outs = []
+    for model in (fused, eager):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logprobs = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        outs.append((logits, logprobs))
+    assert len(calls) == eager.config.num_hidden_layers  # the fused forward only
+    # fp32: addcmul rounds once where multiply-then-add rounds twice; ~1e-7 relative per layer
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_model_traces_as_one_graph(tokenizer):
+    """On CUDA the fused model may also run under ``torch_compile`` / the compiled decode step: dynamo traces the
+    rebound attention forward (its copied globals) and the fused norms as one graph, no graph break."""
+    from torch._dynamo.utils import counters
+
+    model = _models(tokenizer)["llama"].eval()
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        assert fuse_kernels(model) == 7
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            got = torch.compile(model, backend="eager", dynamic=True)(input_ids=ids).logits
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+        finally:
+            torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fused vs eager kernels: fp32 rounding

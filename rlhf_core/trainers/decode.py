@@ -65,8 +65,12 @@ CACHE_BUCKET = 64
 # A captured token step attends to the written cache slots rounded up to a multiple of this (one graph per length).
 KV_SEGMENT = 32
 # ``RLHF_CORE_COMPILE_DECODE=1``: kept token steps run through torch.compile with this backend (fewer, fused kernels
-# inside the captured graph); tests count compilations with a stand-in.
+# inside the captured graph); tests count compilations with a stand-in, and run inductor itself (test_inductor.py).
 DECODE_COMPILE_BACKEND: Any = "inductor"
+# Inductor draws random numbers with its own generator unless told to fall back to torch's: the compiled step then
+# samples other tokens than the eager one (and than ``generate``) for the same seed (measured on the CPU: 40-token
+# calls diverged at once). With ``fallback_random`` the exponential race reads torch's generator as eagerly.
+_INDUCTOR_OPTIONS = {"fallback_random": True}
 # Token steps between two host reads of "has every row finished?" on an accelerator (on the CPU: every step).
 EOS_CHECK_EVERY_ACCELERATOR = 8
 
@@ -451,7 +455,8 @@ def _state_and_runner(model: Any, batch: int, cache_len: int, settings: DecodeSe
         ref = weakref.ref(model)  # a strong one in the kept runner would keep the model (the dict's key) alive
         step = lambda: token_step(ref(), state)  # noqa: E731
         if backend is not None and compile_decode():
-            step = torch.compile(step, dynamic=False, backend=DECODE_COMPILE_BACKEND)
+            options = _INDUCTOR_OPTIONS if DECODE_COMPILE_BACKEND == "inductor" else None  # a stand-in takes none
+            step = torch.compile(step, dynamic=False, backend=DECODE_COMPILE_BACKEND, options=options)
         return _Kept(state, StepRunner(step, backend, state=state if backend is not None else None))
 
     if backend is None:

@@ -180,7 +180,7 @@ class OnlineRLTrainer(RlhfTrainerMixin, Trainer):
         self._last_extras: dict[str, list[str]] = {}  # log_extra's columns for the last generation batch
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
-        if fuses_on(self.args.device):  # one-kernel GELU / RMSNorm on CUDA (the CPU stays byte-identical)
+        if fuses_on(self.args.device):  # fused GELU / RMSNorm / rotary on CUDA (the CPU stays byte-identical)
             fuse_kernels(self.model)
             fuse_kernels(self.ref_model)
         for reward_model in self.reward_funcs:

@@ -38,7 +38,27 @@ def compile_transformers(*wrappers) -> None:
     so one graph serves them all instead of one compilation per shape."""
     for wrapper in wrappers:
         if wrapper is not None:
+            install_output_hooks(wrapper.pretrained_model)
             wrapper.pretrained_model.compile(dynamic=True, backend=COMPILE_BACKEND)
+
+
+def install_output_hooks(model: torch.nn.Module) -> None:
+    """Install transformers' output-capturing hooks (``output_hidden_states``, which the value head reads) now.
+
+    transformers installs them lazily, in the first forward that asks for hidden states, under a threading lock and
+    with ``register_forward_hook``: inside a compiled forward both are graph breaks (measured with inductor on the
+    CPU: 7 graph breaks and a second compile attempt of the first step's graphs, then recompiles once the
+    installed-flag guard changes). Installed before ``compile`` the first trace has none. Hooks record only while a
+    forward collects, so eager results are unchanged. A transformers without this mechanism has nothing to do."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+    except ImportError:
+        return
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and _CAN_RECORD_REGISTRY.get(module):
+            maybe_install_capturing_hooks(module)
 
 
 def empty_device_cache() -> None:

@@ -183,7 +183,7 @@ class PPOTrainer:
         """Hand model, optimizer, scheduler and dataloader to accelerate; put the reference model on the device."""
         if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
-        if fuses_on(self.accelerator.device):  # one-kernel GELU / RMSNorm on CUDA (the CPU stays byte-identical)
+        if fuses_on(self.accelerator.device):  # fused GELU / RMSNorm / rotary on CUDA (the CPU stays byte-identical)
             fuse_kernels(model)
             fuse_kernels(self.ref_model)
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, lr_scheduler)
