@@ -65,6 +65,15 @@ def refresh_readme(root: Path) -> tuple[Path, bool]:
     return readme, new != text
 
 
+def note_readme(root: str | Path) -> None:
+    """Rewrite README.md's results table from metrics/evaluate.json when it changed, saying so. Every entry point
+    that can change metrics/evaluate.json calls it after a run (``flows.pipeline``; ``flows.stage evaluate``, also
+    under ``dvc repro``; the retrain's worktree): a plain run left the table stale (issue 33)."""
+    readme, rewritten = refresh_readme(Path(root).resolve())
+    if rewritten:
+        print(f"{readme}: results table rewritten from metrics/evaluate.json (commit it with metrics/)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.report", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["readme"], help="what to regenerate")
