@@ -11,6 +11,12 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+# This project's own Prefect home (its database: the runs `make prefect-ui` shows), as flows/process.py's
+# prefect_settings gives every entry point; the user's Prefect profiles still apply. A PREFECT_HOME set outside wins.
+ifndef PREFECT_HOME
+export PREFECT_HOME := $(CURDIR)/.prefect
+export PREFECT_PROFILES_PATH := $(HOME)/.prefect/profiles.toml
+endif
 
 .PHONY: help setup test test-slow examples bench trl-tests trl-examples lock clean plots exps
 
@@ -109,7 +115,7 @@ PREFECT_PORT ?= 4200
 mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000, opened on the training runs (runs, charts, comparison, registry)
 	$(PY) -m flows.ui --port $(MLFLOW_PORT)
 
-prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200
+prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200 (this project's runs: its .prefect/)
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 retrain: setup ## retrain from the committed state (stale stages only, evaluate, register), then land the record on the branch
