@@ -47,10 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     store = tracking_uri(root)
     served = store.startswith(("http://", "https://"))  # team mode: the tracking server is the UI
-    if not served and not entry_points(group="mlflow.app", name=APP_NAME):  # before the store is touched
-        print(f"error: this venv predates the MLflow UI app {APP_NAME!r} (pyproject.toml's mlflow.app entry point): "
-              f"run `make setup`, which installs it", file=sys.stderr)
-        return 2
     os.environ.setdefault("RLHF_MLFLOW_UI_URL", store if served else f"http://127.0.0.1:{args.port}")
     links = ui_links(root)
     print(f"MLflow UI, the pipeline's training runs:  {links['runs']}")
@@ -59,18 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     if served:
         print(f"(MLFLOW_TRACKING_URI is the server {store}: its UI is already up)")
         return 0
+    installed = bool(entry_points(group="mlflow.app", name=APP_NAME))
+    if not installed:  # a venv from before the entry point: MLflow's plain app still serves every page
+        print(f"warning: this venv predates the MLflow UI app {APP_NAME!r} (pyproject.toml's mlflow.app entry point), "
+              f"so the bare address opens MLflow's default view; `make setup` installs it", file=sys.stderr)
     print("(starting the server; Ctrl-C stops it)", flush=True)
-    command = ui_command(store, args.port)
+    command = ui_command(store, args.port, training_view=installed)
     os.execv(command[0], command)
     return 0  # not reached
 
 
-def ui_command(store: str, port: int) -> list[str]:
-    """``mlflow ui`` on ``store``, loopback only, serving :mod:`tasks.serving.training_view`'s app. One worker: a
-    reviewer's UI on a laptop (MLflow's default of 4 starts 4 uvicorn workers and their job runners)."""
+def ui_command(store: str, port: int, training_view: bool = True) -> list[str]:
+    """``mlflow ui`` on ``store``, loopback only, serving :mod:`tasks.serving.training_view`'s app (MLflow's own
+    without ``training_view``). One worker: a reviewer's UI on a laptop (MLflow's default of 4 starts 4 uvicorn
+    workers and their job runners)."""
     mlflow = str(Path(sys.prefix) / "bin" / "mlflow")
     return [mlflow, "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--app-name", APP_NAME]
+            *(["--app-name", APP_NAME] if training_view else [])]
 
 
 if __name__ == "__main__":

@@ -73,3 +73,4 @@ def test_make_mlflow_ui_serves_that_app():
     assert command[0] == str(Path(sys.prefix) / "bin" / "mlflow") and command[1] == "ui"
     assert command[command.index("--app-name") + 1] == training_view.APP_NAME
     assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert "--app-name" not in ui_command("sqlite:///mlflow.db", 5123, training_view=False)  # a venv from before it
