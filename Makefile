@@ -18,7 +18,7 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_PROFILES_PATH := $(HOME)/.prefect/profiles.toml
 endif
 
-.PHONY: help setup test test-slow examples bench trl-tests trl-examples lock clean plots exps
+.PHONY: help setup test test-slow examples bench trl-tests trl-examples lock clean plots exps metrics
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## (.*)$$/\1\t\2/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -140,6 +140,10 @@ tracking-upload: setup ## replay tracking data spooled while MLflow was unreacha
 # scripts inlined (tools/offline_plots.py), which .dvc/config names, so `.venv/bin/dvc plots show` works offline.
 plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inlined)
 	$(VENV)/bin/dvc plots show -o dvc_plots
+
+# `dvc metrics show` is one row per file, one column per key of every file (1,449 columns here): this is 120 columns.
+metrics: setup ## every stage's metrics in 120 columns (the evaluation as a policies x metrics table)
+	@$(PY) -m flows.report metrics
 
 # `dvc exp show` with only the headline columns, so it fits a terminal.
 # One evaluate.json key per policy in a table under 100 columns; dvc exp show --md lists every column.
