@@ -157,16 +157,20 @@ exps: setup ## experiments, one column per policy: gold reward (METRIC=kl|win_ra
 # git-ignored .dvc/config.local, per user; so does a set XDG_CACHE_HOME ($XDG_CACHE_HOME/rlhf-pipeline/dvc-remote)
 # unless .dvc/config.local already names a URL. DVC itself expands `~` but not environment variables.
 DVC := $(VENV)/bin/dvc
-.PHONY: remote push intake
+.PHONY: remote push pull intake
 remote: setup ## show the DVC remote; DVC_REMOTE=<path or URL> sets it for you (.dvc/config.local)
 	@if [ -n "$(DVC_REMOTE)" ]; then $(DVC) remote modify --local shared url "$(DVC_REMOTE)"; \
 	elif [ -n "$$XDG_CACHE_HOME" ] && ! $(DVC) config --local remote.shared.url >/dev/null 2>&1; then \
 	  $(DVC) remote modify --local shared url "$$XDG_CACHE_HOME/rlhf-pipeline/dvc-remote"; fi
 	@echo "DVC remote: $$($(DVC) config remote.shared.url)"
 
-# Data, models and feedback batches to the remote: a teammate's `git clone` + `dvc pull` restores them.
+# Data, models and feedback batches to the remote: a teammate's `git clone` + `make pull` restores them.
 push: setup ## dvc push: data, models and feedback batches to the remote
 	$(DVC) push
+
+# dvc pull, and when a recorded hash is in neither the cache nor the remote: which output, why, what to run.
+pull: setup ## dvc pull: this commit's data, models and feedback batches from the remote (a missing one: why, what to run)
+	$(PY) -m tasks.store.dvc_pull
 
 # Versioned feedback: `make intake FILE="new_pairs.jsonl more.csv"` (see incoming/README.md).
 intake: setup remote ## validate, version and push new feedback: make intake FILE=pairs.jsonl
