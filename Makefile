@@ -11,8 +11,14 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+# This project's own Prefect home (its database: the runs `make prefect-ui` shows), as flows/process.py's
+# prefect_settings gives every entry point; the user's Prefect profiles still apply. A PREFECT_HOME set outside wins.
+ifndef PREFECT_HOME
+export PREFECT_HOME := $(CURDIR)/.prefect
+export PREFECT_PROFILES_PATH := $(HOME)/.prefect/profiles.toml
+endif
 
-.PHONY: help setup test test-slow examples bench trl-tests trl-examples lock clean plots exps
+.PHONY: help setup test test-slow examples bench trl-tests trl-examples lock clean plots exps metrics
 
 help: ## list the targets, one line each
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-zA-Z_-]+):.*## (.*)$$/\1\t\2/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -109,7 +115,7 @@ PREFECT_PORT ?= 4200
 mlflow-ui: setup ## MLflow UI on http://127.0.0.1:5000, opened on the training runs (runs, charts, comparison, registry)
 	$(PY) -m flows.ui --port $(MLFLOW_PORT)
 
-prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200
+prefect-ui: setup ## Prefect server and UI on http://127.0.0.1:4200 (this project's runs: its .prefect/)
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 retrain: setup ## retrain from the committed state (stale stages only, evaluate, register), then land the record on the branch
@@ -135,6 +141,10 @@ tracking-upload: setup ## replay tracking data spooled while MLflow was unreacha
 plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inlined)
 	$(VENV)/bin/dvc plots show -o dvc_plots
 
+# `dvc metrics show` is one row per file, one column per key of every file (1,449 columns here): this is 120 columns.
+metrics: setup ## every stage's metrics in 120 columns (the evaluation as a policies x metrics table)
+	@$(PY) -m flows.report metrics
+
 # `dvc exp show` with only the headline columns, so it fits a terminal.
 # One evaluate.json key per policy in a table under 100 columns; dvc exp show --md lists every column.
 METRIC ?= gold_reward
@@ -147,16 +157,20 @@ exps: setup ## experiments, one column per policy: gold reward (METRIC=kl|win_ra
 # git-ignored .dvc/config.local, per user; so does a set XDG_CACHE_HOME ($XDG_CACHE_HOME/rlhf-pipeline/dvc-remote)
 # unless .dvc/config.local already names a URL. DVC itself expands `~` but not environment variables.
 DVC := $(VENV)/bin/dvc
-.PHONY: remote push intake
+.PHONY: remote push pull intake
 remote: setup ## show the DVC remote; DVC_REMOTE=<path or URL> sets it for you (.dvc/config.local)
 	@if [ -n "$(DVC_REMOTE)" ]; then $(DVC) remote modify --local shared url "$(DVC_REMOTE)"; \
 	elif [ -n "$$XDG_CACHE_HOME" ] && ! $(DVC) config --local remote.shared.url >/dev/null 2>&1; then \
 	  $(DVC) remote modify --local shared url "$$XDG_CACHE_HOME/rlhf-pipeline/dvc-remote"; fi
 	@echo "DVC remote: $$($(DVC) config remote.shared.url)"
 
-# Data, models and feedback batches to the remote: a teammate's `git clone` + `dvc pull` restores them.
+# Data, models and feedback batches to the remote: a teammate's `git clone` + `make pull` restores them.
 push: setup ## dvc push: data, models and feedback batches to the remote
 	$(DVC) push
+
+# dvc pull, and when a recorded hash is in neither the cache nor the remote: which output, why, what to run.
+pull: setup ## dvc pull: this commit's data, models and feedback batches from the remote (a missing one: why, what to run)
+	$(PY) -m tasks.store.dvc_pull
 
 # Versioned feedback: `make intake FILE="new_pairs.jsonl more.csv"` (see incoming/README.md).
 intake: setup remote ## validate, version and push new feedback: make intake FILE=pairs.jsonl

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
 from flows.process import configure_logging, exit_promptly  # noqa: E402
-from flows.report import refresh_readme  # noqa: E402
+from flows.report import note_readme  # noqa: E402
 from flows.summary import end_block, report  # noqa: E402
 from tasks.process.locking import add_wait_argument  # noqa: E402
 from tasks.process.outcome import EXIT_STOPPED, ConfigError, classify  # noqa: E402
@@ -94,14 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     note_readme(Path(args.root))
     print(summary["end_block"], flush=True)  # (Prefect's "Stopping temporary server" line follows, at exit)
     return 0
-
-
-def note_readme(root: Path) -> None:
-    """Rewrite README.md's results table from metrics/evaluate.json when it changed, saying so (``make run`` did
-    it alone; a plain ``python -m flows.pipeline`` left the table stale)."""
-    readme, rewritten = refresh_readme(root.resolve())
-    if rewritten:
-        print(f"{readme}: results table rewritten from metrics/evaluate.json (commit it with metrics/)", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 
 from rlhf_core.tracking import install_log_redaction
 from tasks.process.logs import quiet_known_messages
@@ -43,6 +44,18 @@ ENVIRONMENT_DEFAULTS = {
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
 """Set in the environment unless it already holds the variable (a user's own choice wins)."""
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The checkout whose code runs (every entry point runs the code of the project it serves)."""
+
+
+def prefect_settings(checkout: Path = CHECKOUT) -> dict[str, str]:
+    """The per-project Prefect home: ``<checkout>/.prefect`` (its database, hence the runs the UI shows), so the runs
+    of two checkouts never mix in one ``~/.prefect`` database (issue 33). The user's Prefect profiles still apply
+    (``~/.prefect/profiles.toml``: a ``prefect config set`` made before keeps working). ``make prefect-ui`` serves
+    the same home (the Makefile sets the same two variables)."""
+    return {"PREFECT_HOME": str(checkout / ".prefect"),
+            "PREFECT_PROFILES_PATH": str(Path.home() / ".prefect" / "profiles.toml")}
 
 PORTABLE_CPU_KERNELS = {
     # ATen's vectorised kernels (elementwise ops, softmax, layer norm, torch.randn's normal fill): AVX2 on every
@@ -73,11 +86,14 @@ def pin_cpu_kernels(environ: MutableMapping[str, str] = os.environ) -> dict[str,
 
 
 def configure_process(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Everything a pipeline process needs before it does anything: :data:`ENVIRONMENT_DEFAULTS`, the CPU kernel pins
+    """Everything a pipeline process needs before it does anything: :data:`ENVIRONMENT_DEFAULTS`, the project's own
+    Prefect home unless one is set (:func:`prefect_settings`), the CPU kernel pins
     (:func:`pin_cpu_kernels`), credentials in tracking URIs redacted from every log, and known harmless third-party
     messages dropped (``tasks/process/logs.py``: ``KNOWN_HARMLESS`` says why each). Idempotent."""
     for key, value in ENVIRONMENT_DEFAULTS.items():
         environ.setdefault(key, value)
+    if "PREFECT_HOME" not in environ:  # a home the user chose keeps its own profiles too
+        environ.update(prefect_settings())
     pin_cpu_kernels(environ)
     configure_logging()
 
@@ -123,4 +139,5 @@ def exit_promptly(code: int, drain_s: float = 2.0, server_grace_s: float = 2.0) 
     os._exit(code)
 
 
-__all__ = ["ENVIRONMENT_DEFAULTS", "PORTABLE_CPU_KERNELS", "configure_logging", "configure_process", "exit_promptly", "pin_cpu_kernels"]
+__all__ = ["ENVIRONMENT_DEFAULTS", "PORTABLE_CPU_KERNELS", "configure_logging", "configure_process", "exit_promptly", "pin_cpu_kernels",
+           "prefect_settings"]

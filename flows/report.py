@@ -1,4 +1,5 @@
-"""Figures generated from ``metrics/``: ``python -m flows.report readme`` rewrites README.md's result table.
+"""Figures generated from ``metrics/``: ``python -m flows.report readme`` rewrites README.md's result table;
+``python -m flows.report metrics`` (``make metrics``) prints every stage's metrics within 120 columns.
 
 The block between ``<!-- results:start -->`` and ``<!-- results:end -->`` is generated from
 ``metrics/evaluate.json`` (one row per policy, one column per metric, in the file's order), so the README
@@ -9,12 +10,14 @@ as ``tests/test_report.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from flows.process import configure_process
 from tasks.spec.params import PARAMS_FILE, load_paths
-from tasks.stages.common.scoring import read_results
+from tasks.stages import stage_files
+from tasks.stages.common.scoring import EVALUATE, SCORED_KEY, policy_results, read_results
 
 START = "<!-- results:start -->"
 END = "<!-- results:end -->"
@@ -65,13 +68,92 @@ def refresh_readme(root: Path) -> tuple[Path, bool]:
     return readme, new != text
 
 
+def note_readme(root: str | Path) -> None:
+    """Rewrite README.md's results table from metrics/evaluate.json when it changed, saying so. Every entry point
+    that can change metrics/evaluate.json calls it after a run (``flows.pipeline``; ``flows.stage evaluate``, also
+    under ``dvc repro``; the retrain's worktree): a plain run left the table stale (issue 33)."""
+    readme, rewritten = refresh_readme(Path(root).resolve())
+    if rewritten:
+        print(f"{readme}: results table rewritten from metrics/evaluate.json (commit it with metrics/)", flush=True)
+
+
+WIDTH = 120
+"""Columns ``metrics`` fits in. ``dvc metrics show`` prints one row per file and one column per key of every file
+(1,449 columns for this pipeline), however the files nest their keys; ``dvc metrics diff --all`` one row per key
+(139 columns: the evaluation's hashes). Hence a view of our own; the files keep their layout (pipeline outputs)."""
+LABEL = 14
+"""Width of the stage column (``reward_model`` and two spaces)."""
+
+
+def _number(value) -> str:
+    """A metric as DVC shows it (5 significant digits); anything else as it is."""
+    return f"{value:.5g}" if isinstance(value, float) else str(value)
+
+
+def _flat(data: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """``data``'s leaves as (dotted key, value), in the file's order."""
+    items = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            items += _flat(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", value))
+    return items
+
+
+def packed(label: str, items: list[str], width: int = WIDTH) -> list[str]:
+    """``items`` (``key=value``) in lines of at most ``width`` columns, ``label`` before the first, the rest indented
+    under it (an item longer than a line gets a line of its own)."""
+    lines, line = [], label.ljust(LABEL)
+    for item in items:
+        if len(line) > LABEL and len(line) + len(item) > width:  # never a line with no item
+            lines.append(line.rstrip())
+            line = " " * LABEL
+        line += item + " "
+    return lines + [line.rstrip()]
+
+
+def policy_table(evaluate: dict[str, dict]) -> list[str]:
+    """The evaluation's policies as rows, its metrics as columns, aligned (every policy has the same keys)."""
+    metrics = list(next(iter(evaluate.values())))
+    rows = [["policy", *metrics]] + [[policy, *(_number(row.get(m, "-")) for m in metrics)]
+                                     for policy, row in evaluate.items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [" " * LABEL + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def metrics_view(root: Path, width: int = WIDTH) -> str:
+    """Every stage's ``metrics/<stage>.json`` in stage order, in ``width`` columns: one block per stage
+    (``key=value`` packed in lines), the evaluation's policies as a table; a stage with no file yet says so."""
+    paths = load_paths(root / PARAMS_FILE)
+    lines = []
+    for stage, io in stage_files(paths).items():
+        file = root / io.metrics
+        if not file.is_file():
+            lines.append(f"{stage.ljust(LABEL)}(no {io.metrics} yet)")
+            continue
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if stage == EVALUATE:
+            rest = {SCORED_KEY: data[SCORED_KEY]} if SCORED_KEY in data else {}
+            lines.append(f"{stage.ljust(LABEL)}{io.metrics}: policies x metrics, then the scored weights' hashes")
+            lines += policy_table(policy_results(data)) if policy_results(data) else []
+            lines += packed("", [f"{k}={_number(v)}" for k, v in _flat(rest)], width)
+        else:
+            lines += packed(stage, [f"{k}={_number(v)}" for k, v in _flat(data)], width)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.report", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["readme"], help="what to regenerate")
+    parser.add_argument("what", choices=["readme", "metrics"],
+                        help="readme: rewrite README.md's results table; metrics: print every stage's metrics")
     parser.add_argument("--root", default=".", help="project directory (default: current)")
     parser.add_argument("--check", action="store_true", help="only check; exit 1 when the README is out of date")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
+    if args.what == "metrics":
+        print(metrics_view(root))
+        return 0
     readme = root / "README.md"
     text = readme.read_text(encoding="utf-8")
     new = replace_block(text, results_block(root), str(readme))

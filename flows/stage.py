@@ -2,7 +2,8 @@
 
 Runs the same stage as the pipeline flow (``tasks/run/stage_task.py``), supervised the same way (``tasks/run/supervisor.py``);
 DVC itself records the stage in dvc.lock afterwards when DVC ran it; typed by hand, the command ends naming the one
-that records it (``python -m tasks.store.dvc_lockfile commit --force <name>``). SIGTERM/SIGINT make a training stage save
+that records it (``python -m tasks.store.dvc_lockfile commit --force <name>``). After ``evaluate`` (typed or under
+DVC) README.md's results table is rewritten from the new metrics/evaluate.json, saying so. SIGTERM/SIGINT make a training stage save
 its state at the next step boundary and exit with status 75; running the stage again (``dvc repro`` or this command)
 resumes from that state. The MLflow child run hangs under ``$RLHF_PARENT_RUN_ID`` when set (a parent run you created),
 else it is a top-level run.
@@ -28,12 +29,14 @@ from pathlib import Path  # noqa: E402
 from prefect import flow  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
+from flows.report import note_readme  # noqa: E402
 from tasks.process.distributed import destroy_process_group, is_main_process, require_single_process  # noqa: E402
 from tasks.process.locking import add_wait_argument  # noqa: E402
 from tasks.process.outcome import classify  # noqa: E402
 from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
 from tasks.spec.params import PARAMS_FILE, as_dict  # noqa: E402
 from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
+from tasks.stages.common.scoring import EVALUATE  # noqa: E402
 from tasks.store.mlflow_runs import PARENT_ENV  # noqa: E402
 
 NAME_KEYS = (("learning_rate", "lr"), ("beta", "beta"), ("total_steps", "steps"), ("num_train_epochs", "epochs"),
@@ -94,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         destroy_process_group()  # after a stop every rank stopped at the same step and met at a barrier
         return status
     destroy_process_group()
-    note = unrecorded_note(args.name)
-    if note and is_main_process():
-        print(note)
+    if is_main_process():
+        if args.name == EVALUATE:  # the one stage that writes metrics/evaluate.json, the README table's source
+            note_readme(args.root)
+        if note := unrecorded_note(args.name):
+            print(note)
     return 0
 
 

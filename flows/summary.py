@@ -15,7 +15,7 @@ COLUMNS = (("gold_reward", "gold reward", 3), ("rm_reward", "RM score", 3), ("kl
 
 NEXT_COMMANDS = (
     ("make mlflow-ui", "MLflow UI on http://127.0.0.1:5000: training runs, policies side by side, rlhf-policy"),
-    (".venv/bin/dvc metrics show", "the metrics of this workspace"),
+    ("make metrics", "the metrics of this workspace, in 120 columns (`dvc metrics show`: one wide row per file)"),
     (".venv/bin/dvc plots show", "the plots as offline HTML (dvc_plots/index.html)"),
     (".venv/bin/dvc status", "which stages are stale"),
     ("make prefect-ui", "Prefect UI on http://127.0.0.1:4200 (flow runs, logs, artifacts)"),

@@ -37,6 +37,19 @@ def _ingested(root: Path, batches: list[tuple[str, list[dict]]]) -> list[str]:
     return shas
 
 
+def _prepared(root: Path, pairs: list[dict] = (), ratings: list[dict] = ()) -> None:
+    """``data/preferences.jsonl`` and ``data/ratings.jsonl`` as ``prepare`` writes them: the schema's fields and the
+    gold scores (no provenance), after a generated row."""
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    generated_pair = {"prompt": "A", "chosen": " good", "rejected": " bad", "chosen_score": 0.5, "rejected_score": -0.5}
+    rows = [generated_pair] + [{k: p[k] for k in ("prompt", "chosen", "rejected")} | {"chosen_score": 0.1,
+                                                                                    "rejected_score": 0.0} for p in pairs]
+    (root / "data" / "preferences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"prompt": "A", "completion": " good", "label": True, "score": 0.5}] + [
+        {k: r[k] for k in ("prompt", "completion", "label")} | {"score": 0.2} for r in ratings]
+    (root / "data" / "ratings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_the_kinds_of_feedback_that_reach_each_stage():
     paths = load_params(ROOT / "params.yaml").paths
     assert feedback_kinds(paths, stage_files(paths), "dpo") == ["pairs"]
@@ -49,11 +62,13 @@ def test_the_kinds_of_feedback_that_reach_each_stage():
 def test_the_lineage_lists_the_batches_with_their_judgements(tmp_path):
     paths = load_params(ROOT / "params.yaml").paths
     pairs, ratings, plain = _ingested(tmp_path, [("pairs", [PAIR]), ("ratings", [RATING]), ("pairs", [FILE_PAIR])])
+    _prepared(tmp_path, [PAIR, FILE_PAIR], [RATING])
     lineage = feedback_lineage(tmp_path, paths, stage_files(paths), "dpo")
     assert [b["sha256"] for b in lineage["batches"]] == [pairs, plain]  # DPO trains on pairs, not ratings
     assert lineage["batches"][0]["judgements"] == [{k: PAIR[k] for k in ("chosen_trace_id", "rejected_trace_id",
                                                                          "assessment_id", "reviewer")}]
     assert lineage["batches"][1]["judgements"] == []  # a file's rows name no trace
+    assert [b["rows_trained"] for b in lineage["batches"]] == [1, 1] and lineage["rows_not_trained"] == 0
     assert lineage["batches"][0]["dvc_md5"] == hashlib.md5(canonical_bytes([PAIR])).hexdigest()  # DVC's hash
     assert lineage["manifest_md5"] == hashlib.md5((tmp_path / "incoming" / "manifest.jsonl").read_bytes()).hexdigest()
     tags = feedback_tags(lineage)
@@ -77,6 +92,7 @@ def test_a_registered_version_names_its_batches_and_their_traces(project):  # no
     from tasks.registry.gate import registry_task
 
     pairs, _, plain = _ingested(project, [("pairs", [PAIR]), ("ratings", [RATING]), ("pairs", [FILE_PAIR])])
+    _prepared(project, [PAIR, FILE_PAIR], [RATING])  # prepare ran after the intake
     record = registry_task.fn(str(project))
     client = mlflow.MlflowClient()
     version = client.get_model_version("rlhf-policy", str(record["version"]))
@@ -85,6 +101,36 @@ def test_a_registered_version_names_its_batches_and_their_traces(project):  # no
     path = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path=LINEAGE_FILE)
     lineage = json.loads(Path(path).read_text())
     assert lineage["policy"] == "ppo" and lineage["batches"][0]["judgements"][0]["chosen_trace_id"] == "tr-1"
+
+
+def test_the_lineage_names_only_the_rows_that_entered_training(tmp_path):
+    """Issue 33: the lineage named every ingested row, also those `prepare.incoming_judge: agree` left out (the gold
+    judge disagreed) and those of a batch ingested after prepare ran: reviewers credited for judgements that never
+    trained. Now a row is named only if it is a row of the prepared file the policy read; the rest are counted."""
+    paths = load_params(ROOT / "params.yaml").paths
+    dropped = {**PAIR, "chosen": " was dull.", "rejected": " was great.", "assessment_id": "a-3", "reviewer": "dora"}
+    late = {**PAIR, "prompt": "Later", "assessment_id": "a-4", "reviewer": "eve"}
+    first, _ = _ingested(tmp_path, [("pairs", [PAIR, dropped]), ("pairs", [late])])
+    _prepared(tmp_path, [PAIR])  # prepare (agree) kept PAIR, dropped `dropped`; `late` came after it ran
+    lineage = feedback_lineage(tmp_path, paths, stage_files(paths), "dpo")
+    assert [b["sha256"] for b in lineage["batches"]] == [first]  # the late batch taught nothing
+    assert lineage["batches"][0]["rows"] == 2 and lineage["batches"][0]["rows_trained"] == 1
+    assert [j["assessment_id"] for j in lineage["batches"][0]["judgements"]] == ["a-1"]
+    assert lineage["rows_not_trained"] == 2
+    tags = feedback_tags(lineage)
+    assert tags["feedback.judgements"] == "1" and tags["feedback.reviewers"] == "carol"
+    assert tags["feedback.batches"] == first
+    rating = {**RATING, "label": False}  # the same texts with the other label: not the row that trained
+    _ingested(tmp_path, [("ratings", [rating])])
+    _prepared(tmp_path, [], [RATING])
+    assert feedback_lineage(tmp_path, paths, stage_files(paths), "kto")["batches"] == []
+
+
+def test_a_missing_prepared_file_is_named(tmp_path):
+    paths = load_params(ROOT / "params.yaml").paths
+    _ingested(tmp_path, [("pairs", [PAIR])])
+    with pytest.raises(FileNotFoundError, match=r"data/preferences.jsonl: missing.*dvc pull"):
+        feedback_lineage(tmp_path, paths, stage_files(paths), "dpo")
 
 
 @pytest.mark.parametrize("stage", ["dpo"])

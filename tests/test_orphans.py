@@ -222,3 +222,45 @@ def test_two_checkouts_start_their_temporary_servers_one_at_a_time(tmp_path):
     (a_start, a_end), (b_start, b_end) = sorted(spans)
     assert b_start >= a_end - 0.05  # never both inside a start (50 ms: the two clocks' print rounding)
     assert (tmp_path / "prefect-home" / "rlhf-server-start.lock").exists()
+
+
+PREFECT_DATABASE = """
+from flows.process import configure_process
+configure_process()
+from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_HOME, PREFECT_PROFILES_PATH
+print(PREFECT_HOME.value(), PREFECT_API_DATABASE_CONNECTION_URL.value(), PREFECT_PROFILES_PATH.value(), sep="\\n")
+"""
+
+
+def test_each_checkout_keeps_its_runs_in_its_own_prefect_database_which_make_prefect_ui_serves(tmp_path):
+    """Issue 33: the runs of every checkout mixed in one ~/.prefect database (one UI listed them all). Each
+    checkout's entry points now use its own Prefect home (`<checkout>/.prefect`), and `make prefect-ui` run there
+    serves that same home; the user's Prefect profiles (~/.prefect/profiles.toml) still apply."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_HOME", "PREFECT_PROFILES_PATH", "PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
+                        "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    venv = tmp_path / "venv"  # a venv whose `prefect` says which home it would serve
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "prefect").write_text('#!/bin/sh\necho "$PREFECT_HOME"\necho "$PREFECT_PROFILES_PATH"\n')
+    (venv / "bin" / "prefect").chmod(0o755)
+    (venv / ".installed").touch()
+    seen = {}
+    for name in ("a", "b"):
+        checkout = tmp_path / name
+        shutil.copytree(root / "flows", checkout / "flows", ignore=shutil.ignore_patterns("__pycache__"))
+        out = subprocess.run([sys.executable, "-c", PREFECT_DATABASE], cwd=checkout, capture_output=True, text=True,
+                             env={**env, "PYTHONPATH": f"{checkout}{os.pathsep}{root}"}, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        home, database, profiles = out.stdout.split()
+        assert Path(home) == checkout / ".prefect" and str(checkout / ".prefect" / "prefect.db") in database
+        assert Path(profiles) == Path.home() / ".prefect" / "profiles.toml"
+        ui = subprocess.run(["make", "-s", "-C", str(checkout), "-f", str(root / "Makefile"), "-o",
+                             str(venv / ".installed"), "prefect-ui", f"VENV={venv}"], capture_output=True, text=True,
+                            env=env, timeout=60)
+        assert ui.returncode == 0, ui.stderr
+        assert ui.stdout.split() == [home, profiles]  # the UI's server: the same database as the checkout's runs
+        seen[name] = database
+    assert seen["a"] != seen["b"]

@@ -212,7 +212,7 @@ def test_the_pipeline_entry_point_refreshes_a_stale_readme_table(tmp_path, capsy
     """Issue 33: README's results table went stale after `python -m flows.pipeline` (only `make run` rewrote it)."""
     import shutil
 
-    from flows.pipeline import note_readme
+    from flows.report import note_readme
     from flows.report import results_block
 
     (tmp_path / "metrics").mkdir()
@@ -228,3 +228,35 @@ def test_the_pipeline_entry_point_refreshes_a_stale_readme_table(tmp_path, capsy
     assert "results table rewritten from metrics/evaluate.json" in capsys.readouterr().out
     note_readme(tmp_path)  # up to date: nothing said
     assert capsys.readouterr().out == ""
+
+
+def test_the_evaluate_stage_run_alone_refreshes_the_readme_table(tmp_path, monkeypatch, capsys):
+    """Issue 33: `python -m flows.stage evaluate` alone (or under `dvc repro`) wrote new metrics/evaluate.json and
+    left README's table stale. The stage's command now rewrites it after evaluate, and only after evaluate."""
+    import contextlib
+    import shutil
+
+    import flows.stage
+    from flows.report import results_block
+
+    (tmp_path / "metrics").mkdir()
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(ROOT / "metrics" / "evaluate.json", tmp_path / "metrics" / "evaluate.json")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    evaluate = json.loads((ROOT / "metrics" / "evaluate.json").read_text())
+    policy = next(iter(evaluate))
+    metric = next(iter(evaluate[policy]))
+    evaluate[policy][metric] = 123.456  # what a new evaluation would write
+
+    def run_stage(name, root):  # the stage's outputs without training a model (the stage body has its own tests)
+        (Path(root) / "metrics" / "evaluate.json").write_text(json.dumps(evaluate))
+
+    monkeypatch.setattr(flows.stage, "PipelineRun", lambda *args, **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(flows.stage, "stage", run_stage)
+    monkeypatch.setenv("DVC_STAGE", "evaluate")  # as under dvc repro: no recording note
+    assert flows.stage.main(["sft", "--root", str(tmp_path)]) == 0
+    assert (tmp_path / "README.md").read_text() == (ROOT / "README.md").read_text()  # sft: the table untouched
+    assert flows.stage.main(["evaluate", "--root", str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert results_block(tmp_path) in readme and "123.456" in readme
+    assert "results table rewritten from metrics/evaluate.json" in capsys.readouterr().out

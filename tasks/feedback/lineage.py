@@ -10,17 +10,22 @@ of its rows: each trace opens in MLflow's UI with the judgement on it.
 
 Only the feedback that can reach the policy's training counts: the kinds whose prepared file is an input of the
 policy's stage or of a stage it trains from (``pairs`` -> ``data/preferences.jsonl``: reward model, DPO, and the
-policies scored by the reward model; ``ratings`` -> ``data/ratings.jsonl``: KTO). ``prepare`` keeps an ingested row
-only where the gold judge agrees with it (``metrics/prepare.json`` counts what it dropped), so a listed row taught the
-policy if it survived that filter.
+policies scored by the reward model; ``ratings`` -> ``data/ratings.jsonl``: KTO). And only the rows that entered
+training are named (issue 33): an ingested row is listed when its texts (and a rating's label) are a row of that
+prepared file, the file the policy's training read. ``prepare`` leaves a row out with ``incoming_judge: agree`` when
+the gold judge disagrees (``metrics/prepare.json`` counts them), and a batch ingested after ``prepare`` last ran is in
+no prepared file yet: neither is named; each batch says how many of its rows trained (``rows_trained``), a batch with
+none is left out, and ``rows_not_trained`` counts the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
-from rlhf_core.feedback import MANIFEST, PROVENANCE_FIELDS, read_manifest, read_stored_rows
+from rlhf_core.data import read_jsonl
+from rlhf_core.feedback import KIND_FIELDS, MANIFEST, PROVENANCE_FIELDS, read_manifest, read_stored_rows
 from tasks.store.provenance import md5_file
 
 LINEAGE_FILE = "feedback_lineage.json"
@@ -51,22 +56,44 @@ def feedback_kinds(paths, io: dict, stage: str) -> list[str]:
     return [kind for kind, name in PREPARED_FILE.items() if f"{paths.data}/{name}" in inputs]
 
 
+def trained_key(kind: str, row: dict) -> str:
+    """What a prepared row and the stored row it came from share: the kind's schema fields (texts, a rating's label)."""
+    return json.dumps([row[k] for k in KIND_FIELDS[kind]], ensure_ascii=False)
+
+
+def trained_rows(root: Path, paths, kind: str) -> set[str]:
+    """:func:`trained_key` of every row of ``kind``'s prepared file (what the policy's training read); a clear error
+    when it is missing (the registry runs after ``prepare``: a missing file means the outputs were not restored)."""
+    prepared = root / paths.data / PREPARED_FILE[kind]
+    if not prepared.is_file():
+        raise FileNotFoundError(f"{paths.data}/{PREPARED_FILE[kind]}: missing, so the feedback that trained the policy "
+                                f"cannot be named; restore it (`dvc pull`) or run the pipeline")
+    return {trained_key(kind, row) for row in read_jsonl(prepared) if all(k in row for k in KIND_FIELDS[kind])}
+
+
 def feedback_lineage(root: str | Path, paths, io: dict, stage: str) -> dict:
-    """The batches of the kinds that reach ``stage`` (manifest order) with their rows' provenance."""
+    """The batches of the kinds that reach ``stage`` (manifest order) whose rows entered its training, with the
+    provenance of those rows only (:func:`trained_rows`)."""
     root = Path(root)
     store = root / paths.incoming
     kinds = feedback_kinds(paths, io, stage)
     manifest = store / MANIFEST
-    batches = []
-    for record in (r for r in read_manifest(store) if r["kind"] in kinds):
-        keys = PROVENANCE_FIELDS[record["kind"]]
-        rows = read_stored_rows(store, [record["file"]])
-        batches.append({**{k: record.get(k) for k in ("sha256", "kind", "file", "rows", "ingested_at", "user")},
-                        "dvc_md5": md5_file(store / record["file"]),
-                        "judgements": [{k: row[k] for k in keys if k in row} for row in rows if "assessment_id" in row]})
+    records = [r for r in read_manifest(store) if r["kind"] in kinds]
+    trained = {kind: trained_rows(root, paths, kind) for kind in {r["kind"] for r in records}}
+    batches, not_trained = [], 0
+    for record in records:
+        kind, keys = record["kind"], PROVENANCE_FIELDS[record["kind"]]
+        stored = read_stored_rows(store, [record["file"]])
+        rows = [row for row in stored if trained_key(kind, row) in trained[kind]]
+        not_trained += len(stored) - len(rows)
+        if rows:
+            batches.append({**{k: record.get(k) for k in ("sha256", "kind", "file", "rows", "ingested_at", "user")},
+                            "rows_trained": len(rows), "dvc_md5": md5_file(store / record["file"]),
+                            "judgements": [{k: row[k] for k in keys if k in row} for row in rows
+                                           if "assessment_id" in row]})
     return {"policy": stage, "kinds": kinds,
             "manifest_md5": hashlib.md5(manifest.read_bytes()).hexdigest() if manifest.is_file() else "none",
-            "batches": batches}
+            "batches": batches, "rows_not_trained": not_trained}
 
 
 def feedback_tags(lineage: dict) -> dict[str, str]:
