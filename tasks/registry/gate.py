@@ -46,7 +46,7 @@ from tasks.feedback.lineage import LINEAGE_FILE, feedback_lineage, feedback_tags
 from tasks.process.distributed import require_single_process
 from tasks.process.logs import get_logger
 from tasks.spec.params import METRIC_KEYS, PARAMS_FILE, VERIFIED_METRICS, Params, PathsParams, RegistryParams, as_dict
-from tasks.store.mlflow_runs import mlflow_setup, store_problem
+from tasks.store.mlflow_runs import metric_of_key, mlflow_key, mlflow_setup, store_problem
 from tasks.store.provenance import git_commit, input_hashes
 from tasks.stages.common.scoring import (EVALUATE, SCORED_KEY, EvaluationSet, content_md5, evaluation_file, load_evaluation_set,
                            load_policy, load_tokenizer, policy_results, read_prompt_scores, rescore)
@@ -184,7 +184,7 @@ def _versions(client, name: str, tags: dict[str, str]) -> list:
 
 def _metrics_from_tags(tags: dict[str, str], prefix: str = "metric.") -> dict[str, float]:
     """Every ``<prefix><metric>`` tag as a number (the sentiment task's METRIC_KEYS, or a verifiable task's pass@k)."""
-    return {k.removeprefix(prefix): float(v) for k, v in tags.items() if k.startswith(prefix)}
+    return {metric_of_key(k.removeprefix(prefix)): float(v) for k, v in tags.items() if k.startswith(prefix)}
 
 
 def metric_keys(metrics: dict) -> list[str]:
@@ -380,7 +380,7 @@ def _record(rule: RegistryParams, version, registered: bool, reason: str | None 
               "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
               "decided_by": rule.metric,
               "previous_champion": int(previous) if previous else None,
-              f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
+              f"challenger_{rule.metric}": float(tags.get(f"metric.{mlflow_key(rule.metric)}", "nan"))}
     if not registered:  # the version's decision is an earlier run's: this run decided and registered nothing
         record["earlier_decision"], record["decision"] = record["decision"], "none"
     return record
@@ -506,10 +506,10 @@ def _decision_tags(challenger: Challenger, decision: Decision, rule: RegistryPar
     """Decision tags: policy, promote/keep and why, the rule, both sides' metrics and the paired test."""
     tags = {"policy": challenger.name, "decision": "promote" if decision.promote else "keep", "decided_by": rule.metric,
             "reason": decision.reason, "rule": json.dumps(as_dict(rule), sort_keys=True),
-            **{f"metric.{k}": str(v) for k, v in challenger.metrics.items()}}
+            **{f"metric.{mlflow_key(k)}": str(v) for k, v in challenger.metrics.items()}}
     if champion is not None:
         tags.update({"champion.version": champion.version.version, "champion.rescored": str(champion.rescored).lower(),
-                     **{f"champion.metric.{k}": str(v) for k, v in champion.metrics.items()}})
+                     **{f"champion.metric.{mlflow_key(k)}": str(v) for k, v in champion.metrics.items()}})
     if test is not None:
         tags.update({"test.kind": "paired_bootstrap", "test.metric": rule.metric, "test.prompts": str(test.n),
                      "test.unit": paired_unit(rule),

@@ -297,9 +297,21 @@ def pipeline_note(ran: list[str], skipped: list[str], changed: Mapping[str, str]
     return "\n".join(lines)
 
 
+def mlflow_key(metric: str) -> str:
+    """A metric's name as an MLflow metric or tag key: ``pass@1`` -> ``pass_at_1`` (MLflow refuses '@'); the sentiment
+    task's names pass unchanged. :func:`metric_of_key` reverses it."""
+    return metric.replace("@", "_at_")
+
+
+def metric_of_key(key: str) -> str:
+    """The metric an MLflow key written by :func:`mlflow_key` names (``pass_at_1`` -> ``pass@1``)."""
+    return key.replace("_at_", "@")
+
+
 def headline_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """``metrics/evaluate.json`` as flat MLflow metrics ``<policy>.<metric>`` (numbers only)."""
-    return {f"{policy}.{key}": float(value) for policy, row in results.items() for key, value in row.items()
+    """``metrics/evaluate.json`` as flat MLflow metrics ``<policy>.<metric>`` (numbers only; ``pass@1`` as
+    ``pass_at_1``)."""
+    return {f"{policy}.{mlflow_key(key)}": float(value) for policy, row in results.items() for key, value in row.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
@@ -469,6 +481,6 @@ __all__ = [
     "DEFAULT_EXPERIMENT", "NOOP_NAME", "PARENT_ENV", "RUNNING_NAME", "SPOOL_DIR", "StageSpoolingTracker",
     "StoreUnavailable",
     "changed_params", "end_pipeline_run", "experiment_name", "flat_params", "headline_metrics", "mlflow_compare_link",
-    "TASK_TAG", "mlflow_setup", "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "replay_spool",
+    "TASK_TAG", "metric_of_key", "mlflow_key", "mlflow_setup", "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "replay_spool",
     "stage_tracker", "start_pipeline_run", "store_problem", "tracking_reachable", "tracking_uri", "vanished_store",
 ]
