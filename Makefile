@@ -96,18 +96,27 @@ clean: ## remove .venv and pytest caches
 # POLICY_WORKERS=N runs up to N policy stages side by side, each in its own process (its own GPU(s) when several
 # are visible); unset: $RLHF_POLICY_WORKERS, else 1 (one after another, the CPU default). Hardware, not a param.
 POLICY_WORKERS ?=
-run: setup remote ## set up, then run the whole pipeline on the offline default (prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline $(if $(POLICY_WORKERS),--policy-workers $(POLICY_WORKERS))
-	@$(PY) -m flows.report readme >/dev/null  # quiet (errors still show): the pipeline's end block stays last
+# TASK=sentiment (the default): the pipeline at the repository root. TASK=<name>: the one in pipelines/<name>/ (its
+# own params.yaml, dvc.yaml, dvc.lock, data/, models/, metrics/, plots/; the same MLflow store), e.g. TASK=arithmetic.
+TASK ?= sentiment
+TASK_ROOT := $(if $(filter sentiment,$(TASK)),.,pipelines/$(TASK))
+TASK_ARGS := $(if $(filter sentiment,$(TASK)),,--root $(TASK_ROOT))
+.PHONY: task-check
+task-check:
+	@test -f $(TASK_ROOT)/params.yaml || { echo "TASK=$(TASK): no $(TASK_ROOT)/params.yaml (tasks: sentiment $$(ls pipelines 2>/dev/null | tr '\n' ' '))" >&2; exit 2; }
+
+run: setup remote task-check ## set up, then run the whole pipeline (TASK=sentiment, the default, or TASK=arithmetic: prepare -> sft -> rm -> policies -> evaluate -> registry) and push to the DVC remote
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline $(TASK_ARGS) $(if $(POLICY_WORKERS),--policy-workers $(POLICY_WORKERS))
+	@$(PY) -m flows.report readme $(TASK_ARGS) >/dev/null  # quiet (errors still show): the pipeline's end block stays last
 	@$(DVC) push -q
 
 pipeline: run ## same as run
 
 # The same stages through DVC, then the registry step (the flow finds nothing stale). `python -m tasks.store.dvc_lockfile`
 # is dvc with its dvc.lock writes made atomic (a kill never tears the lock) and a torn lock repaired first.
-repro: setup ## run the stages through dvc repro, then the registry step
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m tasks.store.dvc_lockfile repro
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline
+repro: setup task-check ## run the stages through dvc repro, then the registry step (TASK=... as for run)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m tasks.store.dvc_lockfile repro $(if $(TASK_ARGS),$(TASK_ROOT)/dvc.yaml)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline $(TASK_ARGS)
 
 # Prints where to open it (the training runs' view, the policies side by side), then runs `mlflow ui` (same PID).
 MLFLOW_PORT ?= 5000

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     stopped by SIGTERM/SIGINT after saving its state, or its params/inputs changed while it ran (not recorded):
     earlier stages are recorded, the registry untouched; run the pipeline again to resume."""
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=".", help="project directory (default: current)")
+    parser.add_argument("--root", default=".", help="project directory, or a task folder of it such as "
+                        "pipelines/arithmetic (default: current)")
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
     parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
     parser.add_argument("--policy-workers", type=int, default=None, metavar="N",

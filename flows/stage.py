@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     to resume; 73 (``EXIT_LOCKED``) another run holds the checkout. DVC records the stage only on 0."""
     parser = argparse.ArgumentParser(prog="python -m flows.stage", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=NAMES)
-    parser.add_argument("--root", default=".", help="project directory (default: current)")
+    parser.add_argument("--root", default=".", help="project directory, or a task folder of it such as "
+                        "pipelines/arithmetic (default: current)")
     add_wait_argument(parser)
     args = parser.parse_args(argv)
     try:

@@ -37,6 +37,21 @@ def write_params(root: Path, overrides: dict | None = None) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
+def make_task_folder(project: Path, task: str, overrides: dict | None = None) -> Path:
+    """The shipped task folder ``pipelines/<task>`` in ``project`` (made by :func:`make_project`): its params.yaml
+    with the tiny profile and ``overrides``, its ``incoming/``, and its dvc.yaml rendered (code deps point up at the
+    copy's tasks/ and rlhf_core/, which mirror the checkout's)."""
+    from tasks.run.dvc_yaml import render
+
+    source, folder = ROOT / "pipelines" / task, project / "pipelines" / task
+    (folder / "incoming").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source / "incoming" / "README.md", folder / "incoming" / "README.md")
+    raw = apply_overrides(read_raw(source / "params.yaml"), {**TINY, **(overrides or {})})
+    (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    (folder / "dvc.yaml").write_text(render(ROOT, source))  # only its paths section matters: the same as the copy's
+    return folder
+
+
 def run(cmd: list[str], cwd: Path, env: dict | None = None) -> str:
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}", **(env or {})}
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tasks.spec.params import (
 )
 from tasks.spec.stage import WINDOW_READS
 from tasks.stages import BY_NAME, NAMES, POLICIES, POLICY_STAGES, SECTIONS, STAGES, load_params, parse_params
-from tasks.run.dvc_yaml import REPORTING_ONLY, WRAPPER, body_file, import_graph, render
+from tasks.run.dvc_yaml import REPORTING_ONLY, WRAPPER, body_file, import_graph, render, task_roots
 from tasks.run.dvc_yaml import stage_code as _stage_code
 from tasks.stages.ddpo import DDPO_CONFIG_KEYS
 from tasks.stages.ppo import PPO_CONFIG_KEYS, PPOStageParams
@@ -73,6 +74,56 @@ def test_dvc_yaml_is_rendered_from_the_table():
     """Issue 31: dvc.yaml is the rendering of the stage table, the params schemas and the import walk
     (``python -m tasks.run.dvc_yaml`` writes it); a hand edit or a stale file fails here."""
     assert (ROOT / "dvc.yaml").read_text() == render(), "dvc.yaml is stale: run `python -m tasks.run.dvc_yaml`"
+
+
+TASK_FOLDERS = task_roots()
+
+
+def test_the_shipped_task_folders_are_found():
+    assert [f.relative_to(ROOT).as_posix() for f in TASK_FOLDERS] == ["pipelines/arithmetic"]
+
+
+@pytest.mark.parametrize("folder", TASK_FOLDERS, ids=lambda f: f.name)
+def test_every_task_folders_dvc_yaml_is_rendered_from_the_table(folder):
+    """Issue 32: a task folder's dvc.yaml is the rendering for its params.yaml (``python -m tasks.run.dvc_yaml --root
+    pipelines/<task>``): the root's stages, each run from the repository root with --root the folder, code deps
+    pointing up at the shared files, data deps, outs, metrics and plots relative to the folder."""
+    flag = f"--root {folder.relative_to(ROOT).as_posix()}"
+    assert (folder / "dvc.yaml").read_text() == render(ROOT, folder), f"stale: run `python -m tasks.run.dvc_yaml {flag}`"
+    here, there = yaml.safe_load((ROOT / "dvc.yaml").read_text()), yaml.safe_load((folder / "dvc.yaml").read_text())
+    assert list(there["stages"]) == list(here["stages"]) and there["plots"] == here["plots"]
+    for name, entry in there["stages"].items():
+        root_entry = here["stages"][name]
+        assert entry["cmd"] == f"cd ../.. && python -m flows.stage {name} {flag}"
+        assert entry["deps"] == [f"../../{d}" if (ROOT / d).suffix == ".py" else d for d in root_entry["deps"]]
+        assert all((folder / d).exists() for d in entry["deps"] if d.startswith("../../")), name  # the shared code
+        assert {k: v for k, v in entry.items() if k not in ("cmd", "deps")} == {
+            k: v for k, v in root_entry.items() if k not in ("cmd", "deps")}  # same paths, params, metrics, plots
+
+
+@pytest.mark.parametrize("folder", TASK_FOLDERS, ids=lambda f: f.name)
+def test_a_task_folders_params_load_as_a_verifiable_task(folder):
+    """Its params.yaml passes the loader and the task's rules: its task, the verifier for every enabled policy, the
+    preference stages off, pass@1 at the gate, its own registered model; the layout of the root's."""
+    params = load_params(folder / "params.yaml")
+    assert params.task.name == folder.name and params.registry.metric == "pass@1"
+    assert params.registry.model_name == f"rlhf-policy-{folder.name}"
+    assert not params.dpo.enabled and not params.kto.enabled
+    assert all(params.section(s).reward == "verifier" for s in ("ppo", "grpo", "rloo") if params.section(s).enabled)
+    assert params.paths == load_params(ROOT / "params.yaml").paths
+    assert list(read_raw(folder / "params.yaml")) == list(SECTIONS)
+
+
+@pytest.mark.parametrize("task, metric, allowed", [("sentiment", "pass@1", "('gold_reward', 'rm_reward', 'win_rate')"),
+                                                   ("arithmetic", "gold_reward", "('pass@1',) for task.name: arithmetic")])
+def test_registry_metric_is_the_tasks(tmp_path, task, metric, allowed):
+    """The gate's metric must be one the task's evaluation gives per unit: pass@1 for a verifiable task, a gold/RM
+    reward (per prompt) for sentiment; the loader names the key before anything runs."""
+    source = ROOT / ("params.yaml" if task == "sentiment" else "pipelines/arithmetic/params.yaml")
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(apply_overrides(read_raw(source), {"registry.metric": metric}), sort_keys=False))
+    with pytest.raises(ParamsError, match=re.escape(f"registry.metric must be one of {allowed}")):
+        load_params(path)
 
 
 @pytest.mark.parametrize("stage", NAMES)

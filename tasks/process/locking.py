@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf_core.tracking import env_seconds
+from tasks.spec.paths import project_root
 
 LOCK_NAME = "rlhf-run.lock"
 TOKEN_ENV = "RLHF_LOCK_TOKEN"
@@ -50,8 +51,10 @@ class CheckoutLocked(RuntimeError):
 
 
 def lock_path(root: str | Path) -> Path:
-    """``.dvc/tmp`` (ignored by git, DVC's own scratch) where the checkout has one, else the project root."""
-    root = Path(root).resolve()
+    """``.dvc/tmp`` (ignored by git, DVC's own scratch) where the checkout has one, else the project root. One lock
+    per checkout: a task folder's runs (``pipelines/<task>``) take the same one as the root's (they share DVC's repo
+    and cache)."""
+    root = project_root(root)
     return root / ".dvc" / "tmp" / LOCK_NAME if (root / ".dvc").is_dir() else root / f".{LOCK_NAME}"
 
 

@@ -19,6 +19,10 @@ answer as a trace: ``mlflow models serve -m models:/rlhf-policy@champion`` and
   (``registry.significance``): the challenger's and the champion's per-prompt values of ``registry.metric``
   on the same prompts (``data/evaluate_prompts.csv``, or the champion re-scored when its weights are not among
   the evaluated ones). Differences of a few thousandths on a few hundred prompts do not promote.
+- **The task's metric.** The sentiment task decides on ``registry.metric`` (the gold reward by default) over prompts;
+  a verifiable task (arithmetic, problems) on ``pass@1`` over problems: each problem's c/n, read from evaluate's
+  verdict file (``data/evaluate_prompts.csv``, one row per sample), compared by the same paired bootstrap. The
+  version's tags (``decided_by``, ``test.unit``), its description and the step's record name the metric.
 - **Idempotent.** A version is identified by (weights hash, evaluation set hash) and is ``registry.state=pending``
   until the aliases its decision asks for are set. Running again (a Prefect retry after a failed alias call)
   completes a pending version instead of registering another one; a complete one is left alone. Weights already
@@ -35,17 +39,20 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf_core.data import read_jsonl
 from rlhf_core.evaluation import PairedTest, PromptScores, paired_bootstrap, win_rate
 from rlhf_core.tracking import redact
 from tasks.feedback.lineage import LINEAGE_FILE, feedback_lineage, feedback_tags
 from tasks.process.distributed import require_single_process
 from tasks.process.logs import get_logger
-from tasks.spec.params import METRIC_KEYS, PARAMS_FILE, Params, PathsParams, RegistryParams, as_dict
-from tasks.store.mlflow_runs import mlflow_setup, store_problem
+from tasks.spec.params import METRIC_KEYS, PARAMS_FILE, VERIFIED_METRICS, Params, PathsParams, RegistryParams, as_dict
+from tasks.store.mlflow_runs import metric_of_key, mlflow_key, mlflow_setup, store_problem
 from tasks.store.provenance import git_commit, input_hashes
 from tasks.stages.common.scoring import (EVALUATE, SCORED_KEY, EvaluationSet, content_md5, evaluation_file, load_evaluation_set,
-                           policy_results, read_prompt_scores, rescore)
+                           load_policy, load_tokenizer, policy_results, read_prompt_scores, rescore)
 from tasks.spec.stage import metrics_file
+from tasks.stages.common.problems import solutions_of
+from tasks.stages.common.verified_eval import problem_pass, read_problem_pass, score_policy_samples
 from tasks.stages import BY_NAME, LAUNCHABLE, load_params, stage_files
 from tasks.store.stage_run import stage_run
 
@@ -81,7 +88,7 @@ def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule
     evaluation prompts (``test``, challenger minus champion) gives a p-value below ``significance``.
 
     Both dicts must be scores on the same evaluation set (the caller re-scores the champion when not)."""
-    m = rule.metric
+    m, unit = rule.metric, paired_unit(rule)
     if challenger["kl"] > rule.max_kl:
         return Decision(False, f"challenger KL {challenger['kl']:.3f} exceeds registry.max_kl {rule.max_kl}")
     if champion is None:
@@ -95,7 +102,7 @@ def decide(challenger: dict[str, float], champion: dict[str, float] | None, rule
         return Decision(False, f"{versus} < min_improvement {rule.min_improvement}")
     if test is None:
         raise ValueError("decide: a challenger that beats the champion needs the paired test over the prompts")
-    noise = f"paired test over {test.n} prompts: p={test.p_value:.4f}, 95% CI [{test.low:+.4f}, {test.high:+.4f}]"
+    noise = f"paired test over {test.n} {unit}: p={test.p_value:.4f}, 95% CI [{test.low:+.4f}, {test.high:+.4f}]"
     if test.p_value >= rule.significance:
         return Decision(False, f"{versus}, but not beyond the evaluation's noise ({noise} >= significance "
                                f"{rule.significance})")
@@ -111,6 +118,21 @@ def kl_versus_champion(challenger: dict[str, float], champion: dict[str, float],
     return f"KL {challenger['kl']:.3f} vs champion {champion['kl']:.3f}: {change:+.3f} (limit +{rule.max_kl_increase:g})"
 
 
+def paired_unit(rule: RegistryParams) -> str:
+    """What the paired test resamples: ``problems`` for a verifiable task's ``pass@1``, else ``prompts``."""
+    return "problems" if rule.metric in VERIFIED_METRICS else "prompts"
+
+
+def problem_values(policy_pass: dict[str, float], problems: list[str], where: str) -> list[float]:
+    """One policy's c/n of each of ``problems``, in that order (a ``ValueError`` naming ``where`` when one is
+    missing: the two sides of the paired test must be the same problems)."""
+    missing = [q for q in problems if q not in policy_pass]
+    if missing or len(policy_pass) != len(problems):
+        raise ValueError(f"{where}: the policies were not scored on the same problems (first missing: "
+                         f"{missing[:1] or sorted(set(policy_pass) - set(problems))[:1]}): run the evaluate stage again")
+    return [policy_pass[q] for q in problems]
+
+
 def prompt_values(metric: str, scores: PromptScores, sft_gold: list[float]) -> list[float]:
     """The per-prompt values whose mean is ``metric`` (``registry.metric``): gold or reward-model score, or for
     ``win_rate`` 1 / 0.5 / 0 as the policy's sample beats, ties or loses to SFT's on that prompt."""
@@ -123,12 +145,10 @@ def prompt_values(metric: str, scores: PromptScores, sft_gold: list[float]) -> l
     raise ValueError(f"registry.metric {metric!r} has no per-prompt values")
 
 
-def paired_test(challenger: PromptScores, champion: PromptScores, sft_gold: list[float],
-                rule: RegistryParams) -> PairedTest:
-    """Challenger minus champion, prompt by prompt, on ``rule.metric`` (``paired_bootstrap``)."""
-    return paired_bootstrap(prompt_values(rule.metric, challenger, sft_gold),
-                            prompt_values(rule.metric, champion, sft_gold),
-                            samples=rule.bootstrap_samples, seed=rule.seed)
+def paired_test(challenger: list[float], champion: list[float], rule: RegistryParams) -> PairedTest:
+    """Challenger minus champion, unit by unit (prompt, or problem for ``pass@1``), on ``rule.metric``
+    (``paired_bootstrap``)."""
+    return paired_bootstrap(challenger, champion, samples=rule.bootstrap_samples, seed=rule.seed)
 
 
 def pinned_requirements() -> list[str]:
@@ -163,7 +183,13 @@ def _versions(client, name: str, tags: dict[str, str]) -> list:
 
 
 def _metrics_from_tags(tags: dict[str, str], prefix: str = "metric.") -> dict[str, float]:
-    return {k: float(tags[prefix + k]) for k in METRIC_KEYS if prefix + k in tags}
+    """Every ``<prefix><metric>`` tag as a number (the sentiment task's METRIC_KEYS, or a verifiable task's pass@k)."""
+    return {metric_of_key(k.removeprefix(prefix)): float(v) for k, v in tags.items() if k.startswith(prefix)}
+
+
+def metric_keys(metrics: dict) -> list[str]:
+    """The metrics in display order: METRIC_KEYS' first (the sentiment task's), then the others as recorded."""
+    return [*(k for k in METRIC_KEYS if k in metrics), *(k for k in metrics if k not in METRIC_KEYS)]
 
 
 def _evaluation_run_id(client, experiment_id: str, evaluation_md5: str, policy: str, weights_md5: str) -> str:
@@ -209,8 +235,9 @@ class Champion:
     """The MLflow ``ModelVersion``."""
     metrics: dict[str, float]
     """Its metrics on that set."""
-    scores: PromptScores
-    """Its per-prompt scores on that set (for the paired test)."""
+    values: list[float]
+    """Its value of ``registry.metric`` per prompt (per problem for ``pass@1``) of that set, in the challenger's
+    order (for the paired test)."""
     rescored: bool
     """Whether it was scored now (else its scores come from this evaluation, which scored the same weights)."""
 
@@ -226,8 +253,8 @@ def _champion_on(client, params: Params, root: Path, challenger: "Challenger") -
     if champion.tags.get("evaluation.set_md5") == evaluation_md5:
         metrics = _metrics_from_tags(champion.tags)
         same = [n for n, md5 in challenger.evaluated.items() if md5 == champion.tags.get("lineage.weights_md5")]
-        if rule.metric in metrics and "kl" in metrics and same and same[0] in challenger.prompt_scores:
-            return Champion(champion, metrics, challenger.prompt_scores[same[0]], False)
+        if rule.metric in metrics and "kl" in metrics and same and same[0] in challenger.values:
+            return Champion(champion, metrics, challenger.values[same[0]], False)
     from tasks.serving.answer import load_weights  # mlflow: only when the registry step runs
 
     get_logger().info("registry: champion v%s (scored on evaluation set %s) is not among the policies this evaluation "
@@ -239,12 +266,33 @@ def _champion_on(client, params: Params, root: Path, challenger: "Challenger") -
     except Exception as error:  # noqa: BLE001 - named and re-raised: never compared blindly
         raise RuntimeError(f"registry: champion {uri} cannot be loaded to re-score it on the current evaluation "
                            f"set ({error}); move or delete the alias `{CHAMPION}` of {rule.model_name}") from error
+    if rule.metric in VERIFIED_METRICS:
+        metrics, values = _rescore_problems(model, root, params, challenger)
+        return Champion(champion, metrics, values, True)
     evaluation = current_evaluation_set(root, params)
-    if evaluation.md5 != evaluation_md5:
-        raise RuntimeError(f"the evaluation set changed since evaluate ran ({evaluation_md5[:8]} in evaluate.json, "
-                           f"{evaluation.md5[:8]} now): run the evaluate stage again")
+    _same_set(evaluation_md5, evaluation.md5)
     metrics, scores = rescore(model, evaluation)
-    return Champion(champion, metrics, scores, True)
+    return Champion(champion, metrics, prompt_values(rule.metric, scores, challenger.prompt_scores["sft"].gold), True)
+
+
+def _same_set(recorded: str, now: str) -> None:
+    if recorded != now:
+        raise RuntimeError(f"the evaluation set changed since evaluate ran ({recorded[:8]} in evaluate.json, "
+                           f"{now[:8]} now): run the evaluate stage again")
+
+
+def _rescore_problems(model, root: Path, params: Params, challenger: "Challenger") -> tuple[dict, list[float]]:
+    """The champion on a verifiable task's evaluation problems, sampled and judged as evaluate does (its seed, n and
+    ks): its metrics and its c/n per problem in the challenger's order."""
+    io, p = BY_NAME[EVALUATE].io(params.paths), params.evaluate
+    _same_set(challenger.evaluation_md5, content_md5(root / io.deps["prompts_eval"]))
+    rows = read_jsonl(root / io.deps["prompts_eval"])[: p.num_prompts]
+    sft = root / BY_NAME["sft"].io(params.paths).outs["model"]
+    tokenizer, reference = load_tokenizer(sft), load_policy(sft)
+    metrics, verdicts = score_policy_samples(model, reference, tokenizer, rows, solutions_of(rows, io.deps["prompts_eval"]),
+                                             params.task.samples_per_problem, list(params.task.pass_k), p)
+    rates = problem_pass([{"policy": "champion", **row} for row in verdicts])["champion"]
+    return metrics, problem_values(rates, challenger.units, "the champion re-scored")
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,16 +354,16 @@ def describe(policy: str, decision: Decision, rule: RegistryParams, challenger: 
         how = "re-scored now on this evaluation set" if champion.rescored else "as scored on this evaluation set"
         lines += [f"| metric | this version | champion v{champion.version.version} ({how}) |", "|---|---|---|"]
         lines += [f"| {'**' + k + '**' if k == rule.metric else k} | {challenger[k]} | {champion.metrics.get(k, '-')} |"
-                  for k in METRIC_KEYS if k in challenger]
+                  for k in metric_keys(challenger)]
         if test is not None:
-            lines.append(f"| paired test ({rule.metric}, {test.n} prompts) | gain {test.gain:+.4f}, 95% CI "
+            lines.append(f"| paired test ({rule.metric}, {test.n} {paired_unit(rule)}) | gain {test.gain:+.4f}, 95% CI "
                          f"[{test.low:+.4f}, {test.high:+.4f}] | p = {test.p_value:.4f} (significance "
                          f"{rule.significance}) |")
     else:
-        lines += ["| metric | this version |", "|---|---|"] + [f"| {k} | {challenger[k]} |" for k in METRIC_KEYS
-                                                               if k in challenger]
+        lines += ["| metric | this version |", "|---|---|"] + [f"| {k} | {challenger[k]} |"
+                                                               for k in metric_keys(challenger)]
     lines += ["", f"Rule: `{rule.metric}` must beat the champion by `min_improvement={rule.min_improvement}` on the "
-                  f"same evaluation set, with a paired bootstrap p-value over its prompts below "
+                  f"same evaluation set, with a paired bootstrap p-value over its {paired_unit(rule)} below "
                   f"`significance={rule.significance}` and `kl <= {rule.max_kl}`.", "",
               f"Lineage: git `{lineage['lineage.git_commit'][:12]}`; weights `{lineage['lineage.weights_md5']}`; "
               f"evaluation set `{lineage['evaluation.set_md5']}`; evaluation run {evaluation_link}. "
@@ -330,8 +378,9 @@ def _record(rule: RegistryParams, version, registered: bool, reason: str | None 
     previous = tags.get("champion.version")
     record = {"registered": registered, "model": rule.model_name, "version": int(version.version),
               "policy": tags.get("policy"), "decision": tags.get("decision"), "reason": reason or tags.get("reason"),
+              "decided_by": rule.metric,
               "previous_champion": int(previous) if previous else None,
-              f"challenger_{rule.metric}": float(tags.get(f"metric.{rule.metric}", "nan"))}
+              f"challenger_{rule.metric}": float(tags.get(f"metric.{mlflow_key(rule.metric)}", "nan"))}
     if not registered:  # the version's decision is an earlier run's: this run decided and registered nothing
         record["earlier_decision"], record["decision"] = record["decision"], "none"
     return record
@@ -360,7 +409,12 @@ class Challenger:
     evaluated: dict[str, str]
     """Every policy that evaluation scored (``sft`` included) -> the content hash of the weights it scored."""
     prompt_scores: dict[str, PromptScores]
-    """Their per-prompt scores (``data/evaluate_prompts.csv``)."""
+    """Their per-prompt scores (``data/evaluate_prompts.csv``; the sentiment task only, else empty)."""
+    values: dict[str, list[float]]
+    """Each of them: its value of ``registry.metric`` per evaluation unit (prompt; problem for ``pass@1``), in
+    ``units``' order: one side of the paired test."""
+    units: list[str]
+    """The units, in that order: prompt indices, or problem ids."""
 
 
 def _load_challenger(root: Path, rule: RegistryParams, paths: PathsParams) -> Challenger:
@@ -383,12 +437,29 @@ def _load_challenger(root: Path, rule: RegistryParams, paths: PathsParams) -> Ch
             f"{weights}: its content hash {weights_md5} is not the {scored['policies'].get(name)} that evaluate "
             f"scored ({evaluation_path}); nothing registered. Run the evaluate stage again (`python -m flows.pipeline`)")
     prompts_path = root / BY_NAME[EVALUATE].io(paths).outs["prompt_scores"]
-    prompt_scores = read_prompt_scores(prompts_path)
-    if not {name, "sft"} <= set(prompt_scores):
-        raise ValueError(f"{prompts_path}: no per-prompt scores of {name} and sft (missing, or written by an older "
-                         "evaluate): run the evaluate stage again before the registry step")
+    if rule.metric in VERIFIED_METRICS:
+        values, units = _problem_values(prompts_path, name)
+        prompt_scores = {}
+    else:
+        prompt_scores = read_prompt_scores(prompts_path)
+        if not {name, "sft"} <= set(prompt_scores):
+            raise ValueError(f"{prompts_path}: no per-prompt scores of {name} and sft (missing, or written by an older "
+                             "evaluate): run the evaluate stage again before the registry step")
+        sft_gold = prompt_scores["sft"].gold
+        values = {n: prompt_values(rule.metric, s, sft_gold) for n, s in prompt_scores.items()}
+        units = [str(i) for i in range(len(sft_gold))]
     return Challenger(name, weights, weights_md5, scored["evaluation_set"], results[name], scored["policies"],
-                      prompt_scores)
+                      prompt_scores, values, units)
+
+
+def _problem_values(verdicts: Path, name: str) -> tuple[dict[str, list[float]], list[str]]:
+    """Every evaluated policy's c/n per problem from evaluate's verdict file, in the challenger's problem order."""
+    rates = read_problem_pass(verdicts)
+    if name not in rates:
+        raise ValueError(f"{verdicts}: no verdicts of {name} (missing, or written by an older evaluate): run the "
+                         "evaluate stage again before the registry step")
+    units = list(rates[name])
+    return {policy: problem_values(r, units, f"{verdicts} ({policy})") for policy, r in rates.items()}, units
 
 
 def _finish_earlier_attempt(client, rule: RegistryParams, challenger: Challenger) -> dict | None:
@@ -433,14 +504,15 @@ def _lineage(client, root: Path, paths, experiment_id: str, challenger: Challeng
 def _decision_tags(challenger: Challenger, decision: Decision, rule: RegistryParams, champion: Champion | None,
                    test: PairedTest | None) -> dict[str, str]:
     """Decision tags: policy, promote/keep and why, the rule, both sides' metrics and the paired test."""
-    tags = {"policy": challenger.name, "decision": "promote" if decision.promote else "keep",
+    tags = {"policy": challenger.name, "decision": "promote" if decision.promote else "keep", "decided_by": rule.metric,
             "reason": decision.reason, "rule": json.dumps(as_dict(rule), sort_keys=True),
-            **{f"metric.{k}": str(v) for k, v in challenger.metrics.items()}}
+            **{f"metric.{mlflow_key(k)}": str(v) for k, v in challenger.metrics.items()}}
     if champion is not None:
         tags.update({"champion.version": champion.version.version, "champion.rescored": str(champion.rescored).lower(),
-                     **{f"champion.metric.{k}": str(v) for k, v in champion.metrics.items()}})
+                     **{f"champion.metric.{mlflow_key(k)}": str(v) for k, v in champion.metrics.items()}})
     if test is not None:
         tags.update({"test.kind": "paired_bootstrap", "test.metric": rule.metric, "test.prompts": str(test.n),
+                     "test.unit": paired_unit(rule),
                      "test.gain": f"{test.gain:.6f}", "test.ci95_low": f"{test.low:.6f}",
                      "test.ci95_high": f"{test.high:.6f}", "test.p_value": f"{test.p_value:.6f}",
                      "test.significance": str(rule.significance)})
@@ -511,8 +583,7 @@ def registry_task(root: str = ".", parent_run_id: str | None = None) -> dict:
     if done is not None:
         return done
     champion = _champion_on(client, params, root, challenger)
-    test = None if champion is None else paired_test(challenger.prompt_scores[challenger.name], champion.scores,
-                                                     challenger.prompt_scores["sft"].gold, rule)
+    test = None if champion is None else paired_test(challenger.values[challenger.name], champion.values, rule)
     decision = decide(challenger.metrics, champion.metrics if champion else None, rule, test)
     lineage = _lineage(client, root, paths, experiment_id, challenger)
     feedback = feedback_lineage(root, paths, stage_files(paths), challenger.name)  # the batches, traces and judgements that taught it

@@ -34,6 +34,7 @@ from rlhf_core.checkpointing import Preempted, stop_requested
 from tasks.process.logs import get_logger
 from tasks.process.outcome import EXIT_STOPPED  # a stage process stopped with its state saved
 from tasks.store.mlflow_runs import PARENT_ENV
+from tasks.spec.paths import project_root
 
 WORKERS_ENV = "RLHF_POLICY_WORKERS"
 RUNNER_ENV = "RLHF_TASK_RUNNER"
@@ -132,7 +133,8 @@ def stage_env(parent_run_id: str | None, devices: str | None, api_url: str | Non
 def launch_stage(name: str, root: str, env: dict[str, str]) -> int:
     """Run ``python -m flows.stage name`` in ``root`` and wait; a stop request (SIGTERM/SIGINT to the pipeline)
     is passed on as SIGTERM, so the stage saves its state. Returns the exit status."""
-    proc = subprocess.Popen(stage_command(name, root), cwd=root, env=env)
+    # from the project (the repository root, where ``flows`` imports), also for a task folder's stage (``--root``)
+    proc = subprocess.Popen(stage_command(name, Path(root).resolve()), cwd=project_root(root), env=env)
     forwarded = False
     while proc.poll() is None:
         if stop_requested() and not forwarded:

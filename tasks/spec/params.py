@@ -35,7 +35,11 @@ PARAMS_FILE = "params.yaml"
 METRIC_KEYS = ("gold_reward", "rm_reward", "kl", "perplexity", "win_rate")
 """The keys of each policy's object in ``metrics/evaluate.json``."""
 PAIRED_METRICS = ("gold_reward", "rm_reward", "win_rate")
-"""The metrics the registry can decide on: higher is better and each has a value per evaluation prompt."""
+"""The metrics the registry can decide on for the sentiment task: higher is better and each has a value per
+evaluation prompt."""
+VERIFIED_METRICS = ("pass@1",)
+"""The metric the registry decides on for a verifiable task (arithmetic, problems): higher is better, one value (c/n)
+per evaluation problem."""
 
 
 @dataclass(frozen=True)
@@ -264,9 +268,12 @@ def _check_registry(p: Params, policies: Sequence[str], source: str) -> None:
         raise ParamsError(f"{source}: registry.model_name: {p.registry.model_name[:80]!r} is not a registered model "
                           "name MLflow accepts in a model URI (letters, digits, '.', '_', '-'; at most 256 characters; "
                           "no '/', ':' or '@')")
-    if p.registry.metric not in PAIRED_METRICS:
-        raise ParamsError(f"{source}: registry.metric must be one of {PAIRED_METRICS} (higher is better, one value "
-                          "per evaluation prompt for the paired test)")
+    verifiable = "task" in p.sections() and p.task.name != "sentiment"
+    allowed = VERIFIED_METRICS if verifiable else PAIRED_METRICS
+    if p.registry.metric not in allowed:
+        what = (f"for task.name: {p.task.name} (one value, c/n, per evaluation problem for the paired test)"
+                if verifiable else "(higher is better, one value per evaluation prompt for the paired test)")
+        raise ParamsError(f"{source}: registry.metric must be one of {allowed} {what}")
 
 
 def read_raw(path: str | Path) -> dict:
@@ -378,7 +385,7 @@ class _DeclaredKeys:
 
 __all__ = [
     "ConfigSection", "METRIC_KEYS", "PAIRED_METRICS", "PARAMS_FILE", "PATH_KEYS", "Params", "ParamsError",
-    "PathsParams", "PolicySwitch", "RegistryParams", "SampledPolicy", "StageParams", "UndeclaredParam",
+    "PathsParams", "PolicySwitch", "RegistryParams", "VERIFIED_METRICS", "SampledPolicy", "StageParams", "UndeclaredParam",
     "apply_overrides", "as_dict", "build_section", "check_paths", "cross_section_values", "load", "load_paths", "parse",
     "read_raw",
     "section_keys", "stage_enabled",

@@ -40,7 +40,22 @@ def stage_checkpoint_dir(root: str | Path, stage: str, params: Any, base: str = 
     return resolve_output_path(root, Path(base) / f"{stage}-{fingerprint(params)}")
 
 
-__all__ = ["resolve_output_path", "stage_checkpoint_dir"]
+def project_root(root: str | Path) -> Path:
+    """The project (DVC repository) that ``root`` belongs to: the nearest of ``root`` and its parents holding a
+    ``.dvc/`` folder, else ``root`` itself. A task's folder (``pipelines/arithmetic``) keeps its own params.yaml,
+    dvc.yaml, dvc.lock and outputs, but shares the checkout's lock, DVC scratch (``.dvc/tmp``) and MLflow store with
+    every other task of the project; at the repository root both are the same folder."""
+    start = Path(root).resolve()
+    return next((folder for folder in (start, *start.parents) if (folder / ".dvc").is_dir()), start)
+
+
+def task_folder(root: str | Path) -> str:
+    """``root`` relative to its project (``.`` at the repository root, ``pipelines/arithmetic`` in a task folder)."""
+    start = Path(root).resolve()
+    return start.relative_to(project_root(start)).as_posix()
+
+
+__all__ = ["project_root", "resolve_output_path", "stage_checkpoint_dir", "task_folder"]
 
 
 def remove_stage_checkpoints(root: str | Path, stage: str, base: str = ".checkpoints") -> list[Path]:

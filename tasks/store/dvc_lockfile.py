@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from rlhf_core.checkpointing import pid_alive
+from tasks.spec.paths import project_root, task_folder
 
 LOCKFILE = "dvc.lock"
 JOURNAL = "dvc.lock.complete"
@@ -177,14 +178,24 @@ def _items(stage) -> set[str]:
     return items
 
 
+def journal_path(root: str | Path) -> Path:
+    """The copy of ``root``'s last complete ``dvc.lock`` in its project's ``.dvc/tmp``: ``dvc.lock.complete`` for the
+    repository root, ``pipelines-arithmetic.dvc.lock.complete`` for the task folder ``pipelines/arithmetic`` (each
+    task's lock has its own copy)."""
+    folder = task_folder(root)
+    name = JOURNAL if folder == "." else f"{folder.replace('/', '-')}.{JOURNAL}"
+    return project_root(root) / ".dvc" / "tmp" / name
+
+
 def repair_lockfile(root: str | Path) -> str | None:
     """Keep a copy of a complete ``dvc.lock``; put it back over a torn one. Returns a message when it repaired.
+    ``root``: the repository root or a task folder in it (``pipelines/<task>``, its own dvc.yaml and dvc.lock).
 
     Raises :class:`LockfileTorn` for a torn lock with no copy to restore."""
     root = Path(root)
-    lock, journal = root / LOCKFILE, root / ".dvc" / "tmp" / JOURNAL
+    lock, journal = root / LOCKFILE, journal_path(root)
     _remove_dead_temporaries(root)
-    if not lock.is_file() or not (root / ".dvc").is_dir():
+    if not lock.is_file() or not (project_root(root) / ".dvc").is_dir():
         return None
     problem = lock_problem(lock) or cut_problem(lock, journal, root / "dvc.yaml")
     if problem is None:
@@ -213,18 +224,25 @@ def _copy_atomically(source: Path, target: Path) -> None:
 
 def _remove_dead_temporaries(root: Path) -> None:
     """Temporary files of atomic writes whose writer died (``.dvc.lock.rlhf-tmp-<pid>-<thread>``)."""
-    for tmp in [*root.glob(f".*{TMP_MARK}*"), *(root / ".dvc" / "tmp").glob(f".*{TMP_MARK}*")]:
+    for tmp in [*root.glob(f".*{TMP_MARK}*"), *(project_root(root) / ".dvc" / "tmp").glob(f".*{TMP_MARK}*")]:
         pid = tmp.name.rsplit(TMP_MARK, 1)[1].split("-")[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
+
+
+def _lock_folders(argv: list[str] | None) -> list[Path]:
+    """The working directory, then the folder of every ``dvc.yaml`` the DVC arguments name."""
+    args = sys.argv[1:] if argv is None else argv
+    named = [Path(a.split(":", 1)[0]).parent for a in args if a.split(":", 1)[0].endswith("dvc.yaml")]
+    return list(dict.fromkeys([Path.cwd(), *(Path.cwd() / folder for folder in named)]))
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tasks.store.dvc_lockfile <dvc arguments>``: ``dvc`` with a torn lock repaired first and atomic writes."""
     from dvc.cli import main as dvc_main  # dvc: only when the CLI runs it
 
-    try:
-        message = repair_lockfile(Path.cwd())
+    try:  # the root's lock, and a task folder's when the arguments name its dvc.yaml (``repro pipelines/x/dvc.yaml``)
+        message = next(filter(None, (repair_lockfile(folder) for folder in _lock_folders(argv))), None)
     except LockfileTorn as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -234,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     return dvc_main(sys.argv[1:] if argv is None else argv)
 
 
-__all__ = ["JOURNAL", "LockfileTorn", "atomic_dvc_writes", "cut_problem", "lock_problem", "main", "repair_lockfile"]
+__all__ = ["JOURNAL", "journal_path", "LockfileTorn", "atomic_dvc_writes", "cut_problem", "lock_problem", "main", "repair_lockfile"]
 
 
 if __name__ == "__main__":

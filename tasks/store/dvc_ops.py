@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.process.logs import get_logger, single_dvc_output
 from tasks.process.outcome import StageInputsChanged
+from tasks.spec.paths import project_root
 from tasks.store.dvc_lockfile import atomic_dvc_writes, repair_lockfile
 
 
@@ -69,7 +70,7 @@ def one_recorder(root: str | Path) -> Iterator[None]:
     moment (side by side, or two processes) update dvc.lock one after another. DVC's own repo lock would make the
     second recorder fail after a few retries rather than wait, and dvc.lock is read, changed and written whole, so
     two unordered writers would lose an entry."""
-    path = Path(root) / ".dvc" / "tmp" / "rlhf-record.lock"
+    path = project_root(root) / ".dvc" / "tmp" / "rlhf-record.lock"  # a task folder's dvc.lock: the checkout's lock
     path.parent.mkdir(parents=True, exist_ok=True)
     with _RECORDING, open(path, "a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # released when the file closes

@@ -34,6 +34,7 @@ from rlhf_core.tracking import (MLflowTracker, SpoolingTracker, is_connection_fa
 from tasks.process.logs import get_logger
 from tasks.process.prefect_context import prefect_flow_run_id
 from tasks.spec.params import Params, as_dict
+from tasks.spec.paths import project_root, task_folder
 from tasks.store.outputs import write_atomic
 from tasks.store.provenance import git_commit, owner_tags
 
@@ -53,14 +54,20 @@ SPOOL_DIR = "tracking-spool"
 """Where stages keep tracking data while the server is unreachable (in the project; git- and DVC-ignored)."""
 
 
+TASK_TAG = "rlhf.task_folder"
+"""Tag of every pipeline and stage run: the task folder it ran in (``.``: the repository root's sentiment pipeline,
+``pipelines/arithmetic``, ...). One experiment holds every task's runs; filter on this tag to see one task."""
+
+
 def experiment_name() -> str:
     """``$RLHF_MLFLOW_EXPERIMENT``, else ``DEFAULT_EXPERIMENT``."""
     return os.environ.get("RLHF_MLFLOW_EXPERIMENT", DEFAULT_EXPERIMENT)
 
 
 def tracking_uri(root: str | Path) -> str:
-    """``$MLFLOW_TRACKING_URI``, else the project's SQLite store."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+    """``$MLFLOW_TRACKING_URI``, else the project's SQLite store: one for every task (a task folder's runs go to the
+    repository root's ``mlflow.db``, so one ``make mlflow-ui`` shows them all)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root(root) / 'mlflow.db'}"
 
 
 STORE_RECORD = ".rlhf-store.json"
@@ -70,8 +77,8 @@ _warned: set[str] = set()  # store problems already reported by this process
 
 
 def artifact_folder(root: str | Path) -> Path:
-    """Where the project's SQLite store keeps run artifacts (the experiment's artifact location)."""
-    return Path(root).resolve() / "mlartifacts"
+    """Where the project's SQLite store keeps run artifacts (the experiment's artifact location), for every task."""
+    return project_root(root) / "mlartifacts"
 
 
 def _record(root: str | Path) -> dict:
@@ -290,17 +297,32 @@ def pipeline_note(ran: list[str], skipped: list[str], changed: Mapping[str, str]
     return "\n".join(lines)
 
 
+def mlflow_key(metric: str) -> str:
+    """A metric's name as an MLflow metric or tag key: ``pass@1`` -> ``pass_at_1`` (MLflow refuses '@'); the sentiment
+    task's names pass unchanged. :func:`metric_of_key` reverses it."""
+    return metric.replace("@", "_at_")
+
+
+def metric_of_key(key: str) -> str:
+    """The metric an MLflow key written by :func:`mlflow_key` names (``pass_at_1`` -> ``pass@1``)."""
+    return key.replace("_at_", "@")
+
+
 def headline_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """``metrics/evaluate.json`` as flat MLflow metrics ``<policy>.<metric>`` (numbers only)."""
-    return {f"{policy}.{key}": float(value) for policy, row in results.items() for key, value in row.items()
+    """``metrics/evaluate.json`` as flat MLflow metrics ``<policy>.<metric>`` (numbers only; ``pass@1`` as
+    ``pass_at_1``)."""
+    return {f"{policy}.{mlflow_key(key)}": float(value) for policy, row in results.items() for key, value in row.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-def previous_pipeline_params(client: Any, exp_id: str, exclude_run: str) -> dict[str, str] | None:
-    """The params of the latest finished pipeline run other than ``exclude_run`` (None when there is none)."""
+def previous_pipeline_params(client: Any, exp_id: str, exclude_run: str, folder: str = ".") -> dict[str, str] | None:
+    """The params of the latest finished pipeline run of the task folder ``folder`` other than ``exclude_run`` (None
+    when there is none). Runs from before the tag was written are the root's (``.``)."""
     runs = client.search_runs([exp_id], filter_string="tags.`rlhf.kind` = 'pipeline' and attributes.status = 'FINISHED'",
-                              order_by=["attributes.start_time DESC"], max_results=5)
+                              order_by=["attributes.start_time DESC"], max_results=20)
     for run in runs:
+        if run.data.tags.get(TASK_TAG, ".") != folder:
+            continue
         if run.info.run_id != exclude_run and run.data.params:
             return dict(run.data.params)
     return None
@@ -316,7 +338,7 @@ def start_pipeline_run(root: str | Path, entry: str, run_name: str | None = None
         return ""
     exp_id = mlflow_setup(root)
     client = mlflow.MlflowClient()
-    tags = {"rlhf.kind": "pipeline", "rlhf.entry": entry, "git.commit": git_commit(root),
+    tags = {"rlhf.kind": "pipeline", "rlhf.entry": entry, "git.commit": git_commit(root), TASK_TAG: task_folder(root),
             "prefect.flow_run_id": prefect_flow_run_id(), "mlflow.runName": run_name or RUNNING_NAME}
     if os.environ.get("DVC_EXP_NAME"):
         tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
@@ -354,7 +376,7 @@ def end_pipeline_run(root: str | Path, run_id: str, status: str = "FINISHED",
     if params is not None:
         ran, skipped = list(ran or []), list(skipped or [])
         flat = flat_params(params)
-        changed = changed_params(flat, previous_pipeline_params(client, exp_id, run_id))
+        changed = changed_params(flat, previous_pipeline_params(client, exp_id, run_id, task_folder(root)))
         noop = status == "FINISHED" and not ran and not (registry or {}).get("registered")
         source = params.prepare.source
         name = pipeline_run_name(source, ran, changed, os.environ.get("DVC_EXP_NAME"), failed_stage, default_stages)
@@ -459,6 +481,6 @@ __all__ = [
     "DEFAULT_EXPERIMENT", "NOOP_NAME", "PARENT_ENV", "RUNNING_NAME", "SPOOL_DIR", "StageSpoolingTracker",
     "StoreUnavailable",
     "changed_params", "end_pipeline_run", "experiment_name", "flat_params", "headline_metrics", "mlflow_compare_link",
-    "mlflow_setup", "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "replay_spool",
+    "TASK_TAG", "metric_of_key", "mlflow_key", "mlflow_setup", "mlflow_ui_link", "pipeline_note", "pipeline_run_name", "previous_pipeline_params", "replay_spool",
     "stage_tracker", "start_pipeline_run", "store_problem", "tracking_reachable", "tracking_uri", "vanished_store",
 ]

@@ -26,7 +26,7 @@ from rlhf_core.tracking import NullTracker, public_params
 from tasks.process.distributed import barrier, is_main_process
 from tasks.process.logs import get_logger
 from tasks.process.outcome import classify
-from tasks.store.mlflow_runs import (
+from tasks.store.mlflow_runs import (TASK_TAG,
     mlflow_setup,
     mlflow_ui_link,
     replay_spool,
@@ -36,6 +36,7 @@ from tasks.store.mlflow_runs import (
 )
 from tasks.process.prefect_context import in_prefect_run, prefect_flow_run_id
 from tasks.spec.params import as_dict
+from tasks.spec.paths import task_folder
 from tasks.store.provenance import git_commit, owner_tags, input_hashes, md5_file
 
 
@@ -226,7 +227,7 @@ def stage_run(stage: str, root: str | Path, params_section: Any, deps: Iterable[
         barrier()
         return
     tags = {"rlhf.kind": "stage", "rlhf.stage": stage, "git.commit": git_commit(root),
-            "prefect.flow_run_id": prefect_flow_run_id()}
+            "prefect.flow_run_id": prefect_flow_run_id(), TASK_TAG: task_folder(root)}
     tags.update(owner_tags())  # a run left RUNNING by a killed process is ended on the next start
     hashes = input_hashes(root, deps)
     tags.update({f"dvc.input.{k}": v for k, v in hashes.items()})

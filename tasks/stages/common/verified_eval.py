@@ -41,6 +41,25 @@ def write_verdicts(path: Path, rows: list[dict]) -> None:
     write_atomic(path, buf.getvalue())
 
 
+def problem_pass(verdicts: list[dict]) -> dict[str, dict[str, float]]:
+    """policy -> problem id -> c/n (that problem's pass@1: the share of its samples judged correct), problems in
+    the order the verdict rows first name them: what the registry's paired test over problems compares."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for row in verdicts:
+        c_n = counts.setdefault(row["policy"], {}).setdefault(str(row["problem_id"]), [0, 0])
+        c_n[0] += str(row["correct"]) in ("True", "true", "1")
+        c_n[1] += 1
+    return {policy: {problem: c / n for problem, (c, n) in problems.items()} for policy, problems in counts.items()}
+
+
+def read_problem_pass(path: Path) -> dict[str, dict[str, float]]:
+    """:func:`problem_pass` of a verdict file :func:`write_verdicts` wrote (empty when there is none)."""
+    if not path.is_file():
+        return {}
+    with path.open(newline="", encoding="utf-8") as f:
+        return problem_pass(list(csv.DictReader(f)))
+
+
 def score_policy_samples(policy: Any, reference: Any, tokenizer: Any, rows: list[dict], solutions: list[str],
                          n: int, ks: list[int], p: Any) -> tuple[dict[str, float], list[dict]]:
     """One policy's metrics and verdict rows on the problems ``rows`` (n samples each)."""
@@ -88,4 +107,4 @@ def body(ctx: StageContext, frontier_columns: tuple[str, ...]) -> StageResult:
                        plots={"frontier": (frontier_columns, frontier)}, summary=summary)
 
 
-__all__ = ["VERDICT_COLUMNS", "body", "score_policy_samples", "write_verdicts"]
+__all__ = ["VERDICT_COLUMNS", "body", "problem_pass", "read_problem_pass", "score_policy_samples", "write_verdicts"]
