@@ -421,7 +421,7 @@ def test_an_alias_bomb_is_refused_in_well_under_a_second(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text((ROOT / "params.yaml").read_text().replace("registry:\n", "registry:\n" + "".join(
         f"  {line}\n" for line in _alias_bomb().splitlines()), 1))
-    assert path.stat().st_size < 8000
+    assert path.stat().st_size < 10_000  # a small file: params.yaml (about 7.9 KB) and the bomb's few lines
     started = time.perf_counter()
     with pytest.raises(ParamsError, match=rf"{path}:\d+: YAML aliases expand to more than 100000 values"):
         load_params(path)

@@ -49,9 +49,15 @@ def test_sft_then_grpo_on_the_verifier_through_the_stages(tmp_path, monkeypatch)
     project = make_project(tmp_path / "proj", {"task.name": "arithmetic", "task.num_train": 64, "task.num_eval": 8,
                                                "grpo.reward": "verifier", "rloo.reward": "verifier",
                                                "ppo.reward": "verifier", "ppo.sample_every": 0, "dpo.enabled": False,
-                                               "kto.enabled": False}, git_dvc=False)
+                                               "kto.enabled": False, "label.num_problems": 8,
+                                               "label.samples_per_problem": 4, "label.max_new_tokens": 8},
+                           git_dvc=False)
     run_stage("prepare", str(project))
     run_stage("sft", str(project))
+    labelled = run_stage("label", str(project))  # the trained SFT's samples, verifier-labelled (dpo/kto's data)
+    assert (labelled["problems"], labelled["samples"]) == (8, 32)
+    assert len((project / "data" / "labelled" / "verdicts.jsonl").read_text().splitlines()) == 32
+    assert labelled["problems_with_both"] + labelled["problems_all_correct"] + labelled["problems_none_correct"] == 8
     metrics = run_stage("grpo", str(project))
     assert metrics["enabled"] and metrics["steps"] == 2
     assert json.loads((project / "metrics" / "grpo.json").read_text())["steps"] == 2
@@ -61,7 +67,7 @@ def test_sft_then_grpo_on_the_verifier_through_the_stages(tmp_path, monkeypatch)
         index = lines[0].split(",").index(column)
         rewards = [float(line.split(",")[index]) for line in lines[1:]]
         assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards), (stage, rewards)  # a mean of 0/1 verdicts
-    for stage in ("rloo", "dpo", "kto"):  # dpo and kto are off for a verifiable task: placeholders
+    for stage in ("rloo", "dpo", "kto"):  # dpo and kto switched off here (tests/test_label_stage.py trains them)
         run_stage(stage, str(project))
     run_stage("evaluate", str(project))
     results = json.loads((project / "metrics" / "evaluate.json").read_text())
