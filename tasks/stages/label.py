@@ -7,8 +7,8 @@ policy.
 (``rlhf_core.rewards.verify`` against each problem's ``solution``). The pairing rule is
 ``tasks/stages/common/verified_pairs.py``. Output ``data/labelled/`` (DVC-cached):
 
-- ``preferences.jsonl``: ``{prompt, chosen, rejected, problem_id}``, a correct completion over an incorrect one of
-  the same problem (``dpo``'s data under a verifiable task);
+- ``preferences.jsonl``: ``{prompt, chosen, rejected, problem_id}`` (a conversational prompt as SFT's chat template
+  renders it), a correct completion over an incorrect one of the same problem (``dpo``'s data under a verifiable task);
 - ``ratings.jsonl``: ``{prompt, completion, label, problem_id}``, every distinct completion, label = correct
   (``kto``'s data);
 - ``verdicts.jsonl``: every sample's ``{problem_id, sample, completion, answer, correct}``.
@@ -29,6 +29,7 @@ from rlhf_core.rewards import verify
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.chat_prompts import render_queries
 from tasks.stages.common.problems import solutions_of
 from tasks.stages.common.scoring import load_policy, load_tokenizer
 from tasks.stages.common.verified_pairs import preference_pairs, ratings, split_by_verdict
@@ -112,10 +113,12 @@ def body(ctx: StageContext) -> StageResult:
     solutions = solutions_of(rows, ctx.io.deps["prompts_train"])  # checked before the model is loaded
     tokenizer, policy = load_tokenizer(ctx.dep("sft")), load_policy(ctx.dep("sft"))
     n = p.samples_per_problem
-    samples = sample_responses(policy, tokenizer, [r["query"] for r in rows for _ in range(n)], p.max_new_tokens,
+    queries = render_queries(tokenizer, [r["query"] for r in rows], ctx.io.deps["prompts_train"])  # a chat: templated
+    samples = sample_responses(policy, tokenizer, [q for q in queries for _ in range(n)], p.max_new_tokens,
                                p.batch_size, p.seed)
     completions = [samples.responses[i * n:(i + 1) * n] for i in range(len(rows))]
-    files, correct_counts = label_rows(rows, solutions, completions, p.max_pairs_per_problem)
+    files, correct_counts = label_rows([{**r, "query": q} for r, q in zip(rows, queries)], solutions, completions,
+                                       p.max_pairs_per_problem)
     with atomic_dir(ctx.out("labelled")) as tmp:
         for name, records in files.items():
             write_jsonl(records, tmp / name)
