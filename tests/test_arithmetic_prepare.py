@@ -24,7 +24,8 @@ def set_task(project, **task):
     """The task's keys, and what a verifiable task needs of the other sections (tasks.spec.task.task_problems)."""
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["task"].update(task)
-    params["dpo"]["enabled"] = params["kto"]["enabled"] = False
+    if params["task"]["name"] != "sentiment":
+        params["registry"]["metric"] = "pass@1"  # the gate's metric of a verifiable task
     for stage in ("ppo", "grpo", "rloo"):
         params[stage]["reward"] = "verifier"
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -73,12 +74,14 @@ def test_a_bad_task_is_refused_naming_the_key(project):
     set_task(project, name="arithmetic", min_digits=1, max_digits=2, operations="+-", steps=1)
     load_params(project / "params.yaml")  # valid again
     params = yaml.safe_load((project / "params.yaml").read_text())
-    for stage, key, value, match in (("dpo", "enabled", True, "dpo.enabled must be false for task.name: arithmetic"),
-                                     ("grpo", "reward", "gold", "grpo.reward must be verifier")):
-        broken = {**params, stage: {**params[stage], key: value}}
-        (project / "params.yaml").write_text(yaml.safe_dump(broken, sort_keys=False))
-        with pytest.raises(ParamsError, match=match):
-            load_params(project / "params.yaml")
+    for stage in ("dpo", "kto"):  # they train on the label stage's verifier-labelled samples of SFT
+        (project / "params.yaml").write_text(yaml.safe_dump({**params, stage: {**params[stage], "enabled": True}},
+                                                            sort_keys=False))
+        assert load_params(project / "params.yaml").section(stage).enabled
+    broken = {**params, "grpo": {**params["grpo"], "reward": "gold"}}
+    (project / "params.yaml").write_text(yaml.safe_dump(broken, sort_keys=False))
+    with pytest.raises(ParamsError, match="grpo.reward must be verifier"):
+        load_params(project / "params.yaml")
 
 
 def test_prepare_reads_a_users_problems_file(project):

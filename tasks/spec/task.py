@@ -83,18 +83,15 @@ TASK_READS = tuple(f"task.{f.name}" for f in fields(TaskParams))
 
 
 def task_problems(params: Any) -> list[str]:
-    """What a verifiable task cannot run yet, by key: the preference stages (no verifier-labelled pairs yet) and a
-    policy stage on a reward the task does not have (no reward model is trained for it). Empty for sentiment."""
+    """What a verifiable task cannot run, by key: a policy stage on a reward the task does not have (no reward model
+    is trained for it). Empty for sentiment. (``dpo``/``kto`` train on the ``label`` stage's verifier-labelled
+    samples of the SFT policy there.)"""
     task = params.section("task")
     if task.name == "sentiment":
         return []
-    found = [f"{stage}.enabled must be false for task.name: {task.name} (its preference data, verifier-labelled "
-             "samples of the SFT policy, is not made yet)" for stage in ("dpo", "kto")
-             if params.section(stage).enabled]
-    found += [f"{stage}.reward must be verifier for task.name: {task.name} (no reward model is trained for it)"
-              for stage in ("ppo", "grpo", "rloo") if params.section(stage).enabled
-              and params.section(stage).reward != "verifier"]
-    return found
+    return [f"{stage}.reward must be verifier for task.name: {task.name} (no reward model is trained for it)"
+            for stage in ("ppo", "grpo", "rloo") if params.section(stage).enabled
+            and params.section(stage).reward != "verifier"]
 
 
 def task_of(params: Any) -> TaskParams:

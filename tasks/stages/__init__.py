@@ -18,7 +18,7 @@ from tasks.spec.params import PARAMS_FILE, Params, PathsParams, RegistryParams
 from tasks.spec.stage import Stage
 from tasks.spec.param_rules import ParamsError
 from tasks.spec.task import TASK_READS, TaskParams, task_problems
-from tasks.stages import ddpo, dpo, evaluate, grpo, kto, ppo, prepare, reward_model, rloo, sft
+from tasks.stages import ddpo, dpo, evaluate, grpo, kto, label, ppo, prepare, reward_model, rloo, sft
 
 _TRAINING = (
     Stage("prepare", prepare.PrepareParams, prepare.body, deps={"incoming": "{incoming}"},
@@ -26,6 +26,11 @@ _TRAINING = (
           plot_columns=prepare.COLUMNS, plot=prepare.PLOT, task_reads=TASK_READS, retries=2),
     Stage("sft", sft.SFTParams, sft.body, deps={"sft_train": "{data}/sft_train.jsonl"}, outs={"model": "{models}/sft"},
           plot_columns=sft.COLUMNS, plot=sft.PLOT, launchable=True),
+    # a verifiable task's preference data (dpo, kto): verifier-labelled samples of SFT; sentiment: placeholders
+    Stage("label", label.LabelParams, label.body, deps={"prompts_train": "{data}/prompts_train.jsonl",
+                                                        "sft": "{models}/sft"},
+          outs={"labelled": "{data}/labelled"}, plot_columns=label.COLUMNS, plot=label.PLOT,
+          serves=label.TASKS_SERVED, task_reads=("task.name",)),
     Stage("reward_model", reward_model.RewardModelParams, reward_model.body,
           deps={"preferences": "{data}/preferences.jsonl", "sft": "{models}/sft"},
           outs={"model": "{models}/reward_model"}, plot_columns=reward_model.COLUMNS, plot=reward_model.PLOT,
@@ -36,7 +41,7 @@ _TRAINING = (
           outs={"model": "{models}/ppo"}, plot_columns=ppo.COLUMNS, plot=ppo.PLOT, charts=ppo.CHARTS,
           policy=True, windows=True, launchable=True),
     Stage("dpo", dpo.DPOParams, dpo.body,
-          deps={"preferences": "{data}/preferences.jsonl", "sft": "{models}/sft",
+          deps={"preferences": "{data}/preferences.jsonl", "labelled": "{data}/labelled", "sft": "{models}/sft",
                 "prompts_eval": "{data}/prompts_eval.jsonl"},
           outs={"model": "{models}/dpo"}, plot_columns=dpo.COLUMNS, plot=dpo.PLOT,
           policy=True, windows=True, launchable=True),
@@ -49,7 +54,8 @@ _TRAINING = (
                 "reward_model": "{models}/reward_model"},
           outs={"model": "{models}/rloo"}, plot_columns=rloo.COLUMNS, plot=rloo.PLOT, policy=True, launchable=True),
     Stage("kto", kto.KTOParams, kto.body,
-          deps={"ratings": "{data}/ratings.jsonl", "sft": "{models}/sft", "prompts_eval": "{data}/prompts_eval.jsonl"},
+          deps={"ratings": "{data}/ratings.jsonl", "labelled": "{data}/labelled", "sft": "{models}/sft",
+                "prompts_eval": "{data}/prompts_eval.jsonl"},
           outs={"model": "{models}/kto"}, plot_columns=kto.COLUMNS, plot=kto.PLOT,
           policy=True, windows=True, launchable=True),
 )

@@ -15,6 +15,7 @@ from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import SampledPolicy
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.labelled_data import preference_file
 from tasks.stages.common.policy import load_sft_policy
 from tasks.stages.common.samples import sample_windows
 
@@ -62,20 +63,22 @@ PLOT = dict(title="DPO loss", x="step", y="loss")
 
 
 def body(ctx: StageContext) -> StageResult:
-    """Train ``models/dpo`` from ``data/preferences.jsonl``, scoring held-out samples every ``dpo.sample_every``."""
+    """Train ``models/dpo`` from ``data/preferences.jsonl`` (a verifiable task: the label stage's
+    ``data/labelled/preferences.jsonl``), scoring held-out samples every ``dpo.sample_every``."""
     from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
 
     from rlhf_core import DPOTrainer, set_seed
     from tasks.stages.common.resume import checkpointing_arguments, loss_curve, train_and_save, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
-    pairs = read_jsonl(ctx.dep("preferences"))
+    pairs_path, pairs_name = preference_file(ctx, "preferences", "preferences.jsonl")
+    pairs = read_jsonl(pairs_path)
     if not pairs:
-        raise ValueError(f"{ctx.io.deps['preferences']}: no preference pairs")
+        raise ValueError(f"{pairs_name}: no preference pairs")
     set_seed(p.seed)
     tokenizer, model = load_sft_policy(ctx.dep("sft"))
     dataset = Dataset.from_dict({c: [x[c] for x in pairs] for c in ("prompt", "chosen", "rejected")})
-    run.log_dataset(ctx.dep("preferences"), "preferences")
+    run.log_dataset(pairs_path, "preferences")
     log.info("dpo: %d pairs, beta %.3g", len(pairs), p.beta)
     windows = None
     curve_keys = ("loss", "rewards/accuracies", "rewards/margins")

@@ -17,6 +17,7 @@ from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, SampledPolicy
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.labelled_data import preference_file
 from tasks.stages.common.policy import last_fifth_mean, load_sft_policy, train_policy, trainer_arguments
 from tasks.stages.common.samples import sample_windows
 
@@ -65,8 +66,9 @@ def body(ctx: StageContext) -> StageResult:
 
     from rlhf_core import KTOConfig, KTOTrainer, set_seed
 
-    p, run, ratings_path = ctx.section, ctx.run, ctx.io.deps["ratings"]
-    ratings = read_ratings(ctx.dep("ratings"))  # every row validated; errors name the file and line
+    p, run = ctx.section, ctx.run
+    ratings_file, ratings_path = preference_file(ctx, "ratings", "ratings.jsonl")  # a verifiable task: label's
+    ratings = read_ratings(ratings_file)  # every row validated; errors name the file and line
     labels = [r["label"] for r in ratings]
     if not any(labels) or all(labels):
         raise ValueError(f"{ratings_path}: KTO needs both desirable and undesirable rows "
@@ -74,7 +76,7 @@ def body(ctx: StageContext) -> StageResult:
     set_seed(p.seed)
     tokenizer, model = load_sft_policy(ctx.dep("sft"))
     dataset = Dataset.from_dict({c: [r[c] for r in ratings] for c in ("prompt", "completion", "label")})
-    run.log_dataset(ctx.dep("ratings"), "ratings")
+    run.log_dataset(ratings_file, "ratings")
     get_logger().info("kto: %d ratings (%d desirable), beta %.3g", len(ratings), sum(labels), p.beta)
 
     windows = None

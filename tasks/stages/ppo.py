@@ -36,6 +36,7 @@ from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import ConfigSection, SampledPolicy, as_dict
 from tasks.spec.paths import stage_checkpoint_dir
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.chat_prompts import render_with
 from tasks.stages.common.problems import solutions_of, verifier_scores
 from tasks.stages.common.samples import sample_windows, step_hook
 from tasks.stages.common.scoring import load_tokenizer
@@ -130,7 +131,7 @@ def body(ctx: StageContext) -> StageResult:
 
     p, run, log = ctx.section, ctx.run, get_logger()
     rows = read_jsonl(ctx.dep("prompts_train"))
-    prompts = [r["query"] for r in rows]
+    prompts = render_with(ctx.dep("sft"), [r["query"] for r in rows], ctx.io.deps["prompts_train"])  # a chat: templated
     if len(prompts) < p.batch_size:
         raise ValueError(f"{ctx.io.deps['prompts_train']}: {len(prompts)} prompts, fewer than ppo.batch_size="
                          f"{p.batch_size}")

@@ -2,7 +2,7 @@
 thumbs-up/down ratings (``data/ratings.jsonl``, for KTO).
 
 Reads ``params.yaml:prepare`` and the source it names (the synthetic default, local files or a hub dataset:
-``tasks/stages/common/source.py``) plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
+``tasks/stages/common/source.py``; or a user's preference pairs, ``pairs:<file>``: ``tasks/stages/common/pair_source.py``) plus the feedback batches ingested under ``paths.incoming`` (``python -m flows.intake``); writes
 the six ``data/*.jsonl`` files; the wrapper writes ``metrics/prepare.json`` and ``plots/prepare.csv`` (a histogram of
 the training reviews' gold scores). Everything is read and validated before anything is written.
 """
@@ -37,7 +37,9 @@ from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
 from tasks.spec.task import task_of
 from tasks.stages.common.problems import answer_histogram, arithmetic_datasets, user_datasets
-from tasks.stages.common.source import SOURCE_FINGERPRINT, load_source, source_error, source_fingerprint, source_path
+from tasks.stages.common.pair_source import is_pairs_source, pair_datasets
+from tasks.stages.common.source import (SOURCE_FINGERPRINT, load_pairs, load_source, source_error, source_fingerprint,
+                                        source_path)
 
 
 @dataclass(frozen=True)
@@ -258,17 +260,25 @@ def body(ctx: StageContext) -> StageResult:
     if task_of(ctx.params).name != "sentiment":
         return verifiable_body(ctx)
     p, run, log = ctx.section, ctx.run, get_logger()
-    reviews = load_source(p, ctx.root)  # read and validate everything first
+    # read and validate everything first: the user's pairs (prepare.source: pairs:<file>) or the reviews
+    pairs = load_pairs(p, ctx.root) if is_pairs_source(p.source) else None
+    reviews = [] if pairs is not None else load_source(p, ctx.root)
     incoming_dir = ctx.io.deps["incoming"]
     incoming = IncomingData(reviews=[], pairs=read_feedback_pairs(ctx.dep("incoming")),  # versioned by the intake
                             ratings=read_feedback_ratings(ctx.dep("incoming")))
-    log.info("prepare: %d reviews from %s, %d new reviews, %d new pairs and %d new ratings from %s", len(reviews),
-             p.source, len(incoming.reviews), len(incoming.pairs), len(incoming.ratings), incoming_dir)
-    if (warning := size_warning(len(reviews) + len(incoming.reviews))) is not None:
+    log.info("prepare: %d %s from %s, %d new reviews, %d new pairs and %d new ratings from %s",
+             len(reviews if pairs is None else pairs), "reviews" if pairs is None else "preference pairs", p.source,
+             len(incoming.reviews), len(incoming.pairs), len(incoming.ratings), incoming_dir)
+    if pairs is None and (warning := size_warning(len(reviews) + len(incoming.reviews))) is not None:
         log.warning(warning)
     judge = GoldJudge()
     dropped: dict[str, int] = {}
-    datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge, dropped, incoming.ratings)
+    if pairs is None:
+        datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge, dropped, incoming.ratings)
+    else:
+        datasets = pair_datasets(pairs, p.eval_fraction, p.seed)
+        datasets["preferences"] += incoming_pairs_judged(p, incoming.pairs, judge, dropped)
+        datasets["ratings"] += incoming_ratings_judged(p, incoming.ratings, judge, dropped)
 
     files = {name: ctx.out(name) for name in DATASETS}
     counts = write_datasets(files, datasets)
@@ -286,7 +296,7 @@ def body(ctx: StageContext) -> StageResult:
     }
     for name in DATASETS:
         run.log_dataset(files[name], name, context="eval" if "eval" in name or name == "heldout" else "training")
-    run.log_table("preference_samples", [{k: r[k] for k in ("prompt", "chosen", "rejected", "chosen_score",
-                                                              "rejected_score")} for r in datasets["preferences"][:20]])
+    run.log_table("preference_samples", [{k: r.get(k) for k in ("prompt", "chosen", "rejected", "chosen_score",
+                                                                  "rejected_score")} for r in datasets["preferences"][:20]])
     log.info("prepare: wrote %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
     return StageResult(metrics, gold_histogram(gold))

@@ -17,6 +17,7 @@ from rlhf_core.models.padding import ensure_pad_token
 from tasks.process.logs import get_logger
 from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
+from tasks.stages.common.chat_prompts import completion_only_rows
 
 
 @dataclass(frozen=True)
@@ -88,25 +89,51 @@ def build_policy(p: SFTParams, texts: list[str]):
     return model, tokenizer
 
 
-def body(ctx: StageContext) -> StageResult:
-    """Train ``models/sft`` from ``data/sft_train.jsonl``."""
-    from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
+def conversation_texts(rows: list[dict]) -> list[str]:
+    """The corpus a built tokenizer learns from, of conversational prompt-completion rows: each turn as the plain
+    template writes it (``Role: content``)."""
+    return [f"{m['role'].capitalize()}: {m['content']}" for r in rows for m in r["prompt"] + r["completion"]]
 
-    from rlhf_core import SFTTrainer, set_seed
+
+def body(ctx: StageContext) -> StageResult:
+    """Train ``models/sft`` from ``data/sft_train.jsonl``: ``{"text"}`` rows, or conversational prompt-completion
+    rows (``{"prompt": [messages], "completion": [messages]}``, a user's conversational problems) rendered with the
+    tokenizer's chat template (a plain one, ``SIMPLE_CHAT_TEMPLATE``, where it has none), the loss on the
+    completion only."""
+    from datasets import Dataset  # datasets and the trainer load transformers: only when the stage runs
+    from transformers import DataCollatorForSeq2Seq
+
+    from rlhf_core import SFTConfig, SFTTrainer, set_seed
+    from rlhf_core.models.chat_format import SIMPLE_CHAT_TEMPLATE
     from tasks.stages.common.resume import checkpointing_arguments, loss_curve, train_and_save, training_arguments
 
     p, run, log = ctx.section, ctx.run, get_logger()
-    texts = [r["text"] for r in read_jsonl(ctx.dep("sft_train"))]
-    if not texts:
+    rows = read_jsonl(ctx.dep("sft_train"))
+    if not rows:
         raise ValueError(f"{ctx.io.deps['sft_train']}: no training texts")
+    chat = "prompt" in rows[0]
+    texts = conversation_texts(rows) if chat else [r["text"] for r in rows]
     set_seed(p.seed)
     model, tokenizer = build_policy(p, texts)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE  # saved with the tokenizer: the later stages render with it
+        log.info("sft: conversational data and a tokenizer without a chat template: the plain one set")
     n_params = sum(t.numel() for t in model.parameters())
-    log.info("sft: %d texts, model %s with %.2fM parameters", len(texts), p.model_name or f"tiny-{p.arch}", n_params / 1e6)
+    log.info("sft: %d %s, model %s with %.2fM parameters", len(rows), "conversations" if chat else "texts",
+             p.model_name or f"tiny-{p.arch}", n_params / 1e6)
     run.log_dataset(ctx.dep("sft_train"), "sft_train")
+
     def build(ck):
-        return SFTTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
-                          train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
+        if not chat:
+            return SFTTrainer(model=model, args=training_arguments(ck.dir, p, **checkpointing_arguments()),
+                              train_dataset=Dataset.from_dict({"text": texts}), dataset_text_field="text",
+                              max_seq_length=p.max_seq_length, tokenizer=tokenizer, tracker=run.tracker,
+                              callbacks=[ck.callback])
+        tokenized = completion_only_rows(tokenizer, rows, p.max_seq_length, ctx.io.deps["sft_train"])
+        args = training_arguments(ck.dir, p, config_class=SFTConfig, dataset_kwargs={"skip_prepare_dataset": True},
+                                  **checkpointing_arguments())
+        return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(tokenized),
+                          data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
                           max_seq_length=p.max_seq_length, tokenizer=tokenizer, tracker=run.tracker,
                           callbacks=[ck.callback])
 
@@ -115,7 +142,7 @@ def body(ctx: StageContext) -> StageResult:
         final_loss = curve[-1]["loss"] if curve else float(result.training_loss)
         return {"train_loss": round(float(result.training_loss), 4), "final_loss": round(final_loss, 4),
                 "final_perplexity": round(math.exp(min(final_loss, 50.0)), 3),
-                "num_texts": len(texts), "num_parameters": n_params, "steps": trainer.state.global_step,
+                "num_texts": len(rows), "num_parameters": n_params, "steps": trainer.state.global_step,
                 "num_processes": trainer.args.world_size}
 
     trained = train_and_save(ctx, build, ("SFTTrainer", p.model_name or f"built from config (tiny {p.arch})"),

@@ -37,6 +37,7 @@ from tasks.store.mlflow_runs import (TASK_TAG,
 from tasks.process.prefect_context import in_prefect_run, prefect_flow_run_id
 from tasks.spec.params import as_dict
 from tasks.spec.paths import task_folder
+from tasks.store.placeholders import PLACEHOLDER
 from tasks.store.provenance import git_commit, owner_tags, input_hashes, md5_file
 
 
@@ -179,9 +180,13 @@ class StageRun:
 
         if not self.main:
             return
+        # a placeholder input (a stage that did no work: disabled, or serving another task, as label under
+        # sentiment) is not an input of the model: listed, it would change the card, hence the model's DVC hash,
+        # whenever a stage for another task is added (the MLflow run's tags still name every input)
+        inputs = {k: v for k, v in self.input_hashes.items() if not (Path(self.root) / k / PLACEHOLDER).exists()}
         notes = "\n".join(
             [f"Stage `{self.stage}` of the rlhf pipeline.", "", "Inputs (DVC hashes):", ""]
-            + [f"- `{k}`: `{v}`" for k, v in self.input_hashes.items()]
+            + [f"- `{k}`: `{v}`" for k, v in inputs.items()]
             + ["", "The offline default trains on a synthetic corpus of generated reviews, not real data."])
         path = write_model_card(model_dir, model_name=f"rlhf-{self.stage}", trainer_name=trainer_name,
                                 base_model=base_model, hyperparameters=dict(hyperparameters), metrics=dict(metrics),

@@ -5,7 +5,8 @@ The problems come from ``rlhf_core.arithmetic`` with the ``task`` section's diff
 ``prepare.seed``: one pool of distinct problems cut into training and held-out parts, so no held-out problem is
 trained on. Rows:
 
-- ``sft_train``: ``{"text"}`` = prompt + worked solution of each training problem (SFT's warm start);
+- ``sft_train``: ``{"text"}`` = prompt + worked solution of each training problem (SFT's warm start); a user's
+  conversational file: ``{"prompt": [messages], "completion": [messages]}``;
 - ``heldout``: the same for the held-out problems (perplexity);
 - ``prompts_train`` / ``prompts_eval``: ``{"id", "query", "solution"}`` (RL prompts; evaluation's problems); the
   ``solution`` column is what the verifier (``rlhf_core.rewards.accuracy_reward``) receives;
@@ -46,13 +47,12 @@ def arithmetic_datasets(task: TaskParams, seed: int) -> dict[str, list[dict]]:
 def user_datasets(problems: list[dict], task: TaskParams, eval_fraction: float, seed: int) -> dict[str, list[dict]]:
     """The six datasets from a user's checked problems (``rlhf_core.user_problems.read_problems``): a seeded
     shuffle cut by ``eval_fraction``; SFT learns each row's worked solution, or the answer stated in
-    ``task.answer_format`` where the row has none. Plain-text prompts only: the stages after prepare sample from
-    text (a conversational prompt is refused here, naming its row, rather than failing in a later stage)."""
-    for problem in problems:
-        if not isinstance(problem["prompt"], str) or not isinstance(problem["completion"], (str, type(None))):
-            raise ValueError(f"{problem['id']}: a conversational row (a list of messages); the pipeline's stages take "
-                             "plain-text prompts and completions so far (GRPOTrainer/RLOOTrainer and SFTTrainer take "
-                             "conversations in the library)")
+    ``task.answer_format`` where the row has none.
+
+    A file with a conversational row (a prompt or a worked solution that is a list of messages) is conversational
+    throughout: every prompt becomes messages (a text prompt a user turn), ``sft_train``/``heldout`` rows are TRL's
+    conversational prompt-completion rows (a text solution an assistant turn), and the stages render the prompts
+    with the policy's chat template where they sample (``tasks/stages/common/chat_prompts.py``)."""
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
     held = max(1, round(eval_fraction * len(problems)))
@@ -60,17 +60,30 @@ def user_datasets(problems: list[dict], task: TaskParams, eval_fraction: float, 
         raise ValueError(f"{len(problems)} problems leave none to train on with eval_fraction={eval_fraction}")
     rows = [problems[i] for i in order]
     train, held_out = rows[held:], rows[:held]
+    chat = any(not isinstance(p["prompt"], str) or isinstance(p["completion"], list) for p in problems)
 
-    def text(problem: dict) -> str:
-        target = problem["completion"] or " " + ANSWER_STYLES[task.answer_format].format(problem["solution"])
-        return problem["prompt"] + target
+    def target(problem: dict) -> str | list[dict]:
+        return problem["completion"] or " " + ANSWER_STYLES[task.answer_format].format(problem["solution"])
+
+    def sft_row(problem: dict) -> dict:
+        if not chat:
+            return {"text": problem["prompt"] + target(problem)}
+        answer = target(problem)
+        return {"prompt": as_messages(problem["prompt"], "user"),
+                "completion": answer if isinstance(answer, list) else as_messages(answer, "assistant")}
 
     def prompt_rows(part: list[dict]) -> list[dict]:
-        return [{"id": p["id"], "query": p["prompt"], "solution": p["solution"]} for p in part]
+        return [{"id": p["id"], "query": as_messages(p["prompt"], "user") if chat else p["prompt"],
+                 "solution": p["solution"]} for p in part]
 
-    return {"sft_train": [{"text": text(p)} for p in train], "heldout": [{"text": text(p)} for p in held_out],
+    return {"sft_train": [sft_row(p) for p in train], "heldout": [sft_row(p) for p in held_out],
             "prompts_train": prompt_rows(train), "prompts_eval": prompt_rows(held_out), "preferences": [],
             "ratings": []}
+
+
+def as_messages(value: str | list[dict], role: str) -> list[dict]:
+    """A conversation as it is, or a text as one ``role`` turn."""
+    return value if isinstance(value, list) else [{"role": role, "content": value}]
 
 
 def answer_histogram(rows: list[dict]) -> list[dict]:
@@ -110,4 +123,4 @@ def verifier_scores(queries: list[str], solutions: list[str]):
     return score
 
 
-__all__ = ["answer_histogram", "arithmetic_datasets", "problem_rows", "solutions_of", "user_datasets", "verifier_scores"]
+__all__ = ["answer_histogram", "arithmetic_datasets", "as_messages", "problem_rows", "solutions_of", "user_datasets", "verifier_scores"]

@@ -35,17 +35,18 @@ SAVE_STEPS = 50
 """Trainer-based stages write a resumable checkpoint every this many optimizer steps (and on SIGTERM)."""
 
 
-def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, **overrides):
-    """``TrainingArguments`` for a stage: its section's Trainer fields, no reporters (metrics reach MLflow
-    through rlhf_core's tracker, the stage run's). Hardware comes from the environment / accelerate
-    config, never from params.yaml. No checkpoints unless ``overrides`` ask (see ``checkpointing_arguments``);
-    any keyword overrides the defaults here."""
+def training_arguments(output_dir: str | Path, section: Any, logging_steps: int = 10, config_class: type | None = None,
+                       **overrides):
+    """``TrainingArguments`` (or ``config_class``, a subclass such as ``SFTConfig``) for a stage: its section's
+    Trainer fields, no reporters (metrics reach MLflow through rlhf_core's tracker, the stage run's). Hardware comes
+    from the environment / accelerate config, never from params.yaml. No checkpoints unless ``overrides`` ask (see
+    ``checkpointing_arguments``); any keyword overrides the defaults here."""
     names = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "warmup_steps", "weight_decay", "seed")
     kwargs = {n: getattr(section, n) for n in names if hasattr(section, n)}
     kwargs.update(output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=logging_steps,
                   disable_tqdm=not on_terminal(), dataloader_num_workers=0, dataloader_pin_memory=False)
     kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
+    return (config_class or TrainingArguments)(**kwargs)
 
 
 def checkpointing_arguments(save_steps: int = SAVE_STEPS) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from rlhf_core.trainers.ppo.stats import game_log_rows
 from tasks.process.distributed import is_main_process
 from tasks.process.logs import get_logger
 from tasks.spec.stage import StageContext
+from tasks.stages.common.chat_prompts import render_with
 from tasks.stages.common.scoring import load_policy, load_tokenizer
 from tasks.store.outputs import write_atomic
 
@@ -84,7 +85,8 @@ class WindowScorer:
 def load_window_scorer(ctx: StageContext, num_prompts: int) -> WindowScorer:
     """The scorer of a stage: the first ``num_prompts`` evaluation prompts, the SFT policy as reference, evaluate's
     sampling length and seed (``Stage.reads``)."""
-    prompts = [r["query"] for r in read_jsonl(ctx.dep("prompts_eval"))][:num_prompts]
+    prompts = render_with(ctx.dep("sft"), [r["query"] for r in read_jsonl(ctx.dep("prompts_eval"))][:num_prompts],
+                          ctx.io.deps["prompts_eval"])  # a conversation: rendered with SFT's chat template
     if not prompts:
         raise ValueError(f"{ctx.io.deps['prompts_eval']}: no held-out prompts to sample from "
                          f"(sample_prompts={num_prompts})")

@@ -1,4 +1,5 @@
-"""``prepare.source``: where the reviews come from (``synthetic``, a local file or directory, ``hub:<dataset>``),
+"""``prepare.source``: where the reviews come from (``synthetic``, a local file or directory, ``hub:<dataset>``; or
+``pairs:<file>``, a user's preference pairs instead of reviews),
 read for the prepare stage, checked before a run starts and fingerprinted so an edited file makes prepare stale.
 
 DVC cannot depend on a path held in a param (``synthetic`` is not a file), so the pipeline supervisor compares the
@@ -13,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.data import DataFormatError, generate_reviews, load_hub_texts, read_text_records
+from rlhf_core.user_pairs import read_pairs
 from tasks.store.provenance import md5_dir, md5_file
+
+PAIRS_PREFIX = "pairs:"
+"""``prepare.source: pairs:<file>``: a user's preference pairs (``tasks/stages/common/pair_source.py``)."""
 
 SOURCE_FINGERPRINT = ".source-fingerprint.json"
 """In ``paths.data``: the md5 of the local file/directory ``prepare.source`` named when prepare last ran."""
@@ -23,7 +28,8 @@ def source_path(p: Any, root: Path) -> Path | None:
     """The local file/directory ``prepare.source`` names (relative to the project), None for synthetic/hub."""
     if p.source == "synthetic" or p.source.startswith("hub:"):
         return None
-    path = Path(os.path.expanduser(p.source))
+    named = p.source[len(PAIRS_PREFIX):] if p.source.startswith(PAIRS_PREFIX) else p.source
+    path = Path(os.path.expanduser(named))
     return path if path.is_absolute() else root / path
 
 
@@ -50,7 +56,19 @@ def check_source(p: Any, root: Path) -> None:
     if path is None:
         return
     try:
+        if p.source.startswith(PAIRS_PREFIX):
+            read_pairs(path)  # every row: a bad one is named before anything runs
+            return
         read_text_records(path, text_field=p.text_field, limit=1)
+    except (DataFormatError, FileNotFoundError) as error:
+        raise source_error(p, error) from None
+
+
+def load_pairs(p: Any, root: Path) -> list[dict]:
+    """The preference pairs of ``prepare.source: pairs:<file>``, every row checked (errors name the parameter, the
+    file, the row and the column: ``source_error``)."""
+    try:
+        return read_pairs(source_path(p, root))
     except (DataFormatError, FileNotFoundError) as error:
         raise source_error(p, error) from None
 
@@ -91,5 +109,5 @@ def source_changed(p: Any, root: Path, data_dir: Path) -> str | None:
     return None
 
 
-__all__ = ["SOURCE_FINGERPRINT", "check_source", "load_source", "source_changed", "source_error",
+__all__ = ["PAIRS_PREFIX", "SOURCE_FINGERPRINT", "check_source", "load_pairs", "load_source", "source_changed", "source_error",
            "source_fingerprint", "source_path"]

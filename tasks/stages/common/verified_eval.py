@@ -21,6 +21,7 @@ from rlhf_core.evaluation import kl_to_reference, sample_responses, verify_sampl
 from tasks.process.logs import get_logger
 from tasks.spec.stage import StageContext, StageResult
 from tasks.spec.task import task_of
+from tasks.stages.common.chat_prompts import render_queries
 from tasks.stages.common.problems import solutions_of
 from tasks.stages.common.scoring import SCORED_KEY, content_md5, load_policy, load_tokenizer
 from tasks.store.outputs import write_atomic
@@ -63,7 +64,7 @@ def read_problem_pass(path: Path) -> dict[str, dict[str, float]]:
 def score_policy_samples(policy: Any, reference: Any, tokenizer: Any, rows: list[dict], solutions: list[str],
                          n: int, ks: list[int], p: Any) -> tuple[dict[str, float], list[dict]]:
     """One policy's metrics and verdict rows on the problems ``rows`` (n samples each)."""
-    prompts = [r["query"] for r in rows]
+    prompts = render_queries(tokenizer, [r["query"] for r in rows], "the evaluation problems")  # a chat: templated
     samples = sample_responses(policy, tokenizer, [q for q in prompts for _ in range(n)], p.max_new_tokens,
                                p.batch_size, p.seed)
     groups = range(len(prompts))
