@@ -113,7 +113,7 @@ def test_a_task_folders_params_with_a_bad_key_are_refused_naming_the_file(tree):
     from tasks.stages import load_params
 
     _, folder = tree
-    raw = apply_overrides(read_raw(folder / "params.yaml"), {"dpo.enabled": True})
+    raw = apply_overrides(read_raw(folder / "params.yaml"), {"grpo.reward": "gold"})
     (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    with pytest.raises(ParamsError, match="dpo.enabled must be false for task.name: arithmetic"):
+    with pytest.raises(ParamsError, match="grpo.reward must be verifier for task.name: arithmetic"):
         load_params(folder / "params.yaml")
