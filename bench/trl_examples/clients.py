@@ -27,6 +27,9 @@ NEEDS_REWARDS = ("imports `trl.rewards` (`accuracy_reward`, ...): the verifier r
 # and run beside trl 1.16.0
 DOCS_1X = "docs of TRL v1.9.0 (1.16's sdist has no docs); after the CPU prelude (`use_cpu=True`, run.py)"
 VLLM = "deliberate refusal: sampling with vLLM (`use_vllm=True`) is not supported; "
+PER_TASK = ("its math reward calls `check_math_solution`, which the page leaves to the reader: TRL stops at the "
+            "`NameError`; rlhf_core warns with it and masks that function's samples as unscorable (issue 32's reward "
+            "contract: a failing reward function costs only its samples; all failing on a whole batch is an error)")
 FRAGMENT = "a fragment of its page: it uses names an earlier block or the reader defines"
 
 
@@ -111,22 +114,20 @@ CLIENTS: list[dict] = [
      "source": ("doc", "docs/source/quickstart.mdx", 2), "args": [],
      "note": "loads `my-fine-tuned-model-ppo`, which block #2 saves after a training the reader ran"},
     # TRL 1.x: the quickstart and the GRPO/RLOO/KTO pages' snippets that are whole programs
-    doc_1x("quickstart.md", 0, "SFT", OLD_API),
+    doc_1x("quickstart.md", 0, "SFT"),
     doc_1x("quickstart.md", 1, "GRPO"),
-    doc_1x("quickstart.md", 2, "DPO", OLD_API),
-    doc_1x("quickstart.md", 3, "reward", OLD_API),
+    doc_1x("quickstart.md", 2, "DPO"),
+    doc_1x("quickstart.md", 3, "reward"),
     doc_1x("grpo_trainer.md", 0, "quickstart"),
     doc_1x("grpo_trainer.md", 4, "vLLM server", VLLM + "the script also names `Qwen/Qwen2.5-72B`"),
-    doc_1x("grpo_trainer.md", 13, "per-task rewards",
-           "its reward functions call `check_math_solution` / `test_code_solution`, which the page leaves to the reader"),
+    doc_1x("grpo_trainer.md", 13, "per-task rewards", PER_TASK),
     doc_1x("grpo_trainer.md", 22, "environment_factory",
            "deliberate refusal: agent training (`tools`, `environment_factory`, `rollout_func`) is not supported"),
     doc_1x("grpo_trainer.md", 23, "environment_factory + dataset",
            "deliberate refusal: agent training (`tools`, `environment_factory`, `rollout_func`) is not supported"),
     doc_1x("rloo_trainer.md", 0, "quickstart"),
     doc_1x("rloo_trainer.md", 3, "vLLM server", VLLM + "the script also names `Qwen/Qwen2.5-72B`"),
-    doc_1x("rloo_trainer.md", 12, "per-task rewards",
-           "its reward functions call `check_math_solution` / `test_code_solution`, which the page leaves to the reader"),
+    doc_1x("rloo_trainer.md", 12, "per-task rewards", PER_TASK),
     doc_1x("kto_trainer.md", 0, "quickstart"),
     doc_1x("kto_trainer.md", 4, "LoRA"),
     doc_1x("kto_trainer.md", 5, "vision-language",
