@@ -657,9 +657,9 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         and conversational rows rendered with the tokenizer's chat template (``maybe_apply_chat_template``). Rows
         with a string ``prompt`` and string ``chosen`` are not mapped at all (their dataset stays as it was)."""
         columns = set(dataset.column_names)
-        if not {"chosen", "rejected"} <= columns or len(dataset) == 0:
+        first = next(iter(dataset), None) if {"chosen", "rejected"} <= columns else None  # streamed data too
+        if first is None:
             return dataset
-        first = dataset[0]
         chat = is_conversational({"chosen": first["chosen"]}) or is_conversational({"prompt": first.get("prompt")})
         if "prompt" in columns and not chat:
             return dataset

@@ -86,7 +86,8 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int, num_pr
     if not set(REWARD_COLUMNS) <= columns and set(TEXT_COLUMNS) <= columns:
         if tokenizer is None:
             raise ValueError("text reward data (chosen/rejected) needs tokenizer= to be tokenised")
-        if len(dataset) and is_conversational({"chosen": dataset[0]["chosen"]}):
+        first = next(iter(dataset), None)  # no len() on a streamed (iterable) dataset
+        if first is not None and is_conversational({"chosen": first["chosen"]}):
             # as TRL 0.11.4's RewardTrainer: conversational pairs rendered with the chat template first
             dataset = dataset.map(maybe_apply_chat_template, fn_kwargs={"tokenizer": tokenizer}, num_proc=num_proc)
         dataset = dataset.map(lambda ex: tokenize_pair(ex, tokenizer), num_proc=num_proc)
