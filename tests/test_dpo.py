@@ -298,3 +298,48 @@ def test_model_init_kwargs_torch_dtype_checked_with_trl_wording(tokenizer, tmp_p
                                              rf"with either `torch.dtype` or 'auto', but got -1\. \(DPOConfig.{field}"):
             DPOTrainer(model=str(path), ref_model=str(path), args=bad, tokenizer=tokenizer,
                        train_dataset=Dataset.from_dict(ROWS), max_length=32, max_prompt_length=8)
+
+
+# ---- TRL 1.x's quickstart call: a model name, conversational pairs with an implicit prompt --------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def conversation(question: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def test_model_name_brings_its_tokenizer_and_conversations_are_rendered(tokenizer, tmp_path):
+    """``DPOTrainer(model="<path>", train_dataset=<conversational chosen/rejected>)``, as TRL 1.x's quickstart:
+    the tokenizer saved beside the model is loaded, the shared prompt extracted and every part rendered with the
+    chat template (as TRL 0.11.4 maps its datasets) before tokenising."""
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny_causal_lm(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    rows = Dataset.from_dict({"chosen": [conversation("The film?", "great")],
+                              "rejected": [conversation("The film?", "dull")]})
+    trainer = DPOTrainer(model=str(tmp_path / "model"), args=small_args(tmp_path), train_dataset=rows,
+                         max_length=32, max_prompt_length=16)
+    assert trainer.processing_class.chat_template == CHAT_TEMPLATE
+    row = trainer.train_dataset[0]
+    assert (row["prompt"], row["chosen"], row["rejected"]) == ("<user>The film?\n<assistant>", "great\n", "dull\n")
+    assert row["prompt_input_ids"] == trainer.processing_class("<user>The film?\n<assistant>")["input_ids"]
+
+
+def test_string_rows_with_a_prompt_are_not_mapped_before_tokenising(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path)
+    rows = Dataset.from_dict(ROWS)
+    assert trainer._render_conversations(rows) is rows
+
+
+def test_string_rows_without_a_prompt_get_the_shared_start_as_prompt(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path)
+    rows = trainer._render_conversations(Dataset.from_dict({"chosen": ["The film was great"],
+                                                            "rejected": ["The film was dull"]}))
+    assert (rows[0]["prompt"], rows[0]["chosen"], rows[0]["rejected"]) == ("The film was", " great", " dull")
+
+
+def test_no_tokenizer_and_no_model_path_names_both_ways(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="needs tokenizer= .*or a model name/path"):
+        DPOTrainer(model=tiny_causal_lm(tokenizer), args=small_args(tmp_path), train_dataset=Dataset.from_dict(ROWS))

@@ -199,3 +199,22 @@ def test_text_data_without_rejected_names_missing_columns(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="missing the columns .*Found: \\['chosen', 'text'\\]"):
         RewardTrainer(model=tiny_reward_model(tokenizer), args=small_args(tmp_path),
                       train_dataset=Dataset.from_dict({"text": ["x"], "chosen": ["y"]}), tokenizer=tokenizer)
+
+
+def test_model_path_brings_its_tokenizer_and_conversational_pairs_are_rendered(tokenizer, tmp_path):
+    """``RewardTrainer(model="<path>", train_dataset=<conversational chosen/rejected>)``, as TRL 1.x's quickstart:
+    the tokenizer saved beside the model is loaded and each conversation rendered with its chat template (as TRL
+    0.11.4 maps reward data) before ``tokenize_pair``."""
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tiny_reward_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    chosen = [{"role": "user", "content": "The film?"}, {"role": "assistant", "content": "great"}]
+    rejected = [{"role": "user", "content": "The film?"}, {"role": "assistant", "content": "dull"}]
+    trainer = RewardTrainer(model=str(tmp_path / "model"), args=small_args(tmp_path),
+                            train_dataset=Dataset.from_dict({"chosen": [chosen], "rejected": [rejected]}))
+    expected = tokenize_pair({"chosen": "<user>The film?\n<assistant>great\n",
+                              "rejected": "<user>The film?\n<assistant>dull\n"}, trainer.processing_class)
+    row = trainer.train_dataset[0]
+    assert row["input_ids_chosen"] == expected["input_ids_chosen"]
+    assert row["input_ids_rejected"] == expected["input_ids_rejected"]

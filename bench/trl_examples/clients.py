@@ -23,6 +23,22 @@ OLD_API = ("outside the promise: rlhf_core's SFT/DPO/reward configs are TRL 0.11
 NEEDS_REWARDS = ("imports `trl.rewards` (`accuracy_reward`, ...): the verifier rewards, issue 32's "
                  "`rlhf_core/rewards/` package")
 
+# the 1.x docs snippets come from TRL v1.9.0's docs (the newest tagged 1.x docs here: trl 1.16.0's sdist ships none)
+# and run beside trl 1.16.0
+DOCS_1X = "docs of TRL v1.9.0 (1.16's sdist has no docs); after the CPU prelude (`use_cpu=True`, run.py)"
+VLLM = "deliberate refusal: sampling with vLLM (`use_vllm=True`) is not supported; "
+PER_TASK = ("its math reward calls `check_math_solution`, which the page leaves to the reader: TRL stops at the "
+            "`NameError`; rlhf_core warns with it and masks that function's samples as unscorable (issue 32's reward "
+            "contract: a failing reward function costs only its samples; all failing on a whole batch is an error)")
+FRAGMENT = "a fragment of its page: it uses names an earlier block or the reader defines"
+
+
+def doc_1x(page: str, n: int, name: str, note: str = "") -> dict:
+    """The (n+1)-th python block of TRL v1.9.0's ``docs/source/<page>``, beside trl 1.16.0."""
+    return {"name": f"trl 1.x docs {page} #{n + 1} ({name})", "era": "1.x", "tree": "1.x-docs", "cpu_prelude": True,
+            "source": ("doc", f"docs/source/{page}", n), "args": [], "note": "; ".join(filter(None, (note, DOCS_1X)))}
+
+
 CLIENTS: list[dict] = [
     # TRL v0.11.4: examples/
     {"name": "examples/hello_world.py", "era": "0.11", "source": ("file", "examples/hello_world.py"), "args": []},
@@ -73,6 +89,49 @@ CLIENTS: list[dict] = [
     *({"name": f"docs {page} #{n + 1}", "era": "0.11", "source": ("doc", f"docs/source/{page}", n), "args": []}
       for page, blocks in (("sft_trainer.mdx", (0, 1, 3, 12, 16)), ("customization.mdx", (1, 4, 5)))
       for n in blocks),
+    # TRL v0.11.4: the PPO, DPO, reward and how-to pages (a page whose blocks build one program: those blocks in order)
+    {"name": "docs ppo_trainer.mdx #1,#3-#9 (the page's walk-through)", "era": "0.11",
+     "source": ("doc", "docs/source/ppo_trainer.mdx", (0, 2, 3, 4, 5, 6, 7, 8)), "args": [],
+     "note": "the page's blocks in order (#2 is an alternative dataset): its queries differ in length and it "
+             "gives no collator or `set_format`, so its dataloader's batches are lists; its loop also uses `torch`, "
+             "which the page never imports"},
+    {"name": "docs dpo_trainer.mdx #1,#3,#4 (the page's walk-through)", "era": "0.11",
+     "source": ("doc", "docs/source/dpo_trainer.mdx", (0, 2, 3)), "args": [],
+     "note": FRAGMENT + " (`model`, `ref_model`, `train_dataset`, `tokenizer`)"},
+    {"name": "docs dpo_trainer.mdx #5 (unsloth)", "era": "0.11", "source": ("doc", "docs/source/dpo_trainer.mdx", 4),
+     "args": [], "note": "needs `unsloth` (a CUDA-only package) and a 4-bit model"},
+    {"name": "docs dpo_trainer.mdx #6 (adapter twice)", "era": "0.11",
+     "source": ("doc", "docs/source/dpo_trainer.mdx", 5), "args": [],
+     "note": FRAGMENT + " (its imports); then bitsandbytes 4-bit and flash-attention on a GPU"},
+    {"name": "docs reward_trainer.mdx #1 (PEFT)", "era": "0.11",
+     "source": ("doc", "docs/source/reward_trainer.mdx", 0), "args": [],
+     "note": FRAGMENT + " (`...` stands for `training_args`, `tokenizer`, `dataset`)"},
+    {"name": "docs reward_trainer.mdx #2 (margin)", "era": "0.11",
+     "source": ("doc", "docs/source/reward_trainer.mdx", 1), "args": [], "note": FRAGMENT + " (`dataset`)"},
+    {"name": "docs how_to_train.md #1", "era": "0.11", "source": ("doc", "docs/source/how_to_train.md", 0),
+     "args": [], "note": FRAGMENT + " (`tokenizer`)"},
+    {"name": "docs quickstart.mdx #3 (load the trained model)", "era": "0.11",
+     "source": ("doc", "docs/source/quickstart.mdx", 2), "args": [],
+     "note": "loads `my-fine-tuned-model-ppo`, which block #2 saves after a training the reader ran"},
+    # TRL 1.x: the quickstart and the GRPO/RLOO/KTO pages' snippets that are whole programs
+    doc_1x("quickstart.md", 0, "SFT"),
+    doc_1x("quickstart.md", 1, "GRPO"),
+    doc_1x("quickstart.md", 2, "DPO"),
+    doc_1x("quickstart.md", 3, "reward"),
+    doc_1x("grpo_trainer.md", 0, "quickstart"),
+    doc_1x("grpo_trainer.md", 4, "vLLM server", VLLM + "the script also names `Qwen/Qwen2.5-72B`"),
+    doc_1x("grpo_trainer.md", 13, "per-task rewards", PER_TASK),
+    doc_1x("grpo_trainer.md", 22, "environment_factory",
+           "deliberate refusal: agent training (`tools`, `environment_factory`, `rollout_func`) is not supported"),
+    doc_1x("grpo_trainer.md", 23, "environment_factory + dataset",
+           "deliberate refusal: agent training (`tools`, `environment_factory`, `rollout_func`) is not supported"),
+    doc_1x("rloo_trainer.md", 0, "quickstart"),
+    doc_1x("rloo_trainer.md", 3, "vLLM server", VLLM + "the script also names `Qwen/Qwen2.5-72B`"),
+    doc_1x("rloo_trainer.md", 12, "per-task rewards", PER_TASK),
+    doc_1x("kto_trainer.md", 0, "quickstart"),
+    doc_1x("kto_trainer.md", 4, "LoRA"),
+    doc_1x("kto_trainer.md", 5, "vision-language",
+           "a vision-language model (`Qwen/Qwen2.5-VL-3B-Instruct`) and image dataset: no tiny stand-in here"),
     # TRL 1.16: its example scripts (trl/scripts, what `trl sft|dpo|reward|kto|grpo|rloo` runs)
     {"name": "trl 1.16 trl/scripts/sft.py", "era": "1.x", "source": ("file", "trl/scripts/sft.py"), "note": OLD_API,
      "args": ["--model_name_or_path", "Qwen/Qwen2-0.5B-Instruct", "--dataset_name", "trl-lib/Capybara",

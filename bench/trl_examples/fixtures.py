@@ -20,9 +20,11 @@ from fixtures import PER_TYPE, ZEN, build_tokenizer, save_tiny_diffusion  # noqa
 
 # causal LMs (GPT-2 shaped) under the ids the clients name by default or that the harness passes on the command line
 CAUSAL = ("gpt2", "lvwerra/gpt2-imdb", "Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
-          "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped", "EleutherAI/gpt-neo-125m")
+          "trl-lib/qwen1.5-1.8b-sft", "facebook/opt-350m", "EleutherAI/pythia-1b-deduped", "EleutherAI/gpt-neo-125m",
+          "Qwen/Qwen2.5-0.5B", "Qwen/Qwen3-0.6B", "Qwen/Qwen2.5-72B")
 # those whose hub checkpoint ships a chat template (ChatML, as Qwen's): the others have none, as gpt2's
-CHAT_MODELS = ("Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "trl-lib/qwen1.5-1.8b-sft")
+CHAT_MODELS = ("Qwen/Qwen2-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "trl-lib/qwen1.5-1.8b-sft",
+               "Qwen/Qwen2.5-0.5B", "Qwen/Qwen3-0.6B", "Qwen/Qwen2.5-72B")
 # those whose hub tokenizer has a pad token (gpt2's and gpt-neo's have none)
 PADDED = CHAT_MODELS + ("facebook/opt-350m", "EleutherAI/pythia-1b-deduped")
 # as the hub checkpoints: 1024+ positions (the SFT docs use max_seq_length=512)
@@ -74,6 +76,13 @@ def datasets(root: Path) -> None:
     write_dataset(root, "trl-lib/tldr", {"train": tldr, "test": tldr[:4]})
     capybara = [{"messages": [user(ZEN[i]), assistant(ZEN[i + 1])]} for i in range(16)]
     write_dataset(root, "trl-lib/Capybara", {"train": capybara, "test": capybara[:4]})
+    # as the hub's DeepMath-103K (TRL 1.x's GRPO/RLOO quickstarts): a conversational prompt and its answer
+    math = [{"prompt": [user(f"What is {i} + {i + 1}?")], "solution": str(2 * i + 1)} for i in range(8)]
+    write_dataset(root, "trl-lib/DeepMath-103K", {"train": math})
+    # as the hub's cherry_picked_prompts (TRL 0.11's PPO page): 128 rows, one batch of PPOConfig's default size
+    cherry = [{"prompt": ZEN[i % len(ZEN)], "meta": {"source": "zen"}, "completion": ZEN[(i + 1) % len(ZEN)]}
+              for i in range(128)]
+    write_dataset(root, "HuggingFaceH4/cherry_picked_prompts", {"train": cherry})
     prompts = [{"prompt": [user(ZEN[i])]} for i in range(16)]
     write_dataset(root, "trl-lib/ultrafeedback-prompt", {"train": prompts, "test": prompts[:4]})
 

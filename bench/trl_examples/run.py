@@ -52,6 +52,21 @@ def rewrite_imports(source: str) -> str:
 NOTEBOOK_PRELUDE = "display = print  # IPython's builtin (harness prelude)"
 
 
+# what a CPU-only reader passes that the TRL 1.x docs snippets leave out: TRL 1.x's configs default to bf16, which
+# transformers refuses on a CPU unless `use_cpu=True` (its error says so). Both sides get the same lines.
+CPU_PRELUDE = """import transformers as _harness_transformers  # harness prelude: use_cpu=True, as a CPU-only reader passes
+_harness_post_init = _harness_transformers.TrainingArguments.__post_init__
+
+
+def _harness_cpu_post_init(self, *args, **kwargs):
+    self.use_cpu = True
+    return _harness_post_init(self, *args, **kwargs)
+
+
+_harness_transformers.TrainingArguments.__post_init__ = _harness_cpu_post_init
+"""
+
+
 def notebook_code(text: str) -> str:
     cells = json.loads(text)["cells"]
     lines = [NOTEBOOK_PRELUDE]
@@ -62,17 +77,20 @@ def notebook_code(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def doc_block(text: str, n: int) -> str:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)[n]
+def doc_block(text: str, n: int | tuple[int, ...]) -> str:
+    """The n-th ```python (or ```py) block of a docs page; for a tuple, those blocks joined in order: a page that
+    builds one program across its blocks, as a reader following it pastes them."""
+    blocks = re.findall(r"```py(?:thon)?\n(.*?)```", text, flags=re.S)
+    return "\n".join(blocks[i] for i in n) if isinstance(n, tuple) else blocks[n]
 
 
 def client_source(client: dict, trees: dict[str, Path]) -> str:
     kind, path, *rest = client["source"]
-    text = (trees[client["era"]] / path).read_text(encoding="utf-8")
+    text = (trees[client.get("tree", client["era"])] / path).read_text(encoding="utf-8")
     if kind == "notebook":
         return notebook_code(text)
     if kind == "doc":
-        return doc_block(text, rest[0])
+        return (CPU_PRELUDE if client.get("cpu_prelude") else "") + doc_block(text, rest[0])
     return text
 
 
@@ -172,6 +190,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl", type=Path, required=True, help="a TRL v0.11.4 checkout (examples/, docs/)")
     parser.add_argument("--trl1", type=Path, default=default_trl1(), help="a tree holding trl/scripts of TRL 1.x")
+    parser.add_argument("--trl1-docs", type=Path, default=HERE.parent / ".cache" / "trl-v1.9.0",
+                        help="a TRL 1.x checkout whose docs/ the 1.x docs snippets come from (1.16's sdist has none)")
     parser.add_argument("--python", type=Path, default=Path(sys.executable),
                         help="the python rlhf_core runs under (default: this one, e.g. the project's .venv)")
     parser.add_argument("--work", type=Path, default=HERE / ".work")
@@ -191,7 +211,7 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
         return
-    trees = {"0.11": args.trl, "1.x": args.trl1}
+    trees = {"0.11": args.trl, "1.x": args.trl1, "1.x-docs": args.trl1_docs}
     for era, python in BASELINES.items():
         if not python.exists():
             sys.exit(f"{python} is missing: build it first (bench/setup_trl_era_venv.sh, bench/setup_trl116_venv.sh)")

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from rlhf_core import checkpointing as ckpt
 from rlhf_core.core import logprobs_from_logits, masked_mean, sequence_logprobs, shifted_token_logprobs
+from rlhf_core.data_utils import is_conversational, maybe_apply_chat_template, maybe_extract_prompt
 from rlhf_core.import_utils import is_wandb_available
 from rlhf_core.kl_control import RunningMoments
 from rlhf_core.losses import DPO_LOSS_TYPES, DPO_SMOOTHED_LOSS_TYPES, bco_batch_reward, dpo_loss, rpo_nll_loss
@@ -44,6 +45,7 @@ from rlhf_core.trainers.base import (
     checked_init_kwargs,
     default_training_args,
     load_model,
+    load_tokenizer_for,
     keyword_defaults,
     merge_config_fields,
     resolve_bf16,
@@ -467,9 +469,11 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         )
         defaults = keyword_defaults(DPOTrainer.__init__, [k for k in DPO_CONFIG_KEYWORDS if k != "max_completion_length"])
         o = merge_config_fields(args, DPOConfig, keywords, {**defaults, "max_completion_length": None})
-        tokenizer = resolve_processing_class(tokenizer, processing_class)
+        # none given: the one saved beside a model given by name/path (TRL 1.x's DPOTrainer("Qwen/...") does this)
+        tokenizer = load_tokenizer_for(model, resolve_processing_class(tokenizer, processing_class))
         if tokenizer is None:
-            raise ValueError("DPOTrainer needs tokenizer= (or processing_class=) to tokenise prompt/chosen/rejected")
+            raise ValueError("DPOTrainer needs tokenizer= (or processing_class=), or a model name/path to load one "
+                             "from, to tokenise prompt/chosen/rejected")
         self._check_options(o["beta"], o["loss_type"], o["label_smoothing"], o["truncation_mode"])
         self._check_sample_logging(o["generate_during_eval"], tracking.get("log_with"), tracking.get("tracker"))
         self.rpo_alpha, self.sync_ref_model, mixup_alpha, sync_steps = self._extensions_of(args)
@@ -641,10 +645,27 @@ class DPOTrainer(StoredMetricsMixin, RlhfTrainerMixin, Trainer):
         columns = set(dataset.column_names)
         if set(ENCODER_DECODER_TOKEN_COLUMNS if self.is_encoder_decoder else DPO_TOKEN_COLUMNS) <= columns:
             return dataset
+        dataset = self._render_conversations(dataset)
+        columns = set(dataset.column_names)
         missing = [c for c in DPO_TEXT_COLUMNS if c not in columns]
         if missing:
             raise ValueError(f"DPO dataset is missing the columns {missing}; found {sorted(columns)}")
         return dataset.map(self.tokenize_row, num_proc=self.dataset_num_proc)
+
+    def _render_conversations(self, dataset: Any) -> Any:
+        """As TRL 0.11.4's DPOTrainer before tokenising: an implicit prompt made explicit (``maybe_extract_prompt``)
+        and conversational rows rendered with the tokenizer's chat template (``maybe_apply_chat_template``). Rows
+        with a string ``prompt`` and string ``chosen`` are not mapped at all (their dataset stays as it was)."""
+        columns = set(dataset.column_names)
+        first = next(iter(dataset), None) if {"chosen", "rejected"} <= columns else None  # streamed data too
+        if first is None:
+            return dataset
+        chat = is_conversational({"chosen": first["chosen"]}) or is_conversational({"prompt": first.get("prompt")})
+        if "prompt" in columns and not chat:
+            return dataset
+        dataset = dataset.map(maybe_extract_prompt, num_proc=self.dataset_num_proc)
+        return dataset.map(maybe_apply_chat_template, fn_kwargs={"tokenizer": self._row_tokenizer},
+                           num_proc=self.dataset_num_proc)
 
     def _set_signature_columns_if_needed(self) -> None:
         """Keep the DPO columns (the model's forward signature does not name them)."""

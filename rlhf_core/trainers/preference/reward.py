@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
+from rlhf_core.data_utils import is_conversational, maybe_apply_chat_template
 from rlhf_core.losses import pairwise_reward_loss
 from rlhf_core.models.reward_model import sequence_scores
 from rlhf_core.trainers.base import (
@@ -26,6 +27,7 @@ from rlhf_core.trainers.base import (
     check_tracking,
     default_training_args,
     load_model,
+    load_tokenizer_for,
     resolve_processing_class,
     wrap_peft,
     without_eval_strategy,
@@ -84,6 +86,10 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, max_length: int, num_pr
     if not set(REWARD_COLUMNS) <= columns and set(TEXT_COLUMNS) <= columns:
         if tokenizer is None:
             raise ValueError("text reward data (chosen/rejected) needs tokenizer= to be tokenised")
+        first = next(iter(dataset), None)  # no len() on a streamed (iterable) dataset
+        if first is not None and is_conversational({"chosen": first["chosen"]}):
+            # as TRL 0.11.4's RewardTrainer: conversational pairs rendered with the chat template first
+            dataset = dataset.map(maybe_apply_chat_template, fn_kwargs={"tokenizer": tokenizer}, num_proc=num_proc)
         dataset = dataset.map(lambda ex: tokenize_pair(ex, tokenizer), num_proc=num_proc)
         columns = set(dataset.column_names)
     missing = [c for c in REWARD_COLUMNS if c not in columns]
@@ -142,7 +148,8 @@ class RewardTrainer(RlhfTrainerMixin, Trainer):
     ) -> None:
         tracking = check_tracking(type(self).__name__, tracking)
         args = default_training_args(args, self.trainer_name)
-        tokenizer = resolve_processing_class(tokenizer, processing_class)
+        # none given: the one saved beside a model given by name/path (TRL 1.x's RewardTrainer("Qwen/...") does this)
+        tokenizer = load_tokenizer_for(model, resolve_processing_class(tokenizer, processing_class))
         if model_init_kwargs is None and isinstance(model, str):
             model_init_kwargs = {"num_labels": 1}
         model = wrap_peft(load_model(model, AutoModelForSequenceClassification, model_init_kwargs), peft_config)
