@@ -104,3 +104,14 @@ def committed_tree(tmp_path_factory):
         tar.extractall(target, filter="data")
     tar_path.unlink()
     return target
+
+
+@pytest.fixture
+def stage_project(tmp_path, monkeypatch):
+    """A copy of the project (params, code paths; no git or DVC) in which single stages run, with no tracking URI or
+    parent run inherited from the environment: the stage tests' project."""
+    from _pipeline_project import make_project
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
+    return make_project(tmp_path / "proj", git_dvc=False)

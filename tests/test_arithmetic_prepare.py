@@ -7,17 +7,14 @@ import json
 
 import pytest
 import yaml
-from _pipeline_project import make_project
 
 from rlhf_core.rewards import accuracy_reward
 from tasks.spec.param_rules import ParamsError
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
-    return make_project(tmp_path / "proj", git_dvc=False)
+def project(stage_project):
+    return stage_project
 
 
 def set_task(project, **task):

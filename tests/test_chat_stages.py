@@ -8,7 +8,6 @@ import json
 
 import pytest
 import yaml
-from _pipeline_project import make_project
 
 from rlhf_core.models.chat_format import CHATML_TEMPLATE
 from tasks.stages.common.chat_prompts import completion_only_rows, render_queries, render_query
@@ -84,10 +83,8 @@ def save_local_qwen2(folder):
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
-    return make_project(tmp_path / "proj", git_dvc=False)
+def project(stage_project):
+    return stage_project
 
 
 def use_file(project, lines, **sections):

@@ -7,7 +7,6 @@ import os
 import time
 
 import pytest
-from _pipeline_project import make_project
 
 from rlhf_core.data import (
     MAX_WORD_BYTES,
@@ -66,10 +65,8 @@ def test_tokenizer_training_is_linear_in_a_one_megabyte_single_token_line():
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
-    return make_project(tmp_path / "proj", git_dvc=False)
+def project(stage_project):
+    return stage_project
 
 
 def test_prepare_bounds_hostile_reviews_and_counts_them(project):

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import yaml
-from _pipeline_project import make_project
 
 from tasks.stages.common.verified_pairs import preference_pairs, ratings, split_by_verdict
 from tasks.stages.label import label_rows, summary_metrics
@@ -67,10 +66,8 @@ def test_label_rows_verify_each_sample_against_its_problems_solution():
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
-    return make_project(tmp_path / "proj", git_dvc=False)
+def project(stage_project):
+    return stage_project
 
 
 def set_params(project, **sections):

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import yaml
-from _pipeline_project import make_project
 
 from rlhf_core.data import DataFormatError
 from rlhf_core.user_pairs import read_pairs
@@ -74,10 +73,8 @@ def test_the_pairs_split_by_prompt_into_the_six_datasets():
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("RLHF_PARENT_RUN_ID", raising=False)
-    return make_project(tmp_path / "proj", git_dvc=False)
+def project(stage_project):
+    return stage_project
 
 
 def set_source(project, source):
