@@ -151,8 +151,8 @@ plots: setup ## render every DVC plot to dvc_plots/index.html, offline (vega inl
 	$(VENV)/bin/dvc plots show -o dvc_plots
 
 # `dvc metrics show` is one row per file, one column per key of every file (1,449 columns here): this is 120 columns.
-metrics: setup ## every stage's metrics in 120 columns (the evaluation as a policies x metrics table)
-	@$(PY) -m flows.report metrics
+metrics: setup task-check ## every stage's metrics in 120 columns (the evaluation as a policies x metrics table; TASK=... as for run)
+	@$(PY) -m flows.report metrics $(TASK_ARGS)
 
 # `dvc exp show` with only the headline columns, so it fits a terminal.
 # One evaluate.json key per policy in a table under 100 columns; dvc exp show --md lists every column.

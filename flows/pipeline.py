@@ -29,6 +29,7 @@ from tasks.run.parallel_stages import parallel_groups  # noqa: E402
 from tasks.run.parallel_stages import policy_workers as policy_workers_setting  # noqa: E402
 from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
 from tasks.stages import NAMES, POLICY_STAGES  # noqa: E402
+from tasks.spec.paths import task_folder  # noqa: E402
 from tasks.stages.common.scoring import read_results  # noqa: E402
 from tasks.store.mlflow_runs import mlflow_setup, mlflow_ui_link  # noqa: E402
 
@@ -58,7 +59,8 @@ def pipeline(root: str = ".", force: bool = False, run_registry: bool = True,
     parent = run.parent_run_id or ""
     url = mlflow_ui_link(mlflow_setup(run.root), parent) if parent and run.kept else None
     summary = {"ran": run.ran, "skipped": run.skipped, "registry": run.decision, "mlflow_run": parent if run.kept else "",
-               "end_block": end_block(results, run.ran, run.decision, url, noop=bool(parent) and not run.kept)}
+               "end_block": end_block(results, run.ran, run.decision, url, noop=bool(parent) and not run.kept,
+                                      folder=task_folder(run.root), model_name=run.params.registry.model_name)}
     create_markdown_artifact(report(summary, results, url), key="rlhf-pipeline-summary", description="pipeline summary")
     return summary  # ``main`` prints ``end_block`` last, after Prefect's own closing lines
 

@@ -8,18 +8,28 @@ markdown of the flow run's Prefect artifact. All pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 COLUMNS = (("gold_reward", "gold reward", 3), ("rm_reward", "RM score", 3), ("kl", "KL", 2),
            ("perplexity", "perplexity", 2), ("win_rate", "win rate", 3))
 """(metric key in evaluate.json, column header, decimals), in display order."""
 
-NEXT_COMMANDS = (
-    ("make mlflow-ui", "MLflow UI on http://127.0.0.1:5000: training runs, policies side by side, rlhf-policy"),
-    ("make metrics", "the metrics of this workspace, in 120 columns (`dvc metrics show`: one wide row per file)"),
-    (".venv/bin/dvc plots show", "the plots as offline HTML (dvc_plots/index.html)"),
-    (".venv/bin/dvc status", "which stages are stale"),
-    ("make prefect-ui", "Prefect UI on http://127.0.0.1:4200 (flow runs, logs, artifacts)"),
-)
+def next_commands(folder: str = ".", model_name: str = "rlhf-policy") -> tuple[tuple[str, str], ...]:
+    """The end block's "Next:" lines of the pipeline in ``folder`` (``.``: the repository root's; a task folder such
+    as ``pipelines/arithmetic``: the same views, of that task)."""
+    task = "" if folder == "." else f" TASK={Path(folder).name}"
+    target = "" if folder == "." else f" {folder}/dvc.yaml"
+    return (
+        ("make mlflow-ui", f"MLflow UI on http://127.0.0.1:5000: training runs, policies side by side, {model_name}"),
+        (f"make metrics{task}", "the metrics of this workspace, in 120 columns (`dvc metrics show`: one wide row per "
+                                "file)"),
+        (".venv/bin/dvc plots show" + target, "the plots as offline HTML (dvc_plots/index.html)"),
+        (".venv/bin/dvc status" + target, "which stages are stale"),
+        ("make prefect-ui", "Prefect UI on http://127.0.0.1:4200 (flow runs, logs, artifacts)"),
+    )
+
+
+NEXT_COMMANDS = next_commands()
 """(command as it runs from the project root with or without the venv activated, what it shows)."""
 
 
@@ -61,9 +71,10 @@ def champion_of(decision: Mapping[str, object]) -> str | None:
 
 
 def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decision: Mapping[str, object],
-              run_url: str | None, noop: bool = False) -> str:
+              run_url: str | None, noop: bool = False, folder: str = ".", model_name: str = "rlhf-policy") -> str:
     """The block printed once at the end of ``python -m flows.pipeline`` (and so of ``make run``); ``noop``: the
-    run trained and registered nothing, so its MLflow run was not kept (no link)."""
+    run trained and registered nothing, so its MLflow run was not kept (no link); ``folder``, ``model_name``: the
+    task folder's pipeline and registered model the "Next:" lines name."""
     champion = champion_of(decision)
     lines = ["", "=" * 72, f"RLHF pipeline: stages run: {', '.join(ran) or 'none (everything up to date)'}",
              f"registry: {decision.get('reason') or 'not run'}", "", results_table(results, champion), ""]
@@ -79,8 +90,9 @@ def end_block(results: Mapping[str, Mapping[str, float]], ran: list[str], decisi
     if run_url:
         lines.append("            (start the UI first: make mlflow-ui)")
     lines += ["", "Next:"]
-    width = max(len(c) for c, _ in NEXT_COMMANDS)
-    lines += [f"  {command.ljust(width)}   # {what}" for command, what in NEXT_COMMANDS]
+    commands = next_commands(folder, model_name)
+    width = max(len(c) for c, _ in commands)
+    lines += [f"  {command.ljust(width)}   # {what}" for command, what in commands]
     lines.append("=" * 72)
     return "\n".join(lines)
 
@@ -101,4 +113,4 @@ def report(summary: Mapping[str, object], results: Mapping[str, Mapping[str, flo
     return "\n".join(lines)
 
 
-__all__ = ["COLUMNS", "NEXT_COMMANDS", "champion_of", "end_block", "report", "results_table"]
+__all__ = ["COLUMNS", "NEXT_COMMANDS", "next_commands", "champion_of", "end_block", "report", "results_table"]

@@ -117,3 +117,16 @@ def test_a_task_folders_params_with_a_bad_key_are_refused_naming_the_file(tree):
     (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     with pytest.raises(ParamsError, match="grpo.reward must be verifier for task.name: arithmetic"):
         load_params(folder / "params.yaml")
+
+
+def test_a_task_folders_end_block_names_its_own_views():
+    """`make run TASK=arithmetic` ends with commands that show that task: its metrics, plots, stale stages and
+    registered model; the root's end block is unchanged."""
+    from flows.summary import NEXT_COMMANDS, end_block, next_commands
+
+    block = end_block({}, ["sft"], {}, None, folder="pipelines/arithmetic", model_name="rlhf-policy-arithmetic")
+    for command in ("make metrics TASK=arithmetic", ".venv/bin/dvc plots show pipelines/arithmetic/dvc.yaml",
+                    ".venv/bin/dvc status pipelines/arithmetic/dvc.yaml"):
+        assert f"  {command} " in block, block
+    assert "rlhf-policy-arithmetic" in block
+    assert next_commands() == NEXT_COMMANDS and [c for c, _ in NEXT_COMMANDS][1] == "make metrics"
