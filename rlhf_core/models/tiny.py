@@ -55,16 +55,22 @@ def _bounded_runs(text: str, limit: int = MAX_TRAINING_RUN) -> str:
 
 
 def build_tokenizer(
-    corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 512, padding_side: str = "right"
+    corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 512, padding_side: str = "right",
+    split_digits: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``corpus`` (milliseconds for a few KB) and wrap it.
 
     EOS (also BOS) is ``<|endoftext|>``; the pad token ``<pad>`` is distinct from EOS, so padding
     never hides a real end of text. ``padding_side`` is passed to the constructor so it is saved.
     Training time stays linear in the corpus size: overlong non-space runs are cut (:func:`_bounded_runs`).
+    ``split_digits``: every digit is a token of its own, as in LLaMA's and Qwen's tokenizers. Without it BPE merges
+    each number of an arithmetic corpus into one token, and a model can only memorise the table of those tokens'
+    sums: it cannot carry, so it cannot answer a problem it has not seen.
     """
     backend = Tokenizer(models.BPE(unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                             if split_digits else byte_level)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -39,6 +39,8 @@ class SFTParams:
     """Architecture of the built model: ``gpt2`` or ``llama``."""
     vocab_size: int
     """Byte-level BPE vocabulary trained on the corpus (built model only)."""
+    split_digits: bool
+    """Built tokenizer: every digit a token of its own (an arithmetic task needs it to carry; off for sentiment)."""
     hidden_size: int
     """Width of the built model."""
     num_layers: int
@@ -83,7 +85,7 @@ def build_policy(p: SFTParams, texts: list[str]):
         tokenizer = AutoTokenizer.from_pretrained(p.model_name)
         ensure_pad_token(tokenizer)
         return AutoModelForCausalLM.from_pretrained(p.model_name), tokenizer
-    tokenizer = build_tokenizer(texts, vocab_size=p.vocab_size, padding_side="right")
+    tokenizer = build_tokenizer(texts, vocab_size=p.vocab_size, padding_side="right", split_digits=p.split_digits)
     model = tiny_causal_lm(tokenizer, arch=p.arch, hidden_size=p.hidden_size, num_layers=p.num_layers,
                            num_heads=p.num_heads, max_positions=p.max_positions, seed=p.seed)
     return model, tokenizer
