@@ -46,10 +46,13 @@ class Preempted(Exception):
     An exception (not ``SystemExit``) so orchestrators (Prefect) see an ordinary task failure, and a command-line
     entry point can map it to its exit status (the pipeline's: 75, ``EX_TEMPFAIL``).
     """
-    def __init__(self, checkpoint: str | os.PathLike, step: int | None = None, signal_name: str | None = None) -> None:
+    def __init__(self, checkpoint: str | os.PathLike, step: int | None = None, signal_name: str | None = None,
+                 message: str | None = None) -> None:
+        """``message``: said instead of the step and checkpoint, for a stop outside a training loop (between stages,
+        where there is no step and no saved state)."""
         self.checkpoint, self.step, self.signal_name = str(checkpoint), step, signal_name
-        super().__init__(f"stopped by {signal_name or 'a stop request'} at step {step}; state saved in {checkpoint}; "
-                         "run the stage again to resume")
+        super().__init__(message or f"stopped by {signal_name or 'a stop request'} at step {step}; state saved in "
+                                    f"{checkpoint}; run the stage again to resume")
 
 
 CHECKPOINT_FORMAT = 1

@@ -37,3 +37,17 @@ def test_a_stop_and_changed_inputs_name_the_stage_in_the_parent_run():
     assert changed.tag == "inputs_changed" and changed.flow_run_name.format(stage="ppo") == (
         "pipeline: inputs changed during ppo")
     assert classify(OSError()).flow_run_name.format(stage="sft") == "pipeline: FAILED at sft"
+
+
+def test_a_stop_between_stages_says_so_without_a_step_or_a_checkpoint(tmp_path, monkeypatch):
+    """A stop request seen before a stage starts: the message said "at step None; state saved in stop requested
+    before stage prepare" (the stage name passed as a checkpoint path)."""
+    from tasks.run import supervisor
+
+    run = supervisor.PipelineRun.__new__(supervisor.PipelineRun)
+    monkeypatch.setattr(supervisor, "stop_requested", lambda: True)
+    with pytest.raises(Preempted) as stopped:
+        run._due("prepare", force=False)
+    assert str(stopped.value) == ("stopped by a stop request before stage prepare (nothing of it ran); run the "
+                                  "pipeline again to go on")
+    assert "step" not in str(stopped.value) and classify(stopped.value).exit_status == EXIT_STOPPED

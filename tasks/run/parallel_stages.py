@@ -179,7 +179,8 @@ def raise_for_status(codes: dict[str, int]) -> None:
         raise RuntimeError(f"policy stages failed: {', '.join(failed)} (their output is above)")
     stopped = [n for n, c in codes.items() if c == EXIT_STOPPED]
     if stopped:
-        raise Preempted(f"stopped (state saved) or inputs changed, not recorded: {', '.join(stopped)}; run again")
+        raise Preempted("", message=f"stopped (state saved) or inputs changed, not recorded: {', '.join(stopped)}; "
+                                    "run again")
 
 
 __all__ = ["RUNNER_ENV", "WORKERS_ENV", "device_slices", "launch_stage", "parallel_groups", "policy_workers",

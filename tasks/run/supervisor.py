@@ -159,7 +159,8 @@ class PipelineRun:
         """Whether ``name`` runs now (stale, forced, or a stage run that DVC records); raises ``Preempted`` when a
         stop was requested."""
         if stop_requested():  # a signal during a stage without step checks (prepare, evaluate): stop here
-            raise Preempted(f"stop requested before stage {name}")
+            raise Preempted("", message=f"stopped by a stop request before stage {name} (nothing of it ran); "
+                                        "run the pipeline again to go on")
         if not self.records:
             return True
         changes = self._changes(name)
