@@ -222,7 +222,7 @@ def test_pipeline_cli_sigterm_exits_75_records_nothing_and_resumes(tmp_path, mon
             assert main(["--root", str(root)]) == EXIT_STOPPED
         assert len(calls) == 1  # stopped at the first step boundary after the signal
         lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
-        assert set(lock) == {"prepare", "sft", "reward_model"}
+        assert set(lock) == {"prepare", "sft", "label", "reward_model"}  # label: placeholders under sentiment
         assert not (root / "models" / "ppo").exists() and len(_checkpoints(root, "ppo")) == 1
         client = mlflow_client(root)
         assert not client.search_registered_models()
@@ -266,7 +266,9 @@ def test_dvc_repro_sigterm_then_repro_resumes(tmp_path, monkeypatch):
         output = []
         for line in proc.stdout:
             output.append(line)
-            if "ppo step 5:" in line:  # in the PPO loop: stop the stage's Python process
+            # after step 5's update (the step log: "ppo step 5: held-out samples" is the window after step 4, and a
+            # stop there saves next_step 5): stop the stage's Python process
+            if "ppo step 5: reward" in line:
                 # Python itself only: dvc runs the command through $SHELL -c, and where that is dash (SHELL
                 # unset, as in CI) the shell stays as a parent, dies of a SIGTERM and dvc reports -15.
                 for child in psutil.Process(proc.pid).children(recursive=True):
