@@ -164,7 +164,7 @@ def test_the_rotary_is_replaced_only_where_it_is_llamas():
     assert not fused_kernels._standard_rotary(Phi3Attention.forward)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma"])
 def test_the_fused_rotary_runs_in_the_model_and_gives_its_logits_and_logprobs(tokenizer, monkeypatch, arch):
     """Counted: one ``fused_rotary`` call per layer per forward of the fused model, none from an eager model of the
     same class (the swap is per module, not in transformers' module); logits and log-probs as eager to rounding."""
