@@ -185,6 +185,28 @@ def test_a_judgement_that_cannot_be_recorded_says_so(page, store):
     assert "your rating was NOT recorded" in shown and "no such trace" in shown
 
 
+def test_an_answer_the_intake_could_not_train_on_is_refused_when_judged_not_at_collection(page, store, monkeypatch):
+    from tasks.feedback.assessments import JudgementError, record_rating
+    from tasks.serving.answer import LoadedVersion, trace_tags, traced_generation
+
+    url, settings = page
+    client, experiment = store
+    tags = trace_tags("rlhf-policy", LoadedVersion("1", None, "dpo", None, None), "champion")
+    nul = traced_generation("The film", 8, 0, lambda *_: " was \x00 odd", tags)[1]  # a byte a tiny policy can emit
+    empty = traced_generation("The film", 8, 0, lambda *_: "  ", tags)[1]
+    browser = Browser(url)
+    home = browser.post("/reviewer", token=settings.token, reviewer="erin")
+    assert nul not in home and empty not in home and "2 recent answer(s) not listed" in home
+    shown = browser.post("/rate", token=settings.token, trace=nul, good="true")
+    assert "your rating was NOT recorded" in shown and "contains a NUL character" in shown
+    with pytest.raises(JudgementError, match="field 'completion' is empty"):
+        record_rating(client, empty, True, "erin", experiment_id=experiment)
+    assert not client.get_trace(nul).info.assessments and not client.get_trace(empty).info.assessments
+    monkeypatch.setattr(FakePolicy, "completions", {"champion": " \x00"})  # a pair holding one: asked again
+    shown = browser.post("/compare", token=settings.token, prompt="It")
+    assert "<h1>Which answer is better?</h1>" not in shown and "cannot be a training row" in shown and "ask again" in shown
+
+
 def test_trace_link_opens_the_trace_in_mlflows_trace_view():
     from tasks.feedback.review_page import ReviewSettings, trace_link
 

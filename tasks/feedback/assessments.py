@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import unicodedata
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlflow
 from mlflow.entities import AssessmentSource, AssessmentSourceType
 from mlflow.exceptions import MlflowException
 
+from rlhf_core.data import DataFormatError
+from rlhf_core.feedback import IntakeLimits, canonical_row
 from tasks.serving.answer import MODEL_VERSION_TAG, SERVED_TAG
 
 RATING = "good"
@@ -54,6 +57,16 @@ class Generation:
     model_version: str
     assessments: list = field(default_factory=list, compare=False)
     """The trace's MLflow assessments (judgements already made on it)."""
+
+    def training_refusal(self) -> str | None:
+        """Why the intake would refuse this generation as a training row (an empty answer, a NUL character, a text
+        over the limit), or None. A judgement of it is refused when it is made, not found refused at collection."""
+        row = {"prompt": self.prompt, "completion": self.completion, "label": True}
+        try:
+            canonical_row(Path(f"trace {self.trace_id}"), None, "ratings", row, IntakeLimits())
+        except DataFormatError as error:
+            return str(error).split(": ", 1)[1]
+        return None
 
     def judged_by(self, reviewer: str, name: str) -> bool:
         """Whether ``reviewer`` already gave a (valid) ``name`` judgement on this generation."""
@@ -112,6 +125,14 @@ def recent_generations(client, experiment_id: str, limit: int = 20) -> list[Gene
     return [g for g in map(generation, traces) if g is not None]
 
 
+def _trainable(judged: Generation) -> Generation:
+    """``judged``, or :class:`JudgementError` when the intake could never train on it (the reason named)."""
+    why = judged.training_refusal()
+    if why is not None:
+        raise JudgementError(f"trace {judged.trace_id}: its answer cannot be a training row ({why})")
+    return judged
+
+
 def _human(reviewer: str):
     return AssessmentSource(source_type=AssessmentSourceType.HUMAN, source_id=check_reviewer(reviewer))
 
@@ -123,7 +144,7 @@ def record_rating(client, trace_id: str, good: bool, reviewer: str, rationale: s
     if not isinstance(good, bool):
         raise JudgementError(f"{RATING}: true or false, got {good!r}")
     source = _human(reviewer)
-    load_generation(client, trace_id, experiment_id)  # a served generation, checked before anything is written
+    _trainable(load_generation(client, trace_id, experiment_id))  # checked before anything is written
     return mlflow.log_feedback(trace_id=trace_id, name=RATING, value=good, source=source, rationale=rationale)
 
 
@@ -134,8 +155,8 @@ def record_preference(client, chosen_trace_id: str, rejected_trace_id: str, revi
     source = _human(reviewer)
     if chosen_trace_id == rejected_trace_id:
         raise JudgementError("a preference needs two different traces")
-    chosen = load_generation(client, chosen_trace_id, experiment_id)
-    rejected = load_generation(client, rejected_trace_id, experiment_id)
+    chosen = _trainable(load_generation(client, chosen_trace_id, experiment_id))
+    rejected = _trainable(load_generation(client, rejected_trace_id, experiment_id))
     if chosen.prompt != rejected.prompt:
         raise JudgementError(f"traces {chosen_trace_id} and {rejected_trace_id} answer different prompts")
     assessment = mlflow.log_feedback(trace_id=chosen_trace_id, name=PREFERENCE, value=True, source=source,

@@ -108,8 +108,9 @@ def trace_link(settings: ReviewSettings, trace_id: str) -> str:
 
 
 def home(settings: ReviewSettings, reviewer: str, unrated: list[Generation], last_prompt: str,
-         notice: str = "", error: str = "") -> str:
-    """The reviewer's page: the side-by-side form, then the generations to rate."""
+         notice: str = "", error: str = "", untrainable: int = 0) -> str:
+    """The reviewer's page: the side-by-side form, then the generations to rate (``untrainable``: how many recent
+    answers are left out because no judgement of them could be trained on)."""
     token = _token_field(settings.token)
     flash = (f'<p class=notice>{esc(notice)}</p>' if notice else "") + (f'<p class=error>{esc(error)}</p>' if error else "")
     cards = "".join(f"""<div class=card><div class=meta>prompt</div><pre class=prompt>{esc(g.prompt)}</pre>
@@ -118,6 +119,9 @@ def home(settings: ReviewSettings, reviewer: str, unrated: list[Generation], las
 <button type=submit name=good value=true>Good</button><button type=submit name=good value=false>Bad</button>
 <span class=meta>v{esc(g.model_version)} · <a href="{esc(trace_link(settings, g.trace_id))}">trace {esc(g.trace_id)}
 </a></span></form></div>""" for g in unrated) or "<p>Nothing left to rate: every recent answer has your rating.</p>"
+    if untrainable:
+        cards += (f"<p class=meta>{untrainable} recent answer(s) not listed: empty, or with a NUL character, "
+                  "they could not be training rows.</p>")
     return page("Review the served policy", f"""<h1>Review the served policy</h1>
 <p>Reviewing as <b class=reviewer>{esc(reviewer)}</b> · <a href=/change>not you?</a></p>{flash}
 <h2>Which answer is better?</h2>
@@ -270,14 +274,19 @@ class ReviewHandler(BaseHTTPRequestHandler):
     def _home(self, reviewer: str, notice: str = "", error: str = "") -> None:
         s = self.settings
         recent = recent_generations(s.client, s.experiment_id, limit=max(50, s.listed))
-        unrated = [g for g in recent if not g.judged_by(reviewer, RATING)][:s.listed]
-        self._send(HTTPStatus.OK, home(s, reviewer, unrated, recent[0].prompt if recent else "", notice, error))
+        unrated = [g for g in recent if not g.judged_by(reviewer, RATING)]
+        trainable = [g for g in unrated if g.training_refusal() is None]
+        self._send(HTTPStatus.OK, home(s, reviewer, trainable[:s.listed], recent[0].prompt if recent else "", notice,
+                                       error, untrainable=len(unrated) - len(trainable)))
 
     def _pair(self, reviewer: str, a: str, b: str) -> None:
         try:
             first, second = load_generation(self.settings.client, a), load_generation(self.settings.client, b)
         except JudgementError as error:
             return self._home(reviewer, error=str(error))
+        why = first.training_refusal() or second.training_refusal()
+        if why is not None:  # a choice involving it could never be trained on: say so now, not at collection
+            return self._home(reviewer, error=f"an answer to this prompt cannot be a training row ({why}): ask again")
         self._send(HTTPStatus.OK, pair_view(self.settings, reviewer, first, second))
 
     def _set_reviewer(self, fields: dict[str, str]) -> None:
