@@ -18,7 +18,9 @@ def next_commands(folder: str = ".", model_name: str = "rlhf-policy") -> tuple[t
     """The end block's "Next:" lines of the pipeline in ``folder`` (``.``: the repository root's; a task folder such
     as ``pipelines/arithmetic``: the same views, of that task)."""
     task = "" if folder == "." else f" TASK={Path(folder).name}"
-    target = "" if folder == "." else f" {folder}/dvc.yaml"
+    # DVC's commands read every dvc.yaml of the repository: the target keeps them to this pipeline's (in a fresh
+    # clone the other task's outputs, never pulled or run there, would be listed as deleted)
+    target = " dvc.yaml" if folder == "." else f" {folder}/dvc.yaml"
     return (
         ("make mlflow-ui", f"MLflow UI on http://127.0.0.1:5000: training runs, policies side by side, {model_name}"),
         (f"make metrics{task}", "the metrics of this workspace, in 120 columns (`dvc metrics show`: one wide row per "

@@ -121,7 +121,7 @@ def test_a_task_folders_params_with_a_bad_key_are_refused_naming_the_file(tree):
 
 def test_a_task_folders_end_block_names_its_own_views():
     """`make run TASK=arithmetic` ends with commands that show that task: its metrics, plots, stale stages and
-    registered model; the root's end block is unchanged."""
+    registered model; the root's names the root's dvc.yaml."""
     from flows.summary import NEXT_COMMANDS, end_block, next_commands
 
     block = end_block({}, ["sft"], {}, None, folder="pipelines/arithmetic", model_name="rlhf-policy-arithmetic")
@@ -130,3 +130,5 @@ def test_a_task_folders_end_block_names_its_own_views():
         assert f"  {command} " in block, block
     assert "rlhf-policy-arithmetic" in block
     assert next_commands() == NEXT_COMMANDS and [c for c, _ in NEXT_COMMANDS][1] == "make metrics"
+    # the root's DVC views name its dvc.yaml: a fresh clone never ran the task folder (its outputs are not deleted)
+    assert {".venv/bin/dvc plots show dvc.yaml", ".venv/bin/dvc status dvc.yaml"} <= {c for c, _ in NEXT_COMMANDS}
