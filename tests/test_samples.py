@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf_core.tracking import MemoryTracker
-from tasks.stages.evaluate import FRONTIER_COLUMNS, frontier_rows
+from tasks.stages.common.scoring import FRONTIER_COLUMNS, frontier_rows
 from tasks.stages.common.samples import WindowLog, WindowScorer, is_window_step, step_hook, window_callback
 
 PROMPTS = ["the movie was", "i think", "a truly", "what a"]
@@ -64,7 +64,7 @@ def test_window_scorer_measures_what_evaluate_reports(tokenizer, models):
     from rlhf_core.evaluation import evaluate_policy, sample_responses
 
     policy, reference = models
-    scorer = WindowScorer(PROMPTS, reference, tokenizer, _judge, max_new_tokens=6, seed=3)
+    scorer = WindowScorer(PROMPTS, reference, tokenizer, lambda samples: _judge(samples.texts), max_new_tokens=6, seed=3)
     policy.train()
     responses, gold, point = scorer(policy)
     assert policy.training  # restored after sampling in eval mode
@@ -79,6 +79,22 @@ def test_window_scorer_measures_what_evaluate_reports(tokenizer, models):
                  for q, r in zip(again.query_ids, again.response_ids)]
     assert point["kl"] == pytest.approx(sum(naive) / len(naive), abs=1e-4)
     assert scorer(reference)[2]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference itself: no divergence
+
+
+def test_a_verifiable_tasks_windows_score_with_its_verifier():
+    """Under a verifiable task the window's gold judge is the verifier of each problem's solution (1 when the answer
+    is right, 0 when wrong or absent); under sentiment it is the gold judge of prompt + response."""
+    from tasks.stages.common.samples import gold_judge
+
+    rows = [{"query": "Q: 1 + 2 = ?", "solution": "3"}, {"query": "Q: 5 - 1 = ?", "solution": "4"},
+            {"query": "Q: 2 + 2 = ?", "solution": "4"}]
+    samples = SimpleNamespace(responses=["<answer>3</answer>", "<answer>5</answer>", "four"],
+                              texts=["Q: 1 + 2 = ?<answer>3</answer>", "", ""])
+    assert gold_judge("arithmetic", rows, "data/prompts_eval.jsonl")(samples) == [1.0, 0.0, 0.0]
+    sentiment = gold_judge("sentiment", rows, "data/prompts_eval.jsonl")(SimpleNamespace(texts=["a wonderful film"]))
+    assert len(sentiment) == 1 and sentiment[0] > 0.3
+    with pytest.raises(ValueError, match="data/prompts_eval.jsonl"):  # a problem without its solution: named
+        gold_judge("arithmetic", [{"query": "Q: 1 + 1 = ?"}], "data/prompts_eval.jsonl")
 
 
 class _FixedScorer:

@@ -16,9 +16,9 @@ from typing import Any
 
 from tasks.spec.params import PathsParams, StageParams, section_keys
 
-WINDOW_READS = ("evaluate.max_new_tokens", "evaluate.seed")
+WINDOW_READS = ("evaluate.max_new_tokens", "evaluate.seed", "task.name")
 """The keys of another section a windows stage reads: its sample windows score held-out prompts exactly as
-``evaluate`` does (tasks/stages/common/samples.py). Params of the stage in dvc.yaml (a change re-runs it), watched by the mid-run
+``evaluate`` does (tasks/stages/common/samples.py), with the task's gold judge (a verifiable task's verifier). Params of the stage in dvc.yaml (a change re-runs it), watched by the mid-run
 guard (``tasks/store/dvc_ops.py``), part of the resume key (``tasks/stages/common/resume.py``); the stage's params view hands out these
 and nothing else of other sections (``tasks.spec.params.StageParams``)."""
 

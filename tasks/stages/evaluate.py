@@ -30,8 +30,8 @@ from tasks.spec.param_rules import ValueRules
 from tasks.spec.params import METRIC_KEYS
 from tasks.store.mlflow_runs import mlflow_compare_link
 from tasks.store.placeholders import is_placeholder
-from tasks.stages.common.scoring import (SCORED_KEY, content_md5, load_evaluation_set, load_policy, read_windows, score_policy,
-                           write_prompt_scores)
+from tasks.stages.common.scoring import (FRONTIER_COLUMNS, SCORED_KEY, content_md5, frontier_rows, load_evaluation_set,
+                                         load_policy, read_windows, score_policy, write_prompt_scores)
 from tasks.spec.stage import StageContext, StageResult
 from tasks.spec.task import task_of
 from tasks.stages.common import verified_eval
@@ -64,32 +64,8 @@ PLOT = dict(template="bars", title="Gold reward per policy (held-out prompts)", 
 """DVC's options of ``plots/evaluate.csv`` (dvc.yaml is rendered from them: ``tasks/run/dvc_yaml.py``)."""
 FRONTIER_PLOT = dict(template="frontier", title="Reward-KL frontier (gold reward against KL to SFT; SFT, checkpoints along "
                      "training, final policies)", x="kl", y="gold_reward", x_label="KL to SFT (nats per response)",
-                     y_label="gold reward (VADER)")
+                     y_label="gold reward (VADER; a verifiable task: the verifier's pass rate)")
 """DVC's options of ``plots/frontier.csv``."""
-FRONTIER_COLUMNS = ("policy", "step", "kl", "gold_reward", "kind")
-"""plots/frontier.csv (``kind``: reference = SFT, checkpoint = a training window, final = evaluate's score)."""
-
-
-def frontier_rows(final: Mapping[str, Mapping[str, float]],
-                  windows: Mapping[str, list[Mapping[str, Any]]]) -> list[dict]:
-    """plots/frontier.csv: SFT (KL 0), each policy's window points in step order, then its final evaluate score.
-
-    ``final``: evaluate's per-policy metrics (``sft`` first); ``windows``: per stage, rows of its windows file. A
-    final point takes the step of the policy's last window (empty when it has none)."""
-    rows = []
-    for policy, metrics in final.items():
-        points = sorted(windows.get(policy, []), key=lambda p: int(p["step"]))
-        if policy == "sft":
-            rows.append({"policy": "sft", "step": 0, "kl": 0.0, "gold_reward": metrics["gold_reward"],
-                         "kind": "reference"})
-            continue
-        rows += [{"policy": policy, "step": int(p["step"]), "kl": float(p["kl"]),
-                  "gold_reward": float(p["gold_reward"]), "kind": "checkpoint"} for p in points]
-        rows.append({"policy": policy, "step": int(points[-1]["step"]) if points else "", "kl": metrics["kl"],
-                     "gold_reward": metrics["gold_reward"], "kind": "final"})
-    return rows
-
-
 def _chart(results: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib  # matplotlib: only for the figures, when the stage runs
 
@@ -167,7 +143,7 @@ def _log_figures(run, results: dict, frontier: list[dict]) -> None:
 def body(ctx: StageContext) -> StageResult:
     """Score SFT and every trained policy on the evaluation set (a verifiable task's problems: its own body)."""
     if task_of(ctx.params).name != "sentiment":
-        return verified_eval.body(ctx, FRONTIER_COLUMNS)
+        return verified_eval.body(ctx)
     p, run, log = ctx.section, ctx.run, get_logger()
     dirs = {name: d for name, d in ctx.io.group("policy").items() if name == "sft" or not is_placeholder(ctx.root / d)}
     names = tuple(dirs)  # the policies of this run, in order: sft first

@@ -3,7 +3,9 @@
 Every ``<stage>.sample_every`` optimizer steps (and at the last step) a policy stage samples responses for a small
 FIXED set of held-out prompts (the first ``<stage>.sample_prompts`` of ``data/prompts_eval.jsonl``), scores them
 with the gold judge and measures their KL to the SFT reference, exactly as ``evaluate`` does (the same seeded
-sampling, ``rlhf_core.evaluation``), only on fewer prompts. Each window:
+sampling, ``rlhf_core.evaluation``), only on fewer prompts. Under a verifiable task (``task.name`` other than
+``sentiment``) the task's verifier is the gold judge: a sample scores 1 when its answer is its problem's solution,
+so a window's ``gold_reward`` is the pass rate of one sample per problem. Each window:
 
 - logs a table through the stage's tracker, under PPO's ``game_log`` scheme (``tables/<name>_step000040.json``,
   columns query / response / reward; here the reward is the gold judge's score);
@@ -31,12 +33,13 @@ import torch
 from rlhf_core.data import read_jsonl
 from rlhf_core.evaluation import kl_to_reference, mean, sample_responses
 from rlhf_core.models.padding import pad_id_of
-from rlhf_core.rewards import GoldJudge
+from rlhf_core.rewards import GoldJudge, accuracy_reward
 from rlhf_core.trainers.ppo.stats import game_log_rows
 from tasks.process.distributed import is_main_process
 from tasks.process.logs import get_logger
 from tasks.spec.stage import StageContext
 from tasks.stages.common.chat_prompts import render_with
+from tasks.stages.common.problems import solutions_of
 from tasks.stages.common.scoring import load_policy, load_tokenizer
 from tasks.store.outputs import write_atomic
 
@@ -60,8 +63,9 @@ class WindowScorer:
     """The SFT policy (frozen, in eval mode): the KL reference."""
     tokenizer: Any
     """The SFT tokenizer, left-padded, with a pad token."""
-    gold: Callable[[list[str]], list[float]]
-    """The gold judge (``rlhf_core.rewards.GoldJudge``), scoring prompt + response texts."""
+    gold: Callable[[Any], list[float]]
+    """The gold judge of the samples (``rlhf_core.evaluation.Samples``): ``GoldJudge`` on prompt + response texts,
+    or the task's verifier on the responses (:func:`gold_judge`)."""
     max_new_tokens: int
     """Tokens sampled per response (``evaluate.max_new_tokens``)."""
     seed: int
@@ -78,22 +82,33 @@ class WindowScorer:
                 kl = kl_to_reference(policy, self.reference, samples, pad_id, batch_size=len(self.prompts))
         finally:
             policy.train(was_training)
-        gold = [float(g) for g in self.gold(samples.texts)]
+        gold = [float(g) for g in self.gold(samples)]
         return samples.responses, gold, {"kl": kl, "gold_reward": mean(gold)}
+
+
+def gold_judge(task: str, rows: list[dict], where: str) -> Callable[[Any], list[float]]:
+    """What scores a window's samples of the prompts ``rows`` (in order): the sentiment task's ``GoldJudge`` on
+    prompt + response, a verifiable task's ``accuracy_reward`` of each response against its row's solution."""
+    if task == "sentiment":
+        judge = GoldJudge()
+        return lambda samples: judge(samples.texts)
+    solutions = solutions_of(rows, where)  # read (and checked) before any training step
+    return lambda samples: [float(v or 0.0) for v in accuracy_reward(samples.responses, solutions)]
 
 
 def load_window_scorer(ctx: StageContext, num_prompts: int) -> WindowScorer:
     """The scorer of a stage: the first ``num_prompts`` evaluation prompts, the SFT policy as reference, evaluate's
-    sampling length and seed (``Stage.reads``)."""
-    prompts = render_with(ctx.dep("sft"), [r["query"] for r in read_jsonl(ctx.dep("prompts_eval"))][:num_prompts],
-                          ctx.io.deps["prompts_eval"])  # a conversation: rendered with SFT's chat template
+    sampling length and seed, the task's gold judge (``Stage.reads``)."""
+    rows = read_jsonl(ctx.dep("prompts_eval"))[:num_prompts]
+    where = ctx.io.deps["prompts_eval"]
+    prompts = render_with(ctx.dep("sft"), [r["query"] for r in rows], where)  # a conversation: rendered with SFT's template
     if not prompts:
         raise ValueError(f"{ctx.io.deps['prompts_eval']}: no held-out prompts to sample from "
                          f"(sample_prompts={num_prompts})")
     reference = load_policy(ctx.dep("sft")).eval()
     evaluate = ctx.params.evaluate
-    return WindowScorer(prompts, reference, load_tokenizer(ctx.dep("sft")), GoldJudge(), evaluate.max_new_tokens,
-                        evaluate.seed)
+    judge = gold_judge(ctx.params.section("task").name, rows, where)
+    return WindowScorer(prompts, reference, load_tokenizer(ctx.dep("sft")), judge, evaluate.max_new_tokens, evaluate.seed)
 
 
 def log_sample_table(tracker, name: str, step: int, queries: Sequence[str], responses: Sequence[str],
@@ -174,5 +189,5 @@ def _unwrapped(model):
     return model
 
 
-__all__ = ["SAMPLE_COLUMNS", "is_window_step", "WindowScorer", "load_window_scorer",
+__all__ = ["SAMPLE_COLUMNS", "is_window_step", "WindowScorer", "gold_judge", "load_window_scorer",
            "log_sample_table", "WindowLog", "sample_windows", "window_callback", "step_hook"]

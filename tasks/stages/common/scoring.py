@@ -174,6 +174,30 @@ def read_windows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-__all__ = ["EVALUATE", "EvaluationSet", "SCORED_KEY", "content_md5", "evaluation_file", "load_evaluation_set",
-           "load_policy", "load_tokenizer", "policy_results", "read_prompt_scores", "read_results", "read_windows",
+FRONTIER_COLUMNS = ("policy", "step", "kl", "gold_reward", "kind")
+"""plots/frontier.csv (``kind``: reference = SFT, checkpoint = a training window, final = evaluate's score)."""
+
+
+def frontier_rows(final: Mapping[str, Mapping[str, float]],
+                  windows: Mapping[str, list[Mapping[str, Any]]]) -> list[dict]:
+    """plots/frontier.csv: SFT (KL 0), each policy's window points in step order, then its final evaluate score.
+
+    ``final``: evaluate's per-policy metrics (``sft`` first); ``windows``: per stage, rows of its windows file. A
+    final point takes the step of the policy's last window (empty when it has none)."""
+    rows = []
+    for policy, metrics in final.items():
+        points = sorted(windows.get(policy, []), key=lambda p: int(p["step"]))
+        if policy == "sft":
+            rows.append({"policy": "sft", "step": 0, "kl": 0.0, "gold_reward": metrics["gold_reward"],
+                         "kind": "reference"})
+            continue
+        rows += [{"policy": policy, "step": int(p["step"]), "kl": float(p["kl"]),
+                  "gold_reward": float(p["gold_reward"]), "kind": "checkpoint"} for p in points]
+        rows.append({"policy": policy, "step": int(points[-1]["step"]) if points else "", "kl": metrics["kl"],
+                     "gold_reward": metrics["gold_reward"], "kind": "final"})
+    return rows
+
+
+__all__ = ["EVALUATE", "EvaluationSet", "FRONTIER_COLUMNS", "SCORED_KEY", "content_md5", "evaluation_file",
+           "frontier_rows", "load_evaluation_set", "load_policy", "load_tokenizer", "policy_results", "read_prompt_scores", "read_results", "read_windows",
            "rescore", "score_policy", "write_prompt_scores"]

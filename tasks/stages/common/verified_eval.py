@@ -23,7 +23,8 @@ from tasks.spec.stage import StageContext, StageResult
 from tasks.spec.task import task_of
 from tasks.stages.common.chat_prompts import render_queries
 from tasks.stages.common.problems import solutions_of
-from tasks.stages.common.scoring import SCORED_KEY, content_md5, load_policy, load_tokenizer
+from tasks.stages.common.scoring import (FRONTIER_COLUMNS, SCORED_KEY, content_md5, frontier_rows, load_policy,
+                                         load_tokenizer, read_windows)
 from tasks.store.outputs import write_atomic
 from tasks.store.placeholders import is_placeholder
 
@@ -77,10 +78,10 @@ def score_policy_samples(policy: Any, reference: Any, tokenizer: Any, rows: list
     return metrics, report.verdicts
 
 
-def body(ctx: StageContext, frontier_columns: tuple[str, ...]) -> StageResult:
+def body(ctx: StageContext) -> StageResult:
     """Score SFT and every trained policy on the held-out problems (see the module docstring). The frontier plot
-    (``frontier_columns``: evaluate's) gets each policy's KL to SFT; its gold-reward column stays empty, there is
-    no gold judge here (pass@1 is in metrics/evaluate.json)."""
+    draws pass rate against KL to SFT: each policy's final pass@1 and, for the stages that sample along training,
+    their windows (one verified sample per problem: ``tasks/stages/common/samples.py``)."""
     task, p, run, log = task_of(ctx.params), ctx.section, ctx.run, get_logger()
     rows = read_jsonl(ctx.dep("prompts_eval"))[: p.num_prompts]
     solutions = solutions_of(rows, ctx.io.deps["prompts_eval"])  # checked before any model is loaded
@@ -102,10 +103,10 @@ def body(ctx: StageContext, frontier_columns: tuple[str, ...]) -> StageResult:
     record = {**results, SCORED_KEY: {"policies": scored, "evaluation_set": content_md5(ctx.dep("prompts_eval"))}}
     summary = {f"{n}_pass@1_gain": round(results[n]["pass@1"] - results["sft"]["pass@1"], 4) for n in results
                if n != "sft"}
-    frontier = [{"policy": n, "step": "", "kl": results[n]["kl"], "kind": "reference" if n == "sft" else "final"}
-                for n in results]
+    windows = {s: read_windows(ctx.root / f) for s, f in ctx.io.group("windows").items() if s in dirs}
+    final = {n: {"kl": r["kl"], "gold_reward": r["pass@1"]} for n, r in results.items()}  # the verifier: gold
     return StageResult(record, [{"policy": n, "kl": results[n]["kl"]} for n in results],
-                       plots={"frontier": (frontier_columns, frontier)}, summary=summary)
+                       plots={"frontier": (FRONTIER_COLUMNS, frontier_rows(final, windows))}, summary=summary)
 
 
 __all__ = ["VERDICT_COLUMNS", "body", "problem_pass", "read_problem_pass", "score_policy_samples", "write_verdicts"]
