@@ -97,7 +97,7 @@ def command(lib: str, workload: str, args: dict) -> list[str]:
         cmd += ["--method", args["method"]]
         args = {k: v for k, v in args.items() if k != "method"}
     if workload == "arithmetic":  # the trained policy goes where the evaluation reads it
-        args = {**args, "save_dir": str(arithmetic_dir(lib, args["seed"]).relative_to(ROOT))}
+        args = {**args, "save_dir": shown_path(arithmetic_dir(lib, args["seed"]))}
     return cmd + ["--args", json.dumps(args, separators=(",", ":"))]
 
 
@@ -135,11 +135,17 @@ def arithmetic_dir(lib: str, seed: int) -> Path:
     return common.CACHE_DIR.resolve() / "arithmetic" / f"{lib}-seed{seed}"
 
 
+def shown_path(path: Path) -> str:
+    """``path`` relative to the checkout when inside it (the commands then read the same in every clone)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def evaluate_arithmetic(args: dict, seed: int) -> dict:
     """Workload (f)'s held-out pass@1 of the SFT policy and of both policies trained with ``seed``: one process
     (.venv), one sampler and verifier for all three."""
-    models = {"sft": str(arithmetic_task.task_paths()["sft"]),
-              **{lib: str(arithmetic_dir(lib, seed)) for lib in ("ours", OTHER["arithmetic"])}}
+    models = {"sft": shown_path(arithmetic_task.task_paths()["sft"]),
+              **{lib: shown_path(arithmetic_dir(lib, seed)) for lib in ("ours", OTHER["arithmetic"])}}
     eval_args = {k: args[k] for k in ("eval_problems", "eval_samples", "max_completion_length", "threads")}
     cmd = [str(PYTHONS["ours"].relative_to(ROOT)), "bench/workloads/arithmetic_grpo.py", "--evaluate",
            "--args", json.dumps({**eval_args, "models": models}, separators=(",", ":"))]
@@ -293,13 +299,12 @@ def summarise_arithmetic(size: str, args: dict, runs: dict, evals: list[dict]) -
                     **{key: median([r[key] for r in rs]) for key in
                        ("reward_first10", "reward_last10", "seconds_per_step", "train_seconds", "peak_rss_mb")}}
     base = {k: v for k, v in row["settings"].items() if k != "seeds"}
-    row["commands"] = {lib: " ; ".join(shlex.join(command(lib, "arithmetic", {**base, "threads": row["threads"],
-                                                                               "seed": s}))
+    # the task folder the runs read when it is another checkout's (ARITHMETIC_DIR), in front of every command
+    env = f"ARITHMETIC_DIR={shlex.quote(os.environ['ARITHMETIC_DIR'])} " if "ARITHMETIC_DIR" in os.environ else ""
+    row["commands"] = {lib: " ; ".join(env + shlex.join(command(lib, "arithmetic", {**base, "threads": row["threads"],
+                                                                                     "seed": s}))
                                        for s in row["settings"].get("seeds", [0])) for lib in runs}
-    row["commands"]["evaluate"] = " ; ".join(e["command"] for e in evals)
-    if "ARITHMETIC_DIR" in os.environ:  # the task folder the runs read (another checkout's), as they ran
-        row["commands"] = {k: f"ARITHMETIC_DIR={shlex.quote(os.environ['ARITHMETIC_DIR'])} {v}"
-                           for k, v in row["commands"].items()}
+    row["commands"]["evaluate"] = " ; ".join(env + e["command"] for e in evals)
     row["evaluations"] = evals
     row["median"], row["metric"], row["better"] = med, "seconds_per_step", "lower"
     o, t = med["ours"][row["metric"]], med[other][row["metric"]]

@@ -101,7 +101,8 @@ def read_problems(path: Path, limit: int) -> list[dict]:
 
 
 def config_kwargs(args: dict, out_dir: str) -> dict:
-    """One GRPO config for both libraries (TRL 1.16 names), the fields whose defaults could differ spelled out."""
+    """One GRPO config for both libraries (TRL 1.16 names), the fields whose defaults could differ spelled out:
+    TRL 1.16's GRPOConfig defaults to bf16=True and activation checkpointing even on the CPU, ours to neither."""
     import torch
 
     return dict(output_dir=out_dir, report_to="none", max_steps=args["steps"], logging_steps=1, save_strategy="no",
@@ -110,7 +111,7 @@ def config_kwargs(args: dict, out_dir: str) -> dict:
                 num_generations=args["num_generations"], max_completion_length=args["max_completion_length"],
                 temperature=args["temperature"], top_k=0, top_p=1.0, shuffle_dataset=False, loss_type="dapo",
                 scale_rewards="group", num_iterations=1, epsilon=0.2, mask_truncated_completions=False,
-                gradient_checkpointing=False, use_vllm=False, disable_dropout=True,
+                bf16=False, gradient_checkpointing=False, use_vllm=False, disable_dropout=True,
                 use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
 
 
