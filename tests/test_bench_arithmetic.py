@@ -42,6 +42,7 @@ def test_shared_reward_agrees_with_accuracy_reward(workload):
     """The standalone reward (rlhf_core's answer rules loaded by path, for the TRL venv) gives accuracy_reward's
     verdicts, and records each call's mean (the per-step training reward)."""
     reward = workload.ExactAnswer()
+    digests = []
     for solution in ("12", "-3", 12):
         solutions = [solution] * len(COMPLETIONS)
         expected = accuracy_reward(COMPLETIONS, solutions)
@@ -49,6 +50,8 @@ def test_shared_reward_agrees_with_accuracy_reward(workload):
                      completion_ids=[[1]] * len(COMPLETIONS))
         assert got == expected
         assert reward.means[-1] == pytest.approx(sum(expected) / len(expected))
+        digests.append(reward.first_digest)
+    assert digests[0] is not None and len(set(digests)) == 1  # the first call's completions only
     assert sum(accuracy_reward(COMPLETIONS, ["12"] * len(COMPLETIONS))) == 6  # the cases are not all one verdict
     with pytest.raises(ValueError, match="no readable number"):
         reward(completions=["<answer>1</answer>"], solution=["n/a"])

@@ -23,6 +23,7 @@ two trained policies are measured by one piece of code.
 """
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -54,13 +55,15 @@ def load_answers():
 
 class ExactAnswer:
     """The reward of both trainers (TRL 1.16's contract: ``completions`` and every dataset column as keywords):
-    1.0 when the completion's stated answer equals ``solution`` exactly, else 0.0; records each call's mean."""
+    1.0 when the completion's stated answer equals ``solution`` exactly, else 0.0; records each call's mean, and a
+    digest of the first call's completions (equal digests: both stacks sampled the same first-step completions)."""
 
     __name__ = "accuracy"
 
     def __init__(self):
         self.answers = load_answers()
         self.means: list[float] = []
+        self.first_digest: str | None = None
 
     def score(self, completion, solution) -> float:
         a = self.answers
@@ -72,6 +75,9 @@ class ExactAnswer:
 
     def __call__(self, completions, solution, **kwargs):
         scores = [self.score(c, s) for c, s in zip(completions, solution, strict=True)]
+        if self.first_digest is None:
+            texts = "\0".join(self.answers.completion_text(c) for c in completions)
+            self.first_digest = hashlib.md5(texts.encode()).hexdigest()
         self.means.append(sum(scores) / len(scores))
         return scores
 
@@ -142,6 +148,7 @@ def train(lib: str, args: dict) -> dict:
     tokenizer.save_pretrained(str(save_dir))
     return {"lib": common.version_of(lib), "seed": args["seed"], "steps": len(timer.seconds),
             "task_dir": str(TASK_DIR), "save_dir": str(save_dir), "reward_per_step": reward.means,
+            "first_step_completions_md5": reward.first_digest,
             "reward_first10": statistics.mean(reward.means[:10]), "reward_last10": statistics.mean(reward.means[-10:]),
             "step_seconds": timer.seconds, "seconds_per_step": statistics.median(timer.seconds[1:] or timer.seconds),
             "train_seconds": train_seconds}
