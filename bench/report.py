@@ -93,6 +93,17 @@ def _online_table(rows: list) -> list:
     return lines
 
 
+def _same_first_samples(runs: dict) -> str:
+    """Whether each seed's first-step completions were the same text in both stacks (the runs' digests)."""
+    digests = [(r["seed"], r.get("first_step_completions_md5"), t.get("first_step_completions_md5"))
+               for r, t in zip(runs["ours"], runs["trl116"])]
+    if any(d is None for _, *pair in digests for d in pair):
+        return ""
+    same = [seed for seed, a, b in digests if a == b]
+    return (f"First-step completions identical in both stacks (digest) for seeds {same} of "
+            f"{[seed for seed, _, _ in digests]}. ")
+
+
 def _arithmetic_table(rows: list) -> list:
     """Workload (f): per library, held-out pass@1 before/after GRPO on the arithmetic task and seconds per step."""
     lines = []
@@ -108,6 +119,7 @@ def _arithmetic_table(rows: list) -> list:
                           _fmt(m["reward_first10"], 3), _fmt(m["reward_last10"], 3), _fmt(m["seconds_per_step"], 3),
                           f"{m['peak_rss_mb']:.0f}"] for lib, m in x["median"].items()])
         lines += ["", f"s/step ratio ours / TRL 1.16: **{_fmt(x['ratio'], 3)}** (a side-by-side, no target). "
+                  f"{_same_first_samples(x['runs'])}"
                   f"Same initial policy (the arithmetic pipeline's SFT model, a 3x128 GPT-2 with its digit-split "
                   f"tokenizer, loaded by both from its save_pretrained directory), same problems in the same order "
                   f"(the first {s['steps'] * s['per_device_train_batch_size'] // s['num_generations']} of "

@@ -62,9 +62,9 @@ def test_missing_task_outputs_name_the_path_and_the_command(workload, tmp_path):
         workload.task_paths(tmp_path)
 
 
-def _train(secs, first, last):
-    return {"lib": "x", "seconds_per_step": secs, "reward_first10": first, "reward_last10": last,
-            "train_seconds": 100 * secs, "peak_rss_mb": 600.0}
+def _train(seed, secs, first, last, digest="d"):
+    return {"lib": "x", "seed": seed, "seconds_per_step": secs, "reward_first10": first, "reward_last10": last,
+            "train_seconds": 100 * secs, "peak_rss_mb": 600.0, "first_step_completions_md5": digest}
 
 
 def _eval(seed, sft, ours, trl):
@@ -74,8 +74,8 @@ def _eval(seed, sft, ours, trl):
 
 def test_row_medians_gains_and_commands(run, monkeypatch):
     monkeypatch.delenv("ARITHMETIC_DIR", raising=False)
-    runs = {"ours": [_train(0.2, 0.4, 0.5), _train(0.4, 0.4, 0.6), _train(0.3, 0.4, 0.7)],
-            "trl116": [_train(0.3, 0.4, 0.5), _train(0.5, 0.4, 0.5), _train(0.6, 0.4, 0.5)]}
+    runs = {"ours": [_train(0, 0.2, 0.4, 0.5), _train(1, 0.4, 0.4, 0.6), _train(2, 0.3, 0.4, 0.7)],
+            "trl116": [_train(0, 0.3, 0.4, 0.5), _train(1, 0.5, 0.4, 0.5, "other"), _train(2, 0.6, 0.4, 0.5)]}
     evals = [_eval(0, 0.5, 0.55, 0.5), _eval(1, 0.5, 0.6, 0.45), _eval(2, 0.5, 0.5, 0.52)]
     settings = next(a for w, _, a in run.WORKLOADS if w == "arithmetic")  # the bench's own row
     args = {**settings, "steps": 2, "threads": 1, "seeds": [0, 1, 2]}
@@ -93,3 +93,4 @@ def test_row_medians_gains_and_commands(run, monkeypatch):
 
     text = "\n".join(report._arithmetic_table([row]))
     assert "| ours | 0.5 | 0.55 | 0.05 |" in text and "**0.6**" in text
+    assert "identical in both stacks (digest) for seeds [0, 2] of [0, 1, 2]" in text
