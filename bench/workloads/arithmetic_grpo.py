@@ -121,6 +121,24 @@ def config_kwargs(args: dict, out_dir: str) -> dict:
                 use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
 
 
+def positions_from_mask() -> None:
+    """Diagnostic (``"positions_from_mask": true``, trl116 only): every GPT-2 forward without ``position_ids`` gets
+    them from its attention mask. TRL 1.16's log-prob forward passes none, so a left-padded prompt is scored at
+    positions shifted by its padding (GPT-2's position embeddings are absolute) while it was sampled at the
+    mask's positions; rlhf_core builds them from the mask. With this on, TRL 1.16's first update equals ours."""
+    from transformers import GPT2Model
+
+    forward = GPT2Model.forward
+
+    def with_positions(self, input_ids=None, past_key_values=None, attention_mask=None, position_ids=None, **kwargs):
+        if position_ids is None and attention_mask is not None and past_key_values is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return forward(self, input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                       position_ids=position_ids, **kwargs)
+
+    GPT2Model.forward = with_positions
+
+
 def train(lib: str, args: dict) -> dict:
     import tempfile
 
@@ -136,6 +154,8 @@ def train(lib: str, args: dict) -> dict:
     torch.manual_seed(args["seed"])
     model = AutoModelForCausalLM.from_pretrained(str(paths["sft"]))
     reward, timer = ExactAnswer(), online.step_timer()
+    if args.get("positions_from_mask"):
+        positions_from_mask()
     Config, Trainer = online.classes(lib, "grpo")
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(model=model, reward_funcs=reward, args=Config(**config_kwargs(args, out_dir)),
@@ -148,6 +168,7 @@ def train(lib: str, args: dict) -> dict:
     tokenizer.save_pretrained(str(save_dir))
     return {"lib": common.version_of(lib), "seed": args["seed"], "steps": len(timer.seconds),
             "task_dir": str(TASK_DIR), "save_dir": str(save_dir), "reward_per_step": reward.means,
+            "positions_from_mask": bool(args.get("positions_from_mask")),
             "first_step_completions_md5": reward.first_digest,
             "reward_first10": statistics.mean(reward.means[:10]), "reward_last10": statistics.mean(reward.means[-10:]),
             "step_seconds": timer.seconds, "seconds_per_step": statistics.median(timer.seconds[1:] or timer.seconds),
@@ -188,6 +209,8 @@ def main():
     args = {**DEFAULTS, **json.loads(ns.args)}
     if ns.lib and "save_dir" not in args:
         parser.error("--args needs 'save_dir': where the trained policy is saved for the evaluation")
+    if args.get("positions_from_mask") and ns.lib != "trl116":
+        parser.error("'positions_from_mask' is a diagnostic of --lib trl116 (rlhf_core builds them from the mask)")
     if ns.evaluate and not args.get("models"):
         parser.error("--evaluate needs 'models' in --args: {name: policy directory}")
     import torch
