@@ -15,6 +15,8 @@ one function used by both: rlhf_core's own answer rules (``rlhf_core/rewards/ans
 the TRL venv does not install rlhf_core; that file imports only the standard library), 1.0 when the stated
 answer equals the solution, as ``rlhf_core.rewards.accuracy_reward``. The trained policy is saved to ``"save_dir"``.
 Prints one JSON line: the mean reward of each step, seconds per step (median after the first) and the save dir.
+``"positions_from_mask": true`` (trl116 only) is a diagnostic: TRL 1.16 with position ids from the attention mask
+(``positions_from_mask``), which makes it train as ours does (docs/bench.md).
 
 Evaluation (``--evaluate``, in .venv only): every policy directory of ``"models"`` is sampled on the same held-out
 problems (the task's ``data/prompts_eval.jsonl``) with the same seeded sampler (``rlhf_core.evaluation``:
