@@ -93,6 +93,48 @@ def _online_table(rows: list) -> list:
     return lines
 
 
+def _same_first_samples(runs: dict) -> str:
+    """Whether each seed's first-step completions were the same text in both stacks (the runs' digests)."""
+    digests = [(r["seed"], r.get("first_step_completions_md5"), t.get("first_step_completions_md5"))
+               for r, t in zip(runs["ours"], runs["trl116"])]
+    if any(d is None for _, *pair in digests for d in pair):
+        return ""
+    same = [seed for seed, a, b in digests if a == b]
+    return (f"First-step completions identical in both stacks (digest) for seeds {same} of "
+            f"{[seed for seed, _, _ in digests]}. ")
+
+
+def _arithmetic_table(rows: list) -> list:
+    """Workload (f): per library, held-out pass@1 before/after GRPO on the arithmetic task and seconds per step."""
+    lines = []
+    for x in rows:
+        s = x["settings"]
+        if "skipped" in x:
+            lines += [f"Skipped: {x['skipped']}", ""]
+            continue
+        names = {"ours": "ours", "trl116": "TRL 1.16.0"}
+        lines += _table(["library", "pass@1 before", "pass@1 after", "gain", "train reward, first 10 steps",
+                         "last 10 steps", "s/step", "peak RSS MB"],
+                        [[names[lib], *(_fmt(m[k], 4) for k in ("pass@1_before", "pass@1_after", "pass@1_gain")),
+                          _fmt(m["reward_first10"], 3), _fmt(m["reward_last10"], 3), _fmt(m["seconds_per_step"], 3),
+                          f"{m['peak_rss_mb']:.0f}"] for lib, m in x["median"].items()])
+        lines += ["", f"s/step ratio ours / TRL 1.16: **{_fmt(x['ratio'], 3)}** (a side-by-side, no target). "
+                  f"{_same_first_samples(x['runs'])}"
+                  f"Same initial policy (the arithmetic pipeline's SFT model, a 3x128 GPT-2 with its digit-split "
+                  f"tokenizer, loaded by both from its save_pretrained directory), same problems in the same order "
+                  f"(the first {s['steps'] * s['per_device_train_batch_size'] // s['num_generations']} of "
+                  f"data/prompts_train.jsonl, shuffle_dataset off), same reward (one exact-answer function on "
+                  f"rlhf_core's answer rules), same config: {s['steps']} steps of {s['per_device_train_batch_size']} "
+                  f"completions, {s['num_generations']} per problem, lr {s['learning_rate']} (linear decay), beta "
+                  f"{s['beta']}, max_completion_length {s['max_completion_length']}, temperature {s['temperature']}, "
+                  f"top_k 0, top_p 1, loss dapo, group scaling, one iteration, fp32, no vLLM, seeds {s.get('seeds')} "
+                  f"(medians over seeds). pass@1 = held-out problems ({s['eval_problems']} of data/prompts_eval.jsonl "
+                  f"x {s['eval_samples']} samples, seeded), every policy sampled and verified by one process "
+                  "(rlhf_core.evaluation.sample_responses + verify_samples, as the pipeline's evaluate stage). "
+                  "s/step = median of the steps after the first (a TrainerCallback around each optimizer step).", ""]
+    return lines
+
+
 def render(r: dict) -> str:
     m0, m1 = r["machine_start"], r["machine_end"]
     lines = [
@@ -130,7 +172,8 @@ def render(r: dict) -> str:
               ("generate", "(b) generate: tokens per second (same prompts, sampling top_k=0, top_p=1)"),
               ("memory", "(c) peak resident memory of a 2-step PPO run (MB)"),
               ("sentiment", "(d) PPO on rt-polarity towards positive VADER sentiment"),
-              ("online", "(e) GRPO and RLOO against TRL 1.16.0 (issue 14 point 6)")]
+              ("online", "(e) GRPO and RLOO against TRL 1.16.0 (issue 14 point 6)"),
+              ("arithmetic", "(f) GRPO on the arithmetic task against TRL 1.16.0: held-out pass@1 (issue 32 point 5)")]
     for name, title in groups:
         rows = [x for x in r["rows"] if x["workload"] == name]
         if not rows:
@@ -213,6 +256,8 @@ def render(r: dict) -> str:
                           "", "KL per step, TRL: " + ", ".join(f"{k:.3f}" for k in t["kl_per_step"]), ""]
         elif name == "online":
             lines += _online_table(rows)
+        elif name == "arithmetic":
+            lines += _arithmetic_table(rows)
         lines += loaded_runs_note(rows)
         lines += ["Commands (one process each):", ""]
         for x in rows:

@@ -1,7 +1,8 @@
 """``make bench``: run the same workloads through rlhf_core (.venv) and classic TRL (bench/.trl-venv), and
-the online workload (GRPO, RLOO) through rlhf_core and TRL 1.16.0 (bench/.trl116-venv).
+the online workloads (GRPO, RLOO; GRPO on the arithmetic task) through rlhf_core and TRL 1.16.0 (bench/.trl116-venv).
 
-    .venv/bin/python bench/run.py [--quick] [--only step,generate,memory,sentiment,online] [--repeats N] [--threads T]
+    .venv/bin/python bench/run.py [--quick] [--only step,generate,memory,sentiment,online,arithmetic] [--repeats N]
+                                  [--threads T]
                                   [--merge]   # keep the previous rows of the workloads not in --only
 
 Every measurement is a fresh process running bench/workloads/<name>.py with ``--lib ours`` or
@@ -29,12 +30,13 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
 import prepare  # noqa: E402
+from workloads import arithmetic_grpo as arithmetic_task  # noqa: E402
 from rlhf_core import cpu_allocator  # noqa: E402
 
 PYTHONS = {"ours": ROOT / ".venv" / "bin" / "python", "trl": BENCH / ".trl-venv" / "bin" / "python",
            "trl116": BENCH / ".trl116-venv" / "bin" / "python"}
 SETUP = {"trl": "bench/setup_trl_venv.sh", "trl116": "bench/setup_trl116_venv.sh"}
-OTHER = {"online": "trl116"}  # workload -> the library it is compared with (default: classic TRL, "trl")
+OTHER = {"online": "trl116", "arithmetic": "trl116"}  # workload -> the library it is compared with (default: classic TRL, "trl")
 
 STEP = {"ppo_epochs": 4, "query_len": [8, 16], "response_len": [16, 32], "warmup": 1}
 WORKLOADS = [
@@ -76,12 +78,17 @@ WORKLOADS = [
     *[("online", method, {"method": method, "steps": 40, "completions_per_step": 64, "num_generations": 8,
                           "learning_rate": 1e-4, "beta": 0.04, "max_completion_length": 20, "prompt_words": 4})
       for method in ("grpo", "rloo")],
+    # (f) issue 32 point 5: GRPO with the exact-answer verifier on the arithmetic task's SFT policy (3x128 GPT-2),
+    # ours against TRL 1.16.0, then held-out pass@1 of both trained policies by one evaluation (the lead's settings)
+    ("arithmetic", "sft-3x128", {"steps": 200, "learning_rate": 1e-4, "beta": 0.0, "per_device_train_batch_size": 64,
+                                 "num_generations": 8, "max_completion_length": 32, "temperature": 1.0,
+                                 "eval_problems": 64, "eval_samples": 8}),
 ]
 QUICK = {"step": {"steps": 1}, "generate": {"repeats": 1}, "sentiment": {"steps": 3, "seeds": [0]},
-         "online": {"steps": 6}}
+         "online": {"steps": 6}, "arithmetic": {"steps": 6}}
 
 
-FILES = {"step": "ppo_step"}  # workload name -> bench/workloads/<file>.py
+FILES = {"step": "ppo_step", "arithmetic": "arithmetic_grpo"}  # workload name -> bench/workloads/<file>.py
 
 
 def command(lib: str, workload: str, args: dict) -> list[str]:
@@ -89,6 +96,8 @@ def command(lib: str, workload: str, args: dict) -> list[str]:
     if workload == "online":  # the method is its own flag; the rest travels as JSON
         cmd += ["--method", args["method"]]
         args = {k: v for k, v in args.items() if k != "method"}
+    if workload == "arithmetic":  # the trained policy goes where the evaluation reads it
+        args = {**args, "save_dir": shown_path(arithmetic_dir(lib, args["seed"]))}
     return cmd + ["--args", json.dumps(args, separators=(",", ":"))]
 
 
@@ -119,6 +128,33 @@ def run_one(lib: str, workload: str, args: dict) -> dict:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result.update(wall_seconds=time.time() - t, load_before=load)
     return result
+
+
+def arithmetic_dir(lib: str, seed: int) -> Path:
+    """Where workload (f) saves the policy ``lib`` trained with ``seed`` (replaced by each run)."""
+    return common.CACHE_DIR.resolve() / "arithmetic" / f"{lib}-seed{seed}"
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the checkout when inside it (the commands then read the same in every clone)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def evaluate_arithmetic(args: dict, seed: int) -> dict:
+    """Workload (f)'s held-out pass@1 of the SFT policy and of both policies trained with ``seed``: one process
+    (.venv), one sampler and verifier for all three."""
+    models = {"sft": shown_path(arithmetic_task.task_paths()["sft"]),
+              **{lib: shown_path(arithmetic_dir(lib, seed)) for lib in ("ours", OTHER["arithmetic"])}}
+    eval_args = {k: args[k] for k in ("eval_problems", "eval_samples", "max_completion_length", "threads")}
+    cmd = [str(PYTHONS["ours"].relative_to(ROOT)), "bench/workloads/arithmetic_grpo.py", "--evaluate",
+           "--args", json.dumps({**eval_args, "models": models}, separators=(",", ":"))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONHASHSEED="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "seed": seed, "command": shlex.join(cmd)}
 
 
 def matmul_peak(threads: int, dtype: str = "float32") -> float:
@@ -247,6 +283,35 @@ def summarise_online(row: dict, runs: dict) -> dict:
     return row
 
 
+def summarise_arithmetic(size: str, args: dict, runs: dict, evals: list[dict]) -> dict:
+    """Workload (f)'s row: per library, medians over seeds of held-out pass@1 before (the SFT policy) and after
+    training, its gain, the training reward of the first and last 10 steps and seconds per step; ratio = ours / TRL
+    s/step. ``evals``: one evaluation per seed (``evaluate_arithmetic``)."""
+    row = {"workload": "arithmetic", "size": size, "settings": {k: v for k, v in args.items() if k != "threads"},
+           "threads": args["threads"], "runs": runs, "libs": {lib: runs[lib][0].get("lib") for lib in runs}}
+    other = OTHER["arithmetic"]
+    before = median([e["sft"]["pass@1"] for e in evals])
+    med = {}
+    for lib, rs in runs.items():
+        after = [e[lib]["pass@1"] for e in evals]
+        med[lib] = {"pass@1_before": before, "pass@1_after": median(after),
+                    "pass@1_gain": median([e[lib]["pass@1"] - e["sft"]["pass@1"] for e in evals]),
+                    **{key: median([r[key] for r in rs]) for key in
+                       ("reward_first10", "reward_last10", "seconds_per_step", "train_seconds", "peak_rss_mb")}}
+    base = {k: v for k, v in row["settings"].items() if k != "seeds"}
+    # the task folder the runs read when it is another checkout's (ARITHMETIC_DIR), in front of every command
+    env = f"ARITHMETIC_DIR={shlex.quote(os.environ['ARITHMETIC_DIR'])} " if "ARITHMETIC_DIR" in os.environ else ""
+    row["commands"] = {lib: " ; ".join(env + shlex.join(command(lib, "arithmetic", {**base, "threads": row["threads"],
+                                                                                     "seed": s}))
+                                       for s in row["settings"].get("seeds", [0])) for lib in runs}
+    row["commands"]["evaluate"] = " ; ".join(env + e["command"] for e in evals)
+    row["evaluations"] = evals
+    row["median"], row["metric"], row["better"] = med, "seconds_per_step", "lower"
+    o, t = med["ours"][row["metric"]], med[other][row["metric"]]
+    row["ratio"], row["met"] = (o / t if t else float("nan")), None  # a side-by-side, no target (issue 32 point 5)
+    return row
+
+
 def run_parity() -> dict:
     cmd = [str(PYTHONS["ours"].relative_to(ROOT)), "-m", "pytest", "bench/test_parity.py", "-q", "-p", "no:cacheprovider"]
     t = time.time()
@@ -284,7 +349,7 @@ def machine() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one short repeat of everything (harness check)")
-    parser.add_argument("--only", default="parity,step,generate,memory,sentiment,online")
+    parser.add_argument("--only", default="parity,step,generate,memory,sentiment,online,arithmetic")
     parser.add_argument("--repeats", type=int, default=2, help="processes per library per workload (alternating)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: robust on a shared machine)")
     parser.add_argument("--out", default=str(BENCH / "results"))
@@ -319,12 +384,19 @@ def main() -> None:
                                    "this CPU has no bf16 matmul units (no AVX512-BF16/AMX): torch emulates bf16, so a bf16 "
                                    "step measures the emulation, not the precision"})
             continue
+        if workload == "arithmetic":
+            try:
+                arithmetic_task.task_paths()
+            except FileNotFoundError as e:  # a fresh clone without the arithmetic pipeline's outputs
+                report["rows"].append({"workload": workload, "size": size, "settings": args, "skipped": str(e)})
+                print(f"arithmetic skipped: {e}", flush=True)
+                continue
         if workload == "sentiment" and "skipped" in info.get("sft", {}):
             report["rows"].append({"workload": workload, "size": size, "skipped": info["sft"]["skipped"]})
             continue
         repeats = 1 if (opts.quick or workload in ("memory", "sentiment")) else opts.repeats
         seeds = args.pop("seeds", [None])
-        if workload == "online":  # one run per library per seed: repeat r uses seed r
+        if workload in ("online", "arithmetic"):  # one run per library per seed: repeat r uses seed r
             seeds, repeats = list(range(repeats)), 1
         other = OTHER.get(workload, "trl")
         runs: dict[str, list] = {"ours": [], other: []}
@@ -334,12 +406,21 @@ def main() -> None:
                 for lib in order:
                     run_args = args if seed is None else {**args, "seed": seed}
                     runs[lib].append(run_one(lib, workload, run_args))
-        row = summarise(workload, size, args if seeds == [None] else {**args, "seeds": seeds}, runs,
-                        {"fp32": report["matmul_peak_flops"], "bf16": report.get("matmul_peak_flops_bf16")})
+        if workload == "arithmetic":  # both trained policies of each seed, scored by one evaluation process
+            evals = [evaluate_arithmetic(args, seed) for seed in seeds]
+            row = summarise_arithmetic(size, {**args, "seeds": seeds}, runs, evals)
+        else:
+            row = summarise(workload, size, args if seeds == [None] else {**args, "seeds": seeds}, runs,
+                            {"fp32": report["matmul_peak_flops"], "bf16": report.get("matmul_peak_flops_bf16")})
         report["rows"].append(row)
         if workload == "online":
             print(f"online    {size:6s} " + "; ".join(
                 f"{k}: ours {v['ours']:.4g} trl116 {v['trl116']:.4g} met={v['met']}" for k, v in row["targets"].items())
+                  + f" load={os.getloadavg()[0]:.2f}", flush=True)
+            continue
+        if workload == "arithmetic":
+            print("arithmetic " + "; ".join(f"{lib}: pass@1 {m['pass@1_before']:.4f} -> {m['pass@1_after']:.4f}, "
+                                            f"{m['seconds_per_step']:.3f} s/step" for lib, m in row["median"].items())
                   + f" load={os.getloadavg()[0]:.2f}", flush=True)
             continue
         print(f"{workload:9s} {size:6s} {row['metric']}: ours {row['median']['ours'][row['metric']]:.4g} "
