@@ -61,3 +61,14 @@ def test_a_reused_batch_carries_the_reward_it_was_generated_with():
     assert [r["kl"] for r in filled] == [0.0, 0.0, 0.01, 0.02]  # a value logged on a re-use step is kept
     assert [r["loss"] for r in filled] == [0.1, 0.2, 0.3, 0.4] and rows[1]["reward"] is None  # input untouched
     assert fill_reused_batches(rows, num_iterations=1) == rows  # every step generates: nothing to fill
+
+
+def test_a_metric_no_step_logged_is_null_not_nan():
+    """GRPO with beta 0 logs no KL: metrics/grpo.json says `"kl_last": null` (NaN is not JSON: DVC cannot read it)."""
+    import json
+
+    from tasks.stages.common.policy import last_fifth_mean
+
+    rows = [{"step": s, "reward": s / 10, "kl": None} for s in range(1, 11)]
+    assert last_fifth_mean(rows, "reward") == 0.95 and last_fifth_mean(rows, "kl") is None
+    assert json.loads(json.dumps({"kl_last": last_fifth_mean(rows, "kl")}, allow_nan=False)) == {"kl_last": None}

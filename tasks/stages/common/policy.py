@@ -39,10 +39,11 @@ def curve_rows(log_history: list[dict], columns: Sequence[str]) -> list[dict]:
             if "step" in e and any(k in e for k in keys) and "train_runtime" not in e]
 
 
-def last_fifth_mean(rows: list[dict], key: str) -> float:
-    """Mean of ``key`` over the last fifth of ``rows`` (at least one row); NaN when absent."""
+def last_fifth_mean(rows: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the last fifth of ``rows`` (at least one row); None (JSON null: not measured, as GRPO's
+    ``kl`` with ``beta`` 0) when no row has it. Never NaN, which is not JSON and which ``dvc metrics`` cannot read."""
     values = [float(r[key]) for r in rows if r.get(key) is not None]
-    return round(statistics.fmean(values[-max(1, len(values) // 5):]), 4) if values else float("nan")
+    return round(statistics.fmean(values[-max(1, len(values) // 5):]), 4) if values else None
 
 
 def train_policy(ctx: StageContext, build: Callable[[Any], Any], card: tuple[str, str]) -> tuple[Any, list[dict]]:
