@@ -225,7 +225,8 @@ def test_evaluate_settings_a_window_stage_reads_are_guarded_and_key_its_resume_s
         section = params.section(stage)
         run = StageRun(stage, root, "", "", input_hashes={"data": "abc"},
                        reads=cross_section_values(params, BY_NAME[stage].reads), tracker=NullTracker())
-        assert run.reads == {"evaluate.max_new_tokens": params.evaluate.max_new_tokens, "evaluate.seed": 1}
+        assert run.reads == {"evaluate.max_new_tokens": params.evaluate.max_new_tokens, "evaluate.seed": 1,
+                             "task.name": "sentiment"}  # the task picks the windows' gold judge
         return stage_checkpoint_dir(root, stage, resume_key(run, section))
 
     first = state_dir()
