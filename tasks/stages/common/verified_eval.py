@@ -79,9 +79,10 @@ def score_policy_samples(policy: Any, reference: Any, tokenizer: Any, rows: list
 
 
 def body(ctx: StageContext) -> StageResult:
-    """Score SFT and every trained policy on the held-out problems (see the module docstring). The frontier plot
-    draws pass rate against KL to SFT: each policy's final pass@1 and, for the stages that sample along training,
-    their windows (one verified sample per problem: ``tasks/stages/common/samples.py``)."""
+    """Score SFT and every trained policy on the held-out problems (see the module docstring). The verifier is the
+    gold judge here: evaluate's bar chart draws each policy's pass@1 as its gold reward, and the frontier plots it
+    against KL to SFT, with the windows of the stages that sample along training (one verified sample per problem:
+    ``tasks/stages/common/samples.py``)."""
     task, p, run, log = task_of(ctx.params), ctx.section, ctx.run, get_logger()
     rows = read_jsonl(ctx.dep("prompts_eval"))[: p.num_prompts]
     solutions = solutions_of(rows, ctx.io.deps["prompts_eval"])  # checked before any model is loaded
@@ -105,7 +106,8 @@ def body(ctx: StageContext) -> StageResult:
                if n != "sft"}
     windows = {s: read_windows(ctx.root / f) for s, f in ctx.io.group("windows").items() if s in dirs}
     final = {n: {"kl": r["kl"], "gold_reward": r["pass@1"]} for n, r in results.items()}  # the verifier: gold
-    return StageResult(record, [{"policy": n, "kl": results[n]["kl"]} for n in results],
+    bars = [{"policy": n, **final[n]} for n in results]  # evaluate's bar chart of gold reward: here pass@1
+    return StageResult(record, bars,
                        plots={"frontier": (FRONTIER_COLUMNS, frontier_rows(final, windows))}, summary=summary)
 
 
