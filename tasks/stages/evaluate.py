@@ -66,6 +66,8 @@ FRONTIER_PLOT = dict(template="frontier", title="Reward-KL frontier (gold reward
                      "training, final policies)", x="kl", y="gold_reward", x_label="KL to SFT (nats per response)",
                      y_label="gold reward (VADER; a verifiable task: the verifier's pass rate)")
 """DVC's options of ``plots/frontier.csv``."""
+
+
 def _chart(results: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib  # matplotlib: only for the figures, when the stage runs
 

@@ -101,14 +101,15 @@ def load_window_scorer(ctx: StageContext, num_prompts: int) -> WindowScorer:
     sampling length and seed, the task's gold judge (``Stage.reads``)."""
     rows = read_jsonl(ctx.dep("prompts_eval"))[:num_prompts]
     where = ctx.io.deps["prompts_eval"]
-    prompts = render_with(ctx.dep("sft"), [r["query"] for r in rows], where)  # a conversation: rendered with SFT's template
+    prompts = render_with(ctx.dep("sft"), [r["query"] for r in rows], where)  # a chat: SFT's template renders it
     if not prompts:
         raise ValueError(f"{ctx.io.deps['prompts_eval']}: no held-out prompts to sample from "
                          f"(sample_prompts={num_prompts})")
     reference = load_policy(ctx.dep("sft")).eval()
     evaluate = ctx.params.evaluate
     judge = gold_judge(ctx.params.section("task").name, rows, where)
-    return WindowScorer(prompts, reference, load_tokenizer(ctx.dep("sft")), judge, evaluate.max_new_tokens, evaluate.seed)
+    return WindowScorer(prompts, reference, load_tokenizer(ctx.dep("sft")), judge, evaluate.max_new_tokens,
+                        evaluate.seed)
 
 
 def log_sample_table(tracker, name: str, step: int, queries: Sequence[str], responses: Sequence[str],
