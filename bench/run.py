@@ -36,7 +36,8 @@ from rlhf_core import cpu_allocator  # noqa: E402
 PYTHONS = {"ours": ROOT / ".venv" / "bin" / "python", "trl": BENCH / ".trl-venv" / "bin" / "python",
            "trl116": BENCH / ".trl116-venv" / "bin" / "python"}
 SETUP = {"trl": "bench/setup_trl_venv.sh", "trl116": "bench/setup_trl116_venv.sh"}
-OTHER = {"online": "trl116", "arithmetic": "trl116"}  # workload -> the library it is compared with (default: classic TRL, "trl")
+# workload -> the library it is compared with (default: classic TRL, "trl")
+OTHER = {"online": "trl116", "arithmetic": "trl116"}
 
 STEP = {"ppo_epochs": 4, "query_len": [8, 16], "response_len": [16, 32], "warmup": 1}
 WORKLOADS = [
@@ -79,7 +80,8 @@ WORKLOADS = [
                           "learning_rate": 1e-4, "beta": 0.04, "max_completion_length": 20, "prompt_words": 4})
       for method in ("grpo", "rloo")],
     # (f) issue 32 point 5: GRPO with the exact-answer verifier on the arithmetic task's SFT policy (3x128 GPT-2),
-    # ours against TRL 1.16.0, then held-out pass@1 of both trained policies by one evaluation (the lead's settings)
+    # ours against TRL 1.16.0, then held-out pass@1 of both trained policies by one evaluation (the folder's grpo
+    # settings, fewer steps)
     ("arithmetic", "sft-3x128", {"steps": 200, "learning_rate": 1e-4, "beta": 0.0, "per_device_train_batch_size": 64,
                                  "num_generations": 8, "max_completion_length": 32, "temperature": 1.0,
                                  "eval_problems": 64, "eval_samples": 8}),
