@@ -64,7 +64,8 @@ def test_window_scorer_measures_what_evaluate_reports(tokenizer, models):
     from rlhf_core.evaluation import evaluate_policy, sample_responses
 
     policy, reference = models
-    scorer = WindowScorer(PROMPTS, reference, tokenizer, lambda samples: _judge(samples.texts), max_new_tokens=6, seed=3)
+    judge = lambda samples: _judge(samples.texts)  # noqa: E731 - the scorer's judge takes the samples
+    scorer = WindowScorer(PROMPTS, reference, tokenizer, judge, max_new_tokens=6, seed=3)
     policy.train()
     responses, gold, point = scorer(policy)
     assert policy.training  # restored after sampling in eval mode
