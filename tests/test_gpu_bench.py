@@ -114,7 +114,8 @@ def test_the_plan_runs_every_workload_and_library_with_the_same_arguments_as_the
     rows = driver.plan()
     assert {(r.workload, r.lib) for r in rows} == {
         ("generate", "ours"), ("generate", "trl"), ("generate", "hf"), ("step", "ours"), ("step", "trl"),
-        ("online", "ours"), ("online", "trl116"), ("ppo_loop", "ours"), ("parity", "ours"), ("parity", "trl")}
+        ("online", "ours"), ("online", "trl116"), ("ppo_loop", "ours"), ("parity", "ours"), ("parity", "trl"),
+        ("decode_parity", "ours")}
     assert all((ROOT / "bench" / "workloads" / f"{driver.FILES[r.workload]}.py").exists() for r in rows)
     first = [r for r in rows if not r.second]
     for label in {r.label for r in first if r.lib != "ours" and r.label != "parity"}:  # every peer row has ours
@@ -127,14 +128,19 @@ def test_the_plan_runs_every_workload_and_library_with_the_same_arguments_as_the
     assert smoke["gen"]["size"] == "tiny" and set(smoke["gen"]) == set(gpu_sizes["gen"])
     assert gpu_sizes["gen"]["num_prompts"] == 64 and gpu_sizes["gen"]["max_new_tokens"] == 128
     assert gpu_sizes["qwen"]["arch"] == "qwen2-0.5b" and gpu_sizes["qwen"]["bf16"]
-    # the target rows first: generate x3, the PPO default / TRL bf16 pair, GRPO and RLOO bf16 against TRL 1.16
-    assert [(r.label, r.lib) for r in rows[:9]] == [
-        ("generate", "ours"), ("generate", "trl"), ("generate", "hf"), ("ppo default", "ours"), ("ppo bf16", "trl"),
+    # the target rows first: generate x3, the decode's parity in fp32 and bf16, the PPO default / TRL bf16 pair,
+    # GRPO and RLOO bf16 against TRL 1.16
+    assert [(r.label, r.lib) for r in rows[:11]] == [
+        ("generate", "ours"), ("generate", "trl"), ("generate", "hf"), ("decode parity fp32", "ours"),
+        ("decode parity bf16", "ours"), ("ppo default", "ours"), ("ppo bf16", "trl"),
         ("grpo bf16", "ours"), ("grpo bf16", "trl116"), ("rloo bf16", "trl116"), ("rloo bf16", "ours")]
-    assert all(r.label.startswith("qwen2") for r in rows[9:13])
+    assert all(r.label.startswith("qwen2") for r in rows[11:15])
     assert gpu_sizes["step"]["warmup"] >= 4 and gpu_sizes["step"]["steps"] >= 5
     monkeypatch.setenv("PASSES", "1")
     assert not any(r.second for r in driver.plan())
+    monkeypatch.setenv("ONLY", "ppo fp32, parity")  # a rerun of named rows: those labels, every library
+    assert {(r.label, r.lib) for r in driver.plan()} == {
+        ("ppo fp32", "ours"), ("ppo fp32", "trl"), ("parity", "ours"), ("parity", "trl")}
 
 
 def test_results_reach_out_after_every_save(gpu, tmp_path, monkeypatch):
@@ -190,6 +196,9 @@ def test_tables_compare_ours_with_the_peers_and_the_card(gpu):
             {"step_seconds": [9.0, 2.0, 2.0, 2.0], "phase_seconds": [{}] + steps, "arch": "qwen2-0.5b",
              "prompt_tokens": [0, 400, 400, 400], "completion_tokens": [0, 8192, 8192, 8192],
              "matmul_params": 493961216}),
+        row("decode parity fp32", "ours", "decode_parity", gen,
+            {"precision": "fp32", "prompts": 64, "tokens": 8192, "max_gap": 0.0, "tolerance": 1e-3,
+             "over_tolerance": 0, "same_as_transformers_generate": 63, "decode_stats": stats}),
     ]
     text = render.render({"rows": rows, "probe": {"device": device}, "started": "t0"})
     assert "| classic TRL 0.11.4 | fp32 (its generate ignores mixed precision) | 2 | 4,096 | 20 | 1 |" in text
@@ -199,6 +208,7 @@ def test_tables_compare_ours_with_the_peers_and_the_card(gpu):
     ppo_mfu = 100 * (sum(ppo.values()) - ppo["generation"]) / 2.0 / 989.4e12  # the median step: 2 s
     assert f"| ppo fp32 | 2 | 4 | 0.5 | trl | {ppo_mfu:.2g}% / - | 8 / 9 | 0.889 |" in text
     assert "| generate [ours] | 1 | 126 | 2 | none | 0 |" in text  # every row that sampled: its DECODE_STATS
+    assert "| fp32 | 8192 | 0 | 0 (> 0.001) | 63 of 64 | 126 / 2 |" in text  # the decode's greedy tokens re-scored
     # the policy update is the rest of the step: 2.0 - 1.0 - 0.1 - 0.4
     assert "| qwen2-0.5b grpo ours | policy update | 0.5 | 25% |" in text
     flops = r.phase_flops("online", 493961216, r.shape("qwen2-0.5b"), 64, 400, 8192)
@@ -223,7 +233,7 @@ def test_smoke_run_of_the_gpu_bench(tmp_path):
                           timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "results-gpu.json").read_text())
-    assert report["smoke"] and len(report["rows"]) == 23
+    assert report["smoke"] and len(report["rows"]) == 25
     assert all("result" in r and r["device"].startswith("cpu") for r in report["rows"])
     if bundle:  # the library sets came from the --target folders
         assert all("/site-" in env_["transformers_from"] for env_ in report["environments"].values())

@@ -11,7 +11,8 @@ sizes (a CPU can run them).
 
 Environment (run.sh sets it): DEADLINE (epoch seconds), RESULTS (path prefix of the .json/.md), BENCH_CACHE,
 PY_<LIB> and SITE_<LIB> for LIB in OURS, TRL, TRL116 (interpreter; folder put first on PYTHONPATH, may be empty),
-THREADS (torch threads per process), SMOKE, OUT (the device tool's folder that comes back), LOG (run.sh's log).
+THREADS (torch threads per process), SMOKE, OUT (the device tool's folder that comes back), LOG (run.sh's log),
+PASSES (1: no second-pass rows), ONLY (comma-separated row labels: run just those rows, e.g. a rerun of the failed).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SMOKE = os.environ.get("SMOKE") == "1"
 THREADS = int(os.environ.get("THREADS", "1" if SMOKE else "8"))
-FILES = {"step": "ppo_step", "generate": "generate", "online": "online", "ppo_loop": "ppo_loop", "parity": "parity"}
+FILES = {"step": "ppo_step", "generate": "generate", "online": "online", "ppo_loop": "ppo_loop", "parity": "parity",
+         "decode_parity": "decode_parity"}
 ENV_OF = {"ours": "OURS", "hf": "OURS", "trl": "TRL", "trl116": "TRL116"}
 
 
@@ -101,6 +103,9 @@ def plan() -> list[Row]:
         Row("generate", "generate", "ours", gen_bf16, 90, 30),
         Row("generate", "generate", "trl", s["gen"], 90, 30),
         Row("generate", "generate", "hf", {**s["gen"], "hf_dtype": "bf16"}, 90, 30),
+        # correctness of that decode on the device: every greedy token the fp32 full forward's first choice
+        Row("decode parity fp32", "decode_parity", "ours", {**s["gen"], "precision": "fp32"}, 90, 30),
+        Row("decode parity bf16", "decode_parity", "ours", {**s["gen"], "precision": "bf16"}, 90, 30),
         Row("ppo default", "step", "ours", {**s["step"], "bf16_weights": "default"}, 120, 45),
         Row("ppo bf16", "step", "trl", bf16, 120, 45),
         Row("grpo bf16", "online", "ours", {**s["online"], "bf16": True}, 90, 35, "grpo"),
@@ -132,7 +137,9 @@ def plan() -> list[Row]:
         Row("qwen2-0.5b grpo", "online", "trl116", s["qwen"], 120, 50, "grpo", second=True),
         Row("qwen2-0.5b grpo", "online", "ours", s["qwen"], 120, 50, "grpo", second=True),
     ]
-    return [r for r in rows if not (r.second and os.environ.get("PASSES") == "1")]
+    rows = [r for r in rows if not (r.second and os.environ.get("PASSES") == "1")]
+    only = {label.strip() for label in os.environ.get("ONLY", "").split(",") if label.strip()}
+    return [r for r in rows if r.label in only] if only else rows
 
 
 def environment(lib: str) -> tuple[str, dict]:

@@ -178,6 +178,22 @@ def decode_stats_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def decode_parity_table(rows: list[dict]) -> list[str]:
+    """Per decode-parity row: is every greedy token of rlhf_core's decode the fp32 full forward's first choice?"""
+    out = ["| precision | tokens | max gap (logits) | over tolerance | same as transformers' greedy | replays / eager |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        result = r.get("result") or {}
+        if r["workload"] != "decode_parity" or not result:
+            continue
+        stats = result.get("decode_stats") or {}
+        out.append(f"| {result['precision']} | {result['tokens']} | {result['max_gap']:.3g} | "
+                   f"{result['over_tolerance']} (> {result['tolerance']:g}) | "
+                   f"{result['same_as_transformers_generate']} of {result['prompts']} | "
+                   f"{stats.get('replays')} / {stats.get('eager_steps')} |")
+    return out
+
+
 # ---------------------------------------------------------------------------- real size, by phase
 
 
@@ -264,7 +280,9 @@ def render(report: dict) -> str:
              f"## Generation ({generation_title(rows)})", "", *generate_table(rows), "",
              "## Training steps (medians; ratio < 1: ours faster)", "", *step_table(rows), "",
              "## Qwen2-0.5B shape (random weights), bf16 mixed precision, by phase", "", *real_size_table(rows), "",
-             "## The static decode in every row that sampled (DECODE_STATS)", "", *decode_stats_table(rows), ""]
+             "## The static decode in every row that sampled (DECODE_STATS)", "", *decode_stats_table(rows), "",
+             "## Decode parity: greedy tokens re-scored by one fp32 full forward (bench/workloads/decode_parity.py)",
+             "", *decode_parity_table(rows), ""]
     parity = report.get("parity")
     if parity:
         lines += ["## PPO parity with classic TRL on this device (tiny model, one step, fp32)", "",
