@@ -132,7 +132,7 @@ def test_the_plan_runs_every_workload_and_library_with_the_same_arguments_as_the
     # GRPO and RLOO bf16 against TRL 1.16
     assert [(r.label, r.lib) for r in rows[:11]] == [
         ("generate", "ours"), ("generate", "trl"), ("generate", "hf"), ("decode parity fp32", "ours"),
-        ("decode parity bf16", "ours"), ("ppo default", "ours"), ("ppo bf16", "trl"),
+        ("decode parity default", "ours"), ("ppo default", "ours"), ("ppo bf16", "trl"),
         ("grpo bf16", "ours"), ("grpo bf16", "trl116"), ("rloo bf16", "trl116"), ("rloo bf16", "ours")]
     assert all(r.label.startswith("qwen2") for r in rows[11:15])
     assert gpu_sizes["step"]["warmup"] >= 4 and gpu_sizes["step"]["steps"] >= 5
@@ -141,6 +141,15 @@ def test_the_plan_runs_every_workload_and_library_with_the_same_arguments_as_the
     monkeypatch.setenv("ONLY", "ppo fp32, parity")  # a rerun of named rows: those labels, every library
     assert {(r.label, r.lib) for r in driver.plan()} == {
         ("ppo fp32", "ours"), ("ppo fp32", "trl"), ("parity", "ours"), ("parity", "trl")}
+
+
+def test_every_workload_that_builds_a_ppo_config_pins_its_precision():
+    """On a GPU ``PPOConfig``'s default picks bf16 weights: a row that does not pass ``bf16_weights`` measures that
+    default whatever its label says (the 2026-11-28 H200 run's decode-parity and PPO-parity rows did)."""
+    for path in sorted((ROOT / "bench" / "workloads").glob("*.py")):
+        text = path.read_text()
+        if "PPOConfig(" in text:
+            assert text.count("bf16_weights_kwargs(") >= text.count("PPOConfig("), path.name
 
 
 def test_results_reach_out_after_every_save(gpu, tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ def generate_floor(args: dict, device: str | None, result: dict) -> float | None
 def generate_table(rows: list[dict]) -> list[str]:
     out = ["| library | precision | s / call | tokens/s | ours / this | timed calls |", "|---|---|---|---|---|---|"]
     ours = generate_rates(ran(rows, "generate", "ours"))
-    entries = [("rlhf_core", "bf16 mixed precision (on CUDA: samples from a bf16 copy)", ours),
+    entries = [("rlhf_core", "its default + bf16 mixed precision (on CUDA: bf16 weights)", ours),
                ("rlhf_core", "fp32", generate_rates(ran(rows, "generate fp32", "ours"))),
                ("classic TRL 0.11.4", "fp32 (its generate ignores mixed precision)",
                 generate_rates(ran(rows, "generate", "trl"))),

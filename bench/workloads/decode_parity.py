@@ -6,10 +6,12 @@
 decoder; then one full forward of transformers over each prompt + response (no cache, no graph, the prompt's own
 positions) re-scores every generated position. A correct decoder picks, at every step, the token that full
 forward ranks first: the printed ``gap`` is the full forward's top logit minus the logit of the chosen token
-(0 when they agree), its maximum over every generated token, and how many tokens exceed 1e-3 (fp32) or 0.25
-(a bf16 decode re-scored in fp32, where bf16 rounding can flip near-ties). Sequences are also compared with
-transformers' own greedy ``generate`` in the same precision (a near-tie can make them part; the gap says whether
-that was a tie or a fault). TF32 is off, so fp32 means fp32. Prints one JSON line.
+(0 when they agree), its maximum over every generated token, and how many tokens exceed the tolerance.
+``"precision"``: ``"fp32"`` (fp32 weights pinned: on a GPU PPOConfig's default would pick bf16 ones; tolerance
+1e-3) or ``"default"`` (what a user gets: bf16 weights and bf16 mixed precision on a bf16 GPU, fp32 on a CPU;
+tolerance 0.25, as bf16 rounding can flip near-ties). Sequences are also compared with transformers' own greedy
+``generate`` in the same precision (a near-tie can make them part; the gap says whether that was a tie or a
+fault). TF32 is off, so fp32 means fp32. Prints one JSON line.
 """
 
 import os
@@ -18,14 +20,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
-TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
+TOLERANCE = {"fp32": 1e-3, "default": 0.25}
 
 
 def ours_greedy(args: dict, tokenizer, queries, precision: str) -> list:
     PPOConfig, PPOTrainer, _, _ = common.library("ours")
     policy = common.load_policy("ours", common.ensure_random_checkpoint(args.get("size", "tiny"), seed=0))
     config = PPOConfig(batch_size=len(queries), mini_batch_size=len(queries), seed=0, model_name="bench-parity",
-                       accelerator_kwargs={"mixed_precision": "bf16"} if precision == "bf16" else {})
+                       accelerator_kwargs={"mixed_precision": "bf16"} if precision == "default" else {},
+                       **common.bf16_weights_kwargs("ours", {"bf16_weights": "default" if precision == "default"
+                                                              else False}))
     trainer = PPOTrainer(config, policy, None, tokenizer)
     return trainer.generate(queries, return_prompt=False, do_sample=False, max_new_tokens=args["max_new_tokens"],
                             pad_token_id=tokenizer.eos_token_id)
@@ -80,7 +84,8 @@ def main():
 
     responses = ours_greedy(args, tokenizer, queries, precision)
     gaps = full_forward_gaps(reference, queries, responses, device)
-    typed = common.load_transformer(checkpoint)[0].to(device, torch.bfloat16) if precision == "bf16" else reference
+    bf16 = precision == "default" and device == "cuda"  # the default samples in bf16 on a GPU only
+    typed = common.load_transformer(checkpoint)[0].to(device, torch.bfloat16) if bf16 else reference
     theirs = hf_greedy(typed, tokenizer, queries, args, device)
     same = sum(len(a) == len(b) and bool((a.cpu() == b.cpu()).all()) for a, b in zip(responses, theirs))
     result = {"lib": common.version_of(lib), "precision": precision, "prompts": len(queries), "tokens": len(gaps),

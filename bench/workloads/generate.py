@@ -28,6 +28,7 @@ def trainer_generate(lib: str, args: dict, tokenizer, queries):
     config = PPOConfig(batch_size=n, mini_batch_size=n, seed=0, model_name=f"bench-{size}",
                        accelerator_kwargs={"mixed_precision": args["mixed_precision"]}
                        if args.get("mixed_precision") else {},
+                       **common.bf16_weights_kwargs(lib, args),  # fp32 unless the row says "default" or true
                        **({"prepacked_generation": True} if args.get("prepacked_generation") and lib == "ours" else {}))
     trainer = PPOTrainer(config, policy, None, tokenizer)
     kwargs = {**SAMPLING, "pad_token_id": tokenizer.eos_token_id, "max_new_tokens": args["max_new_tokens"]}

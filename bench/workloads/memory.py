@@ -27,7 +27,8 @@ def main():
     peft_config = common.lora_config() if reference == "lora" else None
     policy = common.load_policy(lib, ckpt, peft_config=peft_config)
     config = PPOConfig(batch_size=args["batch_size"], mini_batch_size=args["mini_batch_size"],
-                       ppo_epochs=args["ppo_epochs"], learning_rate=1e-5, seed=0, model_name=f"bench-{size}")
+                       ppo_epochs=args["ppo_epochs"], learning_rate=1e-5, seed=0, model_name=f"bench-{size}",
+                       **common.bf16_weights_kwargs(lib, args))  # fp32 weights on a GPU too, as the peer's
     extra = {"num_shared_layers": args["num_shared_layers"]} if reference == "shared" else {}
     trainer = PPOTrainer(config, policy, None, tokenizer, **extra)
     after_setup = common.current_rss_mb()

@@ -36,6 +36,7 @@ def main():
     config = PPOConfig(batch_size=bs, mini_batch_size=bs, ppo_epochs=args.get("ppo_epochs", 2),
                        learning_rate=args.get("learning_rate", 1e-3), seed=0, kl_penalty=args.get("kl_penalty", "kl"),
                        init_kl_coef=0.2, adap_kl_ctrl=True, model_name="parity",
+                       **common.bf16_weights_kwargs(lib, args),  # fp32 weights as classic TRL's, on a GPU too
                        **({"torch_compile": True} if args.get("torch_compile") else {}))  # rlhf_core's opt-in
     trainer = PPOTrainer(config, policy, None, tokenizer)
     queries, responses, scores = common.synthetic_batch(bs, (3, 9), (2, 12), len(tokenizer), seed=3)

@@ -32,7 +32,7 @@ def main():
     config = PPOConfig(batch_size=bs, mini_batch_size=args["mini_batch_size"], ppo_epochs=args["ppo_epochs"],
                        learning_rate=args["learning_rate"], init_kl_coef=args["init_kl_coef"],
                        adap_kl_ctrl=args.get("adap_kl_ctrl", True), target=args.get("target", 6), seed=seed,
-                       model_name="rt-sft")
+                       model_name="rt-sft", **common.bf16_weights_kwargs(lib, args))  # fp32 on a GPU too
     trainer = PPOTrainer(config, policy, None, tokenizer)
     lines = common.rt_polarity_lines()
     rng = random.Random(1234)
