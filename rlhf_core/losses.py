@@ -428,13 +428,41 @@ SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_STD_EPS = 1e-4
 
 
+def correctly_rounded_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """``sqrt(values)`` rounded to the nearest float32 as IEEE 754 asks, with the same bits on every CPU.
+
+    Why: on a CPU, torch's float32 ``sqrt`` is MKL's vector-math library, which is not correctly rounded (about
+    one result in five is 1 ulp off on an AMD EPYC, and an Intel Xeon is off on other inputs; no MKL setting makes
+    two machines agree: ../shared/ENVIRONMENT.md). GRPO's group standard deviation reaches the weights, so the
+    grpo stage wrote other bytes on Intel (issue 33 row 4). Here the float64 root rounded to float32 is within one
+    float32 ulp; it is then corrected with exact operations: the midpoints between it and its float32 neighbours
+    have at most 25 significant bits, so their squares are exact in float64 and compare exactly with the input.
+    Other dtypes, zeros, negatives, infinities and NaN: ``torch.sqrt``'s answer (exact there).
+    """
+    if values.dtype != torch.float32:
+        return values.sqrt()
+    return _nearest_root(values, values.double().sqrt().float())
+
+
+def _nearest_root(values: torch.Tensor, guess: torch.Tensor) -> torch.Tensor:
+    """The float32 nearest to ``sqrt(values)``, given a ``guess`` at most one ulp away (float32 tensors)."""
+    below = torch.nextafter(guess, torch.zeros_like(guess))
+    above = torch.nextafter(guess, torch.full_like(guess, float("inf")))
+    wide, middle = values.double(), guess.double()
+    low, high = (below.double() + middle) / 2, (middle + above.double()) / 2  # exact: 25 significant bits at most
+    nearest = torch.where(wide < low * low, below, torch.where(wide > high * high, above, guess))
+    return torch.where(torch.isfinite(guess) & (values > 0), nearest, values.sqrt())
+
+
 def _nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Bessel-corrected standard deviation ignoring NaNs; NaN where fewer than two values are finite."""
+    """Bessel-corrected standard deviation ignoring NaNs; NaN where fewer than two values are finite. Its root is
+    :func:`correctly_rounded_sqrt`: the same bits on every CPU."""
     dims = () if dim is None else (dim,)
     mean = torch.nanmean(values, dim=dim, keepdim=True) if dim is not None else torch.nanmean(values)
     count = (~torch.isnan(values)).sum(dim=dims or None, keepdim=keepdim)
     sq = torch.nansum((values - mean) ** 2, dim=dims or None, keepdim=keepdim)
-    return torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, float("nan"))).sqrt()
+    return correctly_rounded_sqrt(torch.where(count > 1, sq / (count - 1).clamp(min=1),
+                                              torch.full_like(sq, float("nan"))))
 
 
 def group_relative_advantages(
