@@ -3,6 +3,7 @@
 #
 #     bash bench/gpu/run.sh                 # writes bench/results-gpu.{json,md}; ~9 min (BUDGET_S, default 520)
 #     SMOKE=1 bash bench/gpu/run.sh         # the same runner, rows and installs on a CPU at tiny sizes
+#     ONLY="ppo fp32,parity" PASSES=1 bash bench/gpu/run.sh   # just those rows (labels; every library of each)
 #
 # Needs bench/gpu/bundle/ (`make bench-gpu-bundle` on a machine that reaches the package index; see docs/bench.md).
 # Installs the bundle's three library sets into --target folders (rlhf_core on transformers 5.23; classic TRL 0.11.4
