@@ -297,6 +297,23 @@ def synthetic_batch(n: int, query_len: tuple[int, int], response_len: tuple[int,
     return queries, responses, scores
 
 
+def left_padded(queries: list, pad_id: int) -> tuple:
+    """One left-padded batch of 1-d id tensors: ``(input_ids, attention_mask)``, both (n, longest)."""
+    import torch
+
+    width = max(len(q) for q in queries)
+    ids = torch.full((len(queries), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, q in enumerate(queries):
+        ids[i, width - len(q):], mask[i, width - len(q):] = q, 1
+    return ids, mask
+
+
+def cut_after_eos(rows, eos_id: int) -> list:
+    """Each generated row up to and including its first ``eos_id`` (the whole row when it has none)."""
+    return [row[: int((row == eos_id).nonzero()[0]) + 1] if (row == eos_id).any() else row for row in rows]
+
+
 def profiled_step(lib: str, args: dict):
     """The step bench's trainer and batch for the profiling scripts: ``(trainer, tokenizer, queries, responses,
     scores)`` on the random ``args["size"]`` model (batch 32 / mini-batch 8 on tiny, 8 / 4 otherwise)."""

@@ -54,17 +54,12 @@ def hf_greedy(model, tokenizer, queries, args: dict, device) -> list:
     """transformers' own greedy ``generate`` on one left-padded batch, cut after the first eos."""
     import torch
 
-    width = max(len(q) for q in queries)
-    ids = torch.full((len(queries), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, q in enumerate(queries):
-        ids[i, width - len(q):], mask[i, width - len(q):] = q, 1
+    ids, mask = common.left_padded(queries, tokenizer.pad_token_id)
     with torch.no_grad():
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=args["max_new_tokens"], pad_token_id=tokenizer.eos_token_id,
-                             suppress_tokens=[tokenizer.pad_token_id])[:, width:].cpu()
-    eos = tokenizer.eos_token_id
-    return [row[: int((row == eos).nonzero()[0]) + 1] if (row == eos).any() else row for row in out]
+                             suppress_tokens=[tokenizer.pad_token_id])[:, ids.shape[1]:].cpu()
+    return common.cut_after_eos(out, tokenizer.eos_token_id)
 
 
 def main():

@@ -44,11 +44,8 @@ def hf_generate(args: dict, tokenizer, queries):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model.to(device=device, dtype=getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[
         args.get("hf_dtype", "bf16")]))
-    width = max(len(q) for q in queries)
-    ids = torch.full((len(queries), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, q in enumerate(queries):
-        ids[i, width - len(q):], mask[i, width - len(q):] = q, 1
+    ids, mask = common.left_padded(queries, tokenizer.pad_token_id)
+    width = ids.shape[1]
     batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
     kwargs = {**SAMPLING, "top_k": 0, "pad_token_id": tokenizer.eos_token_id, "max_new_tokens": args["max_new_tokens"],
               "suppress_tokens": [tokenizer.pad_token_id]}  # as rlhf_core's generate: never sample the pad token
@@ -56,8 +53,7 @@ def hf_generate(args: dict, tokenizer, queries):
     def run():
         with torch.no_grad():
             out = model.generate(**batch, **kwargs)[:, width:]
-        return [row[: int((row == tokenizer.eos_token_id).nonzero()[0]) + 1] if (row == tokenizer.eos_token_id).any()
-                else row for row in out]
+        return common.cut_after_eos(out, tokenizer.eos_token_id)
 
     return run
 
