@@ -28,12 +28,14 @@ setup: $(STAMP) ## create .venv and install the pinned dependencies (CPU torch)
 # torch first, pinned: an unpinned or transitive torch would pull a multi-GB CUDA build.
 # Then: `.venv/bin/<tool>` finds the venv's other tools as if activated (tools/venv_path.py), and the offline
 # template `dvc plots show` uses is written (tools/offline_plots.py; .dvc/config names it).
-$(STAMP): pyproject.toml requirements.lock tools/venv_path.py tools/offline_plots.py
+UV_VERSION := 0.13.9
+$(STAMP): pyproject.toml requirements.lock tools/venv_path.py tools/offline_plots.py tools/install_lock.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "setup 1/3: torch 2.13.0, CPU build (~200 MB; pip lists each package as it goes)"
+	@echo "setup 1/3: torch 2.13.0, CPU build (~200 MB; pip lists each package as it goes), and uv if the index has it"
 	$(PY) -m pip install --disable-pip-version-check torch==2.13.0
-	@echo "setup 2/3: the pinned dependencies (requirements.lock: several minutes on a first install)"
-	$(PY) -m pip install --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION) || echo "no uv: pip installs the lock"
+	@echo "setup 2/3: the pinned dependencies (requirements.lock: uv with pip's index settings, else pip)"
+	$(PY) tools/install_lock.py requirements.lock
 	@echo "setup 3/3: this project (editable)"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	$(PY) tools/venv_path.py >/dev/null
@@ -94,8 +96,9 @@ clean: ## remove .venv and pytest caches
 .PHONY: run pipeline repro mlflow-ui prefect-ui retrain land-retrain serve-retrain
 
 # POLICY_WORKERS=N runs up to N policy stages side by side, each in its own process (its own GPU(s) when several
-# are visible); unset: $RLHF_POLICY_WORKERS, else 1 (one after another, the CPU default). Hardware, not a param.
-POLICY_WORKERS ?=
+# are visible); auto (the default): one per GPU, else two per core (each stage runs one thread: OMP_NUM_THREADS=1);
+# 1: one after another in the pipeline's process. Hardware, not a param: the outputs are the same bytes either way.
+POLICY_WORKERS ?= $(or $(RLHF_POLICY_WORKERS),auto)
 # TASK=sentiment (the default): the pipeline at the repository root. TASK=<name>: the one in pipelines/<name>/ (its
 # own params.yaml, dvc.yaml, dvc.lock, data/, models/, metrics/, plots/; the same MLflow store), e.g. TASK=arithmetic.
 TASK ?= sentiment
