@@ -174,6 +174,7 @@ class MLflowTracker(Tracker):
             mlflow.set_experiment(project_name)
             mlflow.start_run(run_name=run_name, **kwargs)
         self.run_id = mlflow.active_run().info.run_id
+        self._table_list_full = False  # see _table_list_has_room
 
     # Every call names its run: MLflow's active run is per thread, and a fluent call that finds none (another
     # thread, or after the run ended) silently starts a new, untagged run instead of logging to ours.
@@ -184,7 +185,36 @@ class MLflowTracker(Tracker):
 
     def log_table(self, name, columns, rows, step=None):
         data = {col: [_table_cell(row[i]) for row in rows] for i, col in enumerate(columns)}
-        self._mlflow.log_table(data=data, artifact_file=table_artifact_file(name, step), run_id=self.run_id)
+        artifact = table_artifact_file(name, step)
+        if self._table_list_has_room(artifact):
+            self._mlflow.log_table(data=data, artifact_file=artifact, run_id=self.run_id)
+            return
+        # the same JSON file log_table writes (pandas "split" orient), not added to the run's list of tables
+        import pandas as pd
+
+        text = pd.DataFrame(data, columns=list(columns)).to_json(orient="split", index=False, date_format="iso")
+        self._mlflow.log_text(text, artifact, run_id=self.run_id)
+
+    def _table_list_has_room(self, artifact: str) -> bool:
+        """Whether MLflow can still list ``artifact`` among the run's tables. ``mlflow.log_table`` appends every
+        table to the run's ``mlflow.loggedArtifacts`` tag, a JSON list, and the store cuts a tag's value at 8,000
+        characters: after ~130 tables (one per PPO step) the list no longer parses and every later ``log_table``
+        raises. Past that point the tables are written as the same JSON artifacts, unlisted (once, a warning)."""
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+        if self._table_list_full:  # the list only grows: once full, full (no round trip to the store)
+            return False
+        listed = self._mlflow.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]")
+        entry = json.dumps({"path": artifact, "type": "table"})
+        if len(listed) + len(entry) + 2 <= MAX_TAG_VAL_LENGTH:
+            return True
+        self._table_list_full = True
+        logging.getLogger(__name__).warning(
+            "tracking: run %s lists as many tables as MLflow's %d-character tag holds; %s and later tables are "
+            "artifacts under tables/ (Artifacts tab), not in the run's table list", self.run_id, MAX_TAG_VAL_LENGTH,
+            artifact)
+        return False
 
     def log_params(self, params):
         clean = {_mlflow_key(k): str(v)[:6000] for k, v in public_params(params).items()}

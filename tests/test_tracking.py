@@ -46,6 +46,33 @@ def test_mlflow_tracker_logs_metrics_tables_and_params(tmp_path, monkeypatch):
     assert artifacts == ["tables/game_log_step000003.json"]
 
 
+def test_mlflow_tracker_logs_a_table_every_step_past_what_mlflows_table_list_holds(tmp_path, monkeypatch):
+    """MLflow lists a run's tables in one tag cut at 8,000 characters: a PPO run logging its game_log every step
+    overflowed it after ~130 steps, and every later ``mlflow.log_table`` raised. Past that, the tables are still
+    written (the same JSON) and nothing is raised or warned per step."""
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = make_tracker("mlflow", project_name="tracker-tables")
+    run_id = mlflow.active_run().info.run_id
+    steps = 180
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed log_table warns so: none may
+        for step in range(steps):
+            tracker.log_table("game_log", ["query", "response", "reward"], [["q", f"r{step}", 1.0]], step=step)
+    tracker.finish()
+    client = mlflow.MlflowClient()
+    files = [a.path for a in client.list_artifacts(run_id, "tables")]
+    assert files == [f"tables/game_log_step{s:06d}.json" for s in range(steps)]
+    listed = json.loads(mlflow.get_run(run_id).data.tags[MLFLOW_LOGGED_ARTIFACTS])  # still parses
+    assert 100 < len(listed) < steps and listed[0] == {"path": "tables/game_log_step000000.json", "type": "table"}
+    first, last = (json.loads(open(client.download_artifacts(run_id, f, str(tmp_path))).read())
+                   for f in (files[0], files[-1]))
+    assert last == {"columns": ["query", "response", "reward"], "data": [["q", f"r{steps - 1}", 1.0]]}
+    assert first == {**last, "data": [["q", "r0", 1.0]]}  # unlisted tables are the same JSON as listed ones
+
+
 def test_tensorboard_tracker_writes_event_files(tmp_path):
     pytest.importorskip("tensorboard")
     tracker = make_tracker("tensorboard", project_name="tb", logging_dir=str(tmp_path))
