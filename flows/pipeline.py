@@ -44,9 +44,10 @@ def flow_run_name() -> str:
 
 @flow(name="rlhf-pipeline", flow_run_name=flow_run_name, log_prints=False)  # log_prints: see flows/process.py
 def pipeline(root: str = ".", force: bool = False, run_registry: bool = True,
-             policy_workers: int | None = None) -> dict:
+             policy_workers: int | str | None = None) -> dict:
     """Run every stale stage of the pipeline in ``root``, then the registry step (holding the checkout lock).
-    ``policy_workers``: how many policy stages run side by side (None: ``$RLHF_POLICY_WORKERS``, else 1)."""
+    ``policy_workers``: how many policy stages run side by side (a number, ``auto``: one per GPU or two per
+    ``$OMP_NUM_THREADS`` cores; None: ``$RLHF_POLICY_WORKERS``, else 1)."""
     configure_logging()  # a deployed run's process was not started by ``main`` (prefect.yaml's entry point)
     workers = policy_workers_setting(policy_workers)
     with pipeline_run(root, COMMAND) as run:
@@ -75,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                         "pipelines/arithmetic (default: current)")
     parser.add_argument("--force", action="store_true", help="run every stage even if DVC says it is up to date")
     parser.add_argument("--no-register", action="store_true", help="skip the MLflow registry step")
-    parser.add_argument("--policy-workers", type=int, default=None, metavar="N",
+    parser.add_argument("--policy-workers", default=None, metavar="N",
                         help="run up to N policy stages side by side, each in its own process and on its own GPU(s) "
-                             "when several are visible (default $RLHF_POLICY_WORKERS, else 1: one after another)")
+                             "when several are visible; auto: one per GPU, or two per $OMP_NUM_THREADS cores (default "
+                             "$RLHF_POLICY_WORKERS, else 1: one after another; make run passes auto)")
     add_wait_argument(parser)
     args = parser.parse_args(argv)
     try:

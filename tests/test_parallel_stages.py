@@ -38,6 +38,28 @@ def test_the_setting_is_opt_in_and_a_bad_value_names_its_source(monkeypatch):
         policy_workers(0)
 
 
+def test_auto_is_one_stage_per_gpu_else_two_per_omp_threads_worth_of_cores(monkeypatch):
+    monkeypatch.setattr(parallel_stages, "visible_gpus", lambda: [])
+    monkeypatch.setattr(parallel_stages.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setenv(parallel_stages.WORKERS_ENV, "auto")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert policy_workers() == 8 and policy_workers("AUTO") == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert policy_workers("auto") == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert policy_workers("auto") == 2  # a stage wider than the machine: still two, sharing
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert policy_workers("auto") == 1  # each stage would take every core: one after another
+    monkeypatch.setattr(parallel_stages, "visible_gpus", lambda: ["0", "1"])
+    assert policy_workers("auto") == 2
+
+
+def test_make_run_asks_for_auto_unless_told_otherwise():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "POLICY_WORKERS ?= $(or $(RLHF_POLICY_WORKERS),auto)" in makefile
+    assert "OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m flows.pipeline" in makefile
+
+
 def test_the_pipeline_cli_refuses_a_bad_setting_before_anything_starts(tmp_path, monkeypatch):
     from flows.pipeline import main
 

@@ -1,10 +1,10 @@
 """The policy stages side by side: each a ``python -m flows.stage <name>`` process, launched through a Prefect
 task runner, pinned to its own GPU(s) when several are visible.
 
-Opt-in, outside ``params.yaml`` (hardware never enters DVC's cache keys): ``RLHF_POLICY_WORKERS=N`` (``make run
+Outside ``params.yaml`` (hardware never enters DVC's cache keys): ``RLHF_POLICY_WORKERS=N`` (``make run
 POLICY_WORKERS=N``, ``python -m flows.pipeline --policy-workers N``, or the deployed flow's ``policy_workers``
-parameter). Unset or 1: the stages run one after another in the pipeline's own process, the CPU default (on a
-2-core machine two trainers side by side would only thrash the cores). ``RLHF_TASK_RUNNER`` picks the runner:
+parameter), or ``auto`` (:func:`auto_workers`: one per GPU, or two per ``$OMP_NUM_THREADS`` cores), which ``make run``
+uses unless told otherwise. Unset or 1: the stages run one after another in the pipeline's own process. ``RLHF_TASK_RUNNER`` picks the runner:
 ``threads`` (default: each thread waits on its stage's process), ``dask`` or ``ray`` (``prefect-dask`` /
 ``prefect-ray`` installed, workers sharing this checkout's file system).
 
@@ -43,18 +43,37 @@ POLL_S = 0.5
 
 
 def policy_workers(value: int | str | None = None) -> int:
-    """How many policy stages may run at once: ``value``, else ``$RLHF_POLICY_WORKERS``, else 1 (sequential)."""
+    """How many policy stages may run at once: ``value``, else ``$RLHF_POLICY_WORKERS``, else 1 (sequential).
+    ``auto``: :func:`auto_workers`."""
     raw = os.environ.get(WORKERS_ENV, "") if value is None else value
     if raw in ("", None):
         return 1
+    if str(raw).strip().lower() == "auto":
+        return auto_workers()
     try:
         workers = int(raw)
     except (TypeError, ValueError):
         workers = 0
     if workers < 1:
         source = WORKERS_ENV if value is None else "policy_workers"
-        raise ValueError(f"{source}={raw!r}: expected a whole number of stages to run at once, 1 or more")
+        raise ValueError(f"{source}={raw!r}: expected a whole number of stages to run at once (1 or more), "
+                         "or auto")
     return workers
+
+
+def auto_workers() -> int:
+    """``auto``: one stage per visible GPU. On the CPU, two stages per ``$OMP_NUM_THREADS`` cores this process may use:
+    the OS shares the cores among them, so stages of unequal length leave no core idle while one ends (measured on 2
+    cores, three single-thread trainers of ~60 s each: all done in 97 s side by side, against ~120 s two at a time;
+    docs/scale.md). Without ``$OMP_NUM_THREADS`` a stage takes every core: 1."""
+    gpus = visible_gpus()
+    if gpus:
+        return len(gpus)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not threads.isdigit() or int(threads) < 1:
+        return 1
+    return 2 * max(1, cores // int(threads))
 
 
 def parallel_groups(names: Sequence[str], policies: Sequence[str]) -> list[tuple[str, ...]]:
