@@ -3,10 +3,10 @@ task runner, pinned to its own GPU(s) when several are visible.
 
 Outside ``params.yaml`` (hardware never enters DVC's cache keys): ``RLHF_POLICY_WORKERS=N`` (``make run
 POLICY_WORKERS=N``, ``python -m flows.pipeline --policy-workers N``, or the deployed flow's ``policy_workers``
-parameter), or ``auto`` (:func:`auto_workers`: one per GPU, or two per ``$OMP_NUM_THREADS`` cores), which ``make run``
-uses unless told otherwise. Unset or 1: the stages run one after another in the pipeline's own process. ``RLHF_TASK_RUNNER`` picks the runner:
-``threads`` (default: each thread waits on its stage's process), ``dask`` or ``ray`` (``prefect-dask`` /
-``prefect-ray`` installed, workers sharing this checkout's file system).
+parameter), or ``auto`` (:func:`auto_workers`: one per GPU, or two per ``$OMP_NUM_THREADS`` cores), which
+``make run`` uses unless told otherwise. Unset or 1: the stages run one after another in the pipeline's own process.
+``RLHF_TASK_RUNNER`` picks the runner: ``threads`` (default: each thread waits on its stage's process), ``dask`` or
+``ray`` (``prefect-dask`` / ``prefect-ray`` installed, workers sharing this checkout's file system).
 
 Why a process per stage, not a thread running the trainer: every trainer seeds torch's one global RNG, so two in one
 process would draw each other's numbers and give results that depend on timing. A stage process is the same command
