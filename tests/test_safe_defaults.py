@@ -226,4 +226,6 @@ def test_dependencies_are_locked_and_make_installs_the_lock():
     makefile = (ROOT / "Makefile").read_text()
     missing = sorted(n for n in names - locked if not (n == "torch" and "torch==" in makefile))
     assert not missing, f"declared but not in requirements.lock: {missing}"
-    assert "-r requirements.lock" in makefile and "--no-deps -e ." in makefile
+    assert "tools/install_lock.py requirements.lock" in makefile and "--no-deps -e ." in makefile
+    installer = (ROOT / "tools" / "install_lock.py").read_text()  # uv or pip, both with -r: the lock as written
+    assert '"-r", lock' in installer and '"install", "--disable-pip-version-check", "-r", lock' in installer
