@@ -33,6 +33,7 @@ from flows.report import note_readme  # noqa: E402
 from tasks.process.distributed import destroy_process_group, is_main_process, require_single_process  # noqa: E402
 from tasks.process.locking import add_wait_argument  # noqa: E402
 from tasks.process.outcome import classify  # noqa: E402
+from tasks.run.parallel_stages import RECORDED_ENV  # noqa: E402
 from tasks.run.supervisor import PipelineRun, pipeline_run  # noqa: E402
 from tasks.spec.params import PARAMS_FILE, as_dict  # noqa: E402
 from tasks.stages import LAUNCHABLE, NAMES, load_params  # noqa: E402
@@ -108,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def unrecorded_note(name: str) -> str | None:
     """What to run to record a stage run by hand in dvc.lock (DVC records it only when DVC ran it: ``$DVC_STAGE`` is
-    set then); None under DVC. Without it, the next pipeline or ``dvc repro`` trains the stage again."""
-    if os.environ.get("DVC_STAGE"):
+    set then); None under DVC, and in a stage the pipeline launched side by side (it records the stage itself:
+    ``RECORDED_ENV``). Without it, the next pipeline or ``dvc repro`` trains the stage again."""
+    if os.environ.get("DVC_STAGE") or os.environ.get(RECORDED_ENV):
         return None
     return (f"stage {name} ran, but is not recorded in dvc.lock (DVC records the stages it runs itself): record it "
             f"with `.venv/bin/python -m tasks.store.dvc_lockfile commit --force {name}`, or run it as `make repro` "

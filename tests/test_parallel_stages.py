@@ -54,6 +54,11 @@ def test_auto_is_one_stage_per_gpu_else_two_per_omp_threads_worth_of_cores(monke
     assert policy_workers("auto") == 2
 
 
+def test_a_launched_stage_knows_the_pipeline_records_it():
+    env = parallel_stages.stage_env("parent-run", None, None)
+    assert env[parallel_stages.RECORDED_ENV] == "1" and env["RLHF_PARENT_RUN_ID"] == "parent-run"
+
+
 def test_make_run_asks_for_auto_unless_told_otherwise():
     makefile = (ROOT / "Makefile").read_text()
     assert "POLICY_WORKERS ?= $(or $(RLHF_POLICY_WORKERS),auto)" in makefile

@@ -206,6 +206,9 @@ def test_a_stage_run_by_hand_names_the_command_that_records_it(monkeypatch):
     assert "python -m tasks.store.dvc_lockfile commit --force ppo" in unrecorded_note("ppo")
     monkeypatch.setenv("DVC_STAGE", "ppo")
     assert unrecorded_note("ppo") is None
+    monkeypatch.delenv("DVC_STAGE")
+    monkeypatch.setenv("RLHF_RECORDED_BY_PIPELINE", "1")  # launched side by side: the pipeline records it
+    assert unrecorded_note("ppo") is None
 
 
 def test_the_pipeline_entry_point_refreshes_a_stale_readme_table(tmp_path, capsys):

@@ -37,6 +37,9 @@ from tasks.store.mlflow_runs import PARENT_ENV
 from tasks.spec.paths import project_root
 
 WORKERS_ENV = "RLHF_POLICY_WORKERS"
+RECORDED_ENV = "RLHF_RECORDED_BY_PIPELINE"
+"""Set in a stage process the pipeline launched: the pipeline records the stage in dvc.lock when it ends, so the
+stage's own "record it by hand" hint (``flows.stage.unrecorded_note``) would mislead."""
 RUNNER_ENV = "RLHF_TASK_RUNNER"
 RUNNERS = ("threads", "dask", "ray")
 POLL_S = 0.5
@@ -138,7 +141,7 @@ def stage_command(name: str, root: str | Path) -> list[str]:
 def stage_env(parent_run_id: str | None, devices: str | None, api_url: str | None) -> dict[str, str]:
     """This process's environment for a stage process: the MLflow parent run, the GPUs it may use, the Prefect
     server to report to."""
-    env = dict(os.environ)
+    env = {**os.environ, RECORDED_ENV: "1"}
     if parent_run_id:
         env[PARENT_ENV] = parent_run_id
     if devices is not None:
@@ -202,5 +205,5 @@ def raise_for_status(codes: dict[str, int]) -> None:
                                     "run again")
 
 
-__all__ = ["RUNNER_ENV", "WORKERS_ENV", "device_slices", "launch_stage", "parallel_groups", "policy_workers",
+__all__ = ["RECORDED_ENV", "RUNNER_ENV", "WORKERS_ENV", "device_slices", "launch_stage", "parallel_groups", "policy_workers",
            "raise_for_status", "run_side_by_side", "stage_command", "stage_env", "task_runner", "visible_gpus"]
