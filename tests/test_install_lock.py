@@ -12,12 +12,12 @@ spec = importlib.util.spec_from_file_location("install_lock", ROOT / "tools" / "
 install_lock = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(install_lock)
 
-PIP_CONFIG = """:env:.find-links='/opt/wheels'
+PIP_CONFIG = """:env:.find-links='/srv/wheels'
 :env:.default-timeout='180'
 global.cert='/etc/ssl/certs/ca-certificates.crt'
 global.constraint='/etc/xdg/pip/constraints.txt'
-global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
-global.find-links='/opt/wheels'
+global.extra-index-url='file:///srv/pypi/simple file:///srv/pypi-more/simple'
+global.find-links='/srv/wheels'
 """
 
 
@@ -25,14 +25,14 @@ def test_pip_settings_reach_uv_as_options(monkeypatch):
     monkeypatch.setattr(install_lock.subprocess, "run",
                         lambda *a, **k: SimpleNamespace(stdout=PIP_CONFIG, returncode=0))
     settings = install_lock.pip_settings("python")
-    assert settings["find-links"] == ["/opt/wheels"]  # the env and the file say the same: once
-    assert settings["extra-index-url"] == ["file:///opt/pypi/simple", "file:///opt/pypi-more/simple"]
+    assert settings["find-links"] == ["/srv/wheels"]  # the env and the file say the same: once
+    assert settings["extra-index-url"] == ["file:///srv/pypi/simple", "file:///srv/pypi-more/simple"]
     command = install_lock.uv_command("uv", "py", "requirements.lock", settings)
     assert command[:7] == ["uv", "pip", "install", "--python", "py", "-r", "requirements.lock"]
     pairs = list(zip(command[7::2], command[8::2]))
     assert ("--index-strategy", "unsafe-best-match") in pairs  # pip's search over every index
-    assert ("--extra-index-url", "file:///opt/pypi-more/simple") in pairs
-    assert ("--find-links", "/opt/wheels") in pairs and ("--constraint", "/etc/xdg/pip/constraints.txt") in pairs
+    assert ("--extra-index-url", "file:///srv/pypi-more/simple") in pairs
+    assert ("--find-links", "/srv/wheels") in pairs and ("--constraint", "/etc/xdg/pip/constraints.txt") in pairs
     env = install_lock.uv_environment(settings)
     assert env.get("UV_HTTP_TIMEOUT") == "180"
 
