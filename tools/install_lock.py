@@ -1,5 +1,5 @@
-"""Install ``requirements.lock`` into the venv: with uv when the venv has it (the same pinned versions, ~10x faster
-than pip: measured in docs/tasks.md), else, or when uv fails, with pip.
+"""Install ``requirements.lock`` into the venv: with uv when the venv has it (the same pinned versions; measured on 2
+cores, ``make setup`` took 0:47 from an empty uv cache against 1:52 with pip), else, or when uv fails, with pip.
 
     .venv/bin/python tools/install_lock.py requirements.lock
 

@@ -205,5 +205,6 @@ def raise_for_status(codes: dict[str, int]) -> None:
                                     "run again")
 
 
-__all__ = ["RECORDED_ENV", "RUNNER_ENV", "WORKERS_ENV", "device_slices", "launch_stage", "parallel_groups", "policy_workers",
-           "raise_for_status", "run_side_by_side", "stage_command", "stage_env", "task_runner", "visible_gpus"]
+__all__ = ["RECORDED_ENV", "RUNNER_ENV", "WORKERS_ENV", "auto_workers", "device_slices", "launch_stage",
+           "parallel_groups", "policy_workers", "raise_for_status", "run_side_by_side", "stage_command", "stage_env",
+           "task_runner", "visible_gpus"]
