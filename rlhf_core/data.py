@@ -232,6 +232,33 @@ def iter_records(path: str | Path, text_field: str = "text") -> Iterable[tuple[P
             yield file, lineno, record
 
 
+HUB_PREFIX = "hub:"
+"""A source named ``hub:<dataset>`` is a ``datasets.load_dataset`` name (a hub id, or a dataset folder)."""
+
+
+def iter_hub_records(name: str, split: str = "train", revision: str = "") -> Iterable[tuple[str, int, dict]]:
+    """Yield ``("hub:<name>[<split>]", row, record)`` of a dataset's split (``datasets.load_dataset``: a hub id
+    needs a network; a local dataset folder does not), rows numbered from 1."""
+    from datasets import load_dataset
+
+    where = f"{HUB_PREFIX}{name}[{split}]"
+    try:
+        dataset = load_dataset(name, split=split, revision=revision or None)
+    except Exception as error:  # noqa: BLE001 - no network, no such dataset or split, files it cannot build from
+        raise DataFormatError(where, None, f"the dataset cannot be loaded ({type(error).__name__}: {error})") from error
+    for row, record in enumerate(dataset, start=1):
+        yield where, row, dict(record)
+
+
+def iter_source_records(source: str | Path, text_field: str = "text", split: str = "train",
+                        revision: str = "") -> Iterable[tuple[str | Path, int, dict]]:
+    """:func:`iter_records` of a local file or folder, or :func:`iter_hub_records` of ``hub:<dataset>``
+    (``split``, ``revision``: the hub dataset's)."""
+    if isinstance(source, str) and source.startswith(HUB_PREFIX):
+        return iter_hub_records(source[len(HUB_PREFIX):], split, revision)
+    return iter_records(source, text_field)
+
+
 def read_text_records(path: str | Path, text_field: str = "text", limit: int = 0) -> list[str]:
     """Review texts from local files. Every record must carry a non-empty string ``text_field``."""
     texts = []

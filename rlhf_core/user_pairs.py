@@ -1,5 +1,6 @@
-"""A user's own preference pairs: a JSONL, CSV or Parquet file (or a folder of them) of ``prompt`` / ``chosen`` /
-``rejected`` rows, read and checked (TRL's preference formats, plain or conversational).
+"""A user's own preference pairs: a JSONL, CSV or Parquet file (or a folder of them), or a dataset named
+``hub:<name>`` (``rlhf_core.data.iter_hub_records``), of ``prompt`` / ``chosen`` / ``rejected`` rows, read and
+checked (TRL's preference formats, plain or conversational).
 
 - plain: ``prompt``, ``chosen`` and ``rejected`` are texts (the two answers continue the prompt);
 - conversational: ``prompt`` is a list of ``{"role", "content"}`` messages ending with a user turn, ``chosen`` and
@@ -15,14 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.data import DataFormatError, iter_records
+from rlhf_core.data import DataFormatError, iter_source_records
 from rlhf_core.user_problems import check_messages
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 """The columns of a preference-pair row."""
 
 
-def _prompt(value: Any, file: Path, row: int) -> str | list[dict]:
+def _prompt(value: Any, file: str | Path, row: int) -> str | list[dict]:
     if isinstance(value, str):
         if not value.strip():
             raise DataFormatError(file, row, "column 'prompt': the prompt is empty")
@@ -30,7 +31,7 @@ def _prompt(value: Any, file: Path, row: int) -> str | list[dict]:
     return check_messages(value, file, row, "prompt", needs_assistant=False)
 
 
-def _answer(value: Any, file: Path, row: int, column: str) -> str | list[dict]:
+def _answer(value: Any, file: str | Path, row: int, column: str) -> str | list[dict]:
     if isinstance(value, str):
         if not value.strip():
             raise DataFormatError(file, row, f"column {column!r}: the answer is empty")
@@ -40,7 +41,7 @@ def _answer(value: Any, file: Path, row: int, column: str) -> str | list[dict]:
     return check_messages(value, file, row, column, needs_assistant=True)
 
 
-def check_pair(record: dict, file: Path, row: int) -> dict:
+def check_pair(record: dict, file: str | Path, row: int) -> dict:
     """One row as ``{"prompt", "chosen", "rejected"}``, checked (see the module docstring)."""
     for column in PAIR_COLUMNS:
         if column not in record:
@@ -53,10 +54,11 @@ def check_pair(record: dict, file: Path, row: int) -> dict:
     return pair
 
 
-def read_pairs(path: str | Path) -> list[dict]:
-    """Rows ``{"id", "prompt", "chosen", "rejected"}`` of every pair in ``path``; ``id`` is ``<file name>:<row>``."""
-    pairs = [{"id": f"{Path(file).name}:{row}", **check_pair(record, Path(file), row)}
-             for file, row, record in iter_records(path, "prompt")]
+def read_pairs(path: str | Path, split: str = "train", revision: str = "") -> list[dict]:
+    """Rows ``{"id", "prompt", "chosen", "rejected"}`` of every pair in ``path`` (a file or folder, or
+    ``hub:<dataset>`` with its ``split`` and ``revision``); ``id`` is ``<file name>:<row>``."""
+    pairs = [{"id": f"{Path(file).name}:{row}", **check_pair(record, file, row)}
+             for file, row, record in iter_source_records(path, "prompt", split, revision)]
     if not pairs:
         raise DataFormatError(path, None, "no preference pairs in the file")
     return pairs

@@ -1,4 +1,5 @@
-"""A user's own verifiable problems: a JSONL, CSV or Parquet file (or a folder of them) read and checked.
+"""A user's own verifiable problems: a JSONL, CSV or Parquet file (or a folder of them), or a dataset named
+``hub:<name>`` (``rlhf_core.data.iter_hub_records``: rows ``hub:<name>[<split>]:<row>``, from 1), read and checked.
 
 Each row holds a prompt and its answer, and optionally a worked solution for SFT:
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.data import DataFormatError, iter_records
+from rlhf_core.data import DataFormatError, iter_source_records
 from rlhf_core.rewards.answers import gold_answer
 
 ROLES = ("system", "user", "assistant", "tool")
 """Message roles a conversation may use."""
 
 
-def check_messages(value: Any, file: Path, row: int, column: str, needs_assistant: bool) -> list[dict]:
+def check_messages(value: Any, file: str | Path, row: int, column: str, needs_assistant: bool) -> list[dict]:
     """A list of ``{"role", "content"}`` messages with known roles and text content; with ``needs_assistant``,
     at least one assistant turn (what SFT learns from); else the last turn must not be the assistant's (a prompt)."""
     if not isinstance(value, list) or not value:
@@ -51,7 +52,7 @@ def check_messages(value: Any, file: Path, row: int, column: str, needs_assistan
     return value
 
 
-def _prompt(record: dict, file: Path, row: int, column: str) -> str | list[dict]:
+def _prompt(record: dict, file: str | Path, row: int, column: str) -> str | list[dict]:
     value = record[column]
     if isinstance(value, str):
         if not value.strip():
@@ -60,7 +61,7 @@ def _prompt(record: dict, file: Path, row: int, column: str) -> str | list[dict]
     return check_messages(value, file, row, column, needs_assistant=False)
 
 
-def _completion(record: dict, file: Path, row: int, column: str) -> str | list[dict] | None:
+def _completion(record: dict, file: str | Path, row: int, column: str) -> str | list[dict] | None:
     value = record.get(column)
     if value is None or value == "":
         return None
@@ -69,17 +70,18 @@ def _completion(record: dict, file: Path, row: int, column: str) -> str | list[d
     return check_messages(value, file, row, column, needs_assistant=True)
 
 
-def _require(record: dict, file: Path, row: int, column: str, what: str) -> None:
+def _require(record: dict, file: str | Path, row: int, column: str, what: str) -> None:
     if column not in record:
         raise DataFormatError(file, row, f"no column {column!r} ({what}); the row has {sorted(record)}")
 
 
 def read_problems(path: str | Path, prompt_field: str = "prompt", answer_field: str = "solution",
-                  completion_field: str = "completion") -> list[dict]:
-    """Rows ``{"id", "prompt", "solution", "completion"}`` of every problem in ``path`` (see the module
-    docstring); ``id`` is ``<file name>:<row>``, ``completion`` None where the row has none."""
+                  completion_field: str = "completion", split: str = "train", revision: str = "") -> list[dict]:
+    """Rows ``{"id", "prompt", "solution", "completion"}`` of every problem in ``path`` (a file or folder, or
+    ``hub:<dataset>`` with its ``split`` and ``revision``; see the module docstring); ``id`` is
+    ``<file name>:<row>``, ``completion`` None where the row has none."""
     problems = []
-    for file, row, record in iter_records(path, prompt_field):
+    for file, row, record in iter_source_records(path, prompt_field, split, revision):
         _require(record, file, row, prompt_field, "the prompt")
         _require(record, file, row, answer_field, "the answer the verifier checks")
         answer = record[answer_field]

@@ -9,6 +9,7 @@ import json
 import pytest
 import yaml
 
+from _local_models import save_local_qwen2
 from rlhf_core.models.chat_format import CHATML_TEMPLATE
 from tasks.stages.common.chat_prompts import completion_only_rows, render_queries, render_query
 from tasks.stages.common.problems import user_datasets
@@ -64,22 +65,6 @@ def test_a_conversational_file_is_conversational_throughout():
         json.dumps([{"role": "assistant", "content": " <answer>2</answer>"}])}
     plain = user_datasets(problems[1:] * 2, task(), eval_fraction=0.5, seed=0)  # no conversation: text as before
     assert plain["sft_train"] == [{"text": "1 + 1 = <answer>2</answer>"}]
-
-
-def save_local_qwen2(folder):
-    """A tiny Qwen2 and a tokenizer with a chat template, saved as a user's local model folder."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from rlhf_core.models.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer(vocab_size=300)
-    tokenizer.chat_template = CHATML_TEMPLATE
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 @pytest.fixture
@@ -139,3 +124,25 @@ def test_a_conversation_without_an_assistant_turn_is_refused_naming_file_row_and
     with pytest.raises(Exception, match=r"chat.jsonl:2: column 'completion': the conversation has no assistant turn"):
         run_stage("prepare", str(project))
     assert not (project / "data" / "prompts_train.jsonl").exists()
+
+
+def test_a_dataset_source_is_read_by_prepare_and_a_bad_row_named_with_nothing_written(project, tmp_path):
+    from tasks.run.stage_task import run_stage
+
+    folder = tmp_path / "my-problems"  # loaded by datasets.load_dataset, as a hub id is where a network is reachable
+    folder.mkdir()
+    good = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "solution": i + 1} for i in range(8)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    lacking = {"prompt": good[0]["prompt"]}  # no solution
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good[:2] + [lacking]))
+    use_file(project, [], prepare={"source": f"hub:{folder}", "split": "test"})
+    with pytest.raises(Exception, match=rf"prepare.source: hub:{folder}\[test\]:3: column 'solution': None has no"):
+        run_stage("prepare", str(project))  # a column a row lacks is None in a dataset
+    use_file(project, [], prepare={"source": f"hub:{folder}", "split": "validation"})
+    with pytest.raises(Exception, match=rf"prepare.source: hub:{folder}\[validation\]: the dataset cannot be loaded"):
+        run_stage("prepare", str(project))
+    assert not (project / "data" / "prompts_train.jsonl").exists()
+    use_file(project, [], prepare={"source": f"hub:{folder}", "split": "train"})
+    assert run_stage("prepare", str(project))["num_prompts_train"] == 6
+    rows = [json.loads(x) for x in (project / "data" / "prompts_train.jsonl").read_text().splitlines()]
+    assert all(r["id"].startswith("my-problems[train]:") and isinstance(r["query"], list) for r in rows)

@@ -68,3 +68,17 @@ def test_a_csv_row_is_named_by_its_line(tmp_path):
     (tmp_path / "p.csv").write_text("prompt,solution\na,1\nb,two\n")
     with pytest.raises(DataFormatError, match=r"p.csv:3: column 'solution': 'two'"):
         read_problems(tmp_path / "p.csv")
+
+
+def test_a_dataset_named_hub_is_read_through_load_dataset_and_its_rows_named(tmp_path):
+    # a dataset folder: datasets.load_dataset takes it as it takes a hub id (which needs a network), same code path
+    folder = tmp_path / "my-problems"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"question": "1 + 1 =", "answer": 2}, {"question": "2 + 3 =", "answer": "5"}])
+    write_jsonl(folder / "test.jsonl", [{"question": "4 - 1 =", "answer": 3},
+                                        {"question": "9 - 1 =", "answer": "eight"}])
+    rows = read_problems(f"hub:{folder}", prompt_field="question", answer_field="answer")
+    assert [(r["id"], r["prompt"], r["solution"]) for r in rows] == [("my-problems[train]:1", "1 + 1 =", "2"),
+                                                                     ("my-problems[train]:2", "2 + 3 =", "5")]
+    with pytest.raises(DataFormatError, match=rf"hub:{folder}\[test\]:2: column 'answer': 'eight' has no number"):
+        read_problems(f"hub:{folder}", prompt_field="question", answer_field="answer", split="test")

@@ -102,14 +102,17 @@ class Stage:
     task_reads: tuple[str, ...] = ()
     """The keys of the ``task`` section it reads (``tasks.spec.task.TASK_READS``: which task it serves, and that
     task's data controls); empty for a stage that serves every task alike."""
+    other_reads: tuple[str, ...] = ()
+    """Dotted keys of other stages' sections it reads (prepare: ``sft.model_name``, whose chat template renders a
+    user's conversational pairs)."""
     retries: int = 0
     """Prefect retries of a transient failure (never of bad input: ``tasks.run.stage_task.retry_unless_bad_input``)."""
 
     @property
     def reads(self) -> tuple[str, ...]:
         """The dotted keys of other sections it reads (:data:`WINDOW_READS` for a windows stage, then its
-        ``task_reads``)."""
-        return (WINDOW_READS if self.windows else ()) + tuple(self.task_reads)
+        ``task_reads`` and ``other_reads``)."""
+        return (WINDOW_READS if self.windows else ()) + tuple(self.task_reads) + tuple(self.other_reads)
 
     def serves_task(self, params: Any) -> bool:
         """Whether it does work for the task of ``params`` (see ``serves``)."""

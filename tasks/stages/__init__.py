@@ -23,7 +23,8 @@ from tasks.stages import ddpo, dpo, evaluate, grpo, kto, label, ppo, prepare, re
 _TRAINING = (
     Stage("prepare", prepare.PrepareParams, prepare.body, deps={"incoming": "{incoming}"},
           outs={name: f"{{data}}/{name}.jsonl" for name in prepare.DATASETS},
-          plot_columns=prepare.COLUMNS, plot=prepare.PLOT, task_reads=TASK_READS, retries=2),
+          plot_columns=prepare.COLUMNS, plot=prepare.PLOT, task_reads=TASK_READS, other_reads=("sft.model_name",),
+          retries=2),
     Stage("sft", sft.SFTParams, sft.body, deps={"sft_train": "{data}/sft_train.jsonl"}, outs={"model": "{models}/sft"},
           plot_columns=sft.COLUMNS, plot=sft.PLOT, launchable=True),
     # a verifiable task's preference data (dpo, kto): verifier-labelled samples of SFT; sentiment: placeholders

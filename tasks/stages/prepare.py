@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from rlhf_core.data import (
-    DataFormatError,
     IncomingData,
     bound_reviews,
     clean_text,
@@ -37,9 +36,8 @@ from tasks.spec.param_rules import ValueRules
 from tasks.spec.stage import StageContext, StageResult
 from tasks.spec.task import task_of
 from tasks.stages.common.problems import answer_histogram, arithmetic_datasets, user_datasets
-from tasks.stages.common.pair_source import is_pairs_source, pair_datasets
-from tasks.stages.common.source import (SOURCE_FINGERPRINT, load_pairs, load_source, source_error, source_fingerprint,
-                                        source_path)
+from tasks.stages.common.pair_source import chat_renderer, is_pairs_source, pair_datasets
+from tasks.stages.common.source import SOURCE_FINGERPRINT, load_pairs, load_source, read_source, source_fingerprint
 
 
 @dataclass(frozen=True)
@@ -232,14 +230,11 @@ def verifiable_body(ctx: StageContext) -> StageResult:
     if task.name == "arithmetic":
         datasets = arithmetic_datasets(task, p.seed)
     else:
-        path = source_path(p, ctx.root)
-        if path is None:
-            raise ValueError(f"prepare.source: task 'problems' reads a local JSONL, CSV or Parquet file of problems, "
-                             f"got {p.source!r}")
-        try:
-            problems = read_problems(path, task.prompt_field, task.answer_field, task.completion_field)
-        except (DataFormatError, FileNotFoundError) as error:
-            raise source_error(p, error) from None
+        if p.source == "synthetic":
+            raise ValueError("prepare.source: task 'problems' reads a JSONL, CSV or Parquet file of problems, or a "
+                             "dataset (hub:<name>), got 'synthetic'")
+        problems = read_source(p, ctx.root, read_problems, task.prompt_field, task.answer_field,
+                               task.completion_field)
         datasets = user_datasets(problems, task, p.eval_fraction, p.seed)
     files = {name: ctx.out(name) for name in DATASETS}
     counts = write_datasets(files, datasets)
@@ -275,15 +270,18 @@ def body(ctx: StageContext) -> StageResult:
     dropped: dict[str, int] = {}
     if pairs is None:
         datasets = build_datasets(p, reviews + incoming.reviews, incoming.pairs, judge, dropped, incoming.ratings)
-    else:
-        datasets = pair_datasets(pairs, p.eval_fraction, p.seed)
+        gold_texts = [r["text"] for r in datasets["sft_train"]]
+    else:  # conversations rendered with the template the SFT policy will have (sft.model_name's, else the plain one)
+        datasets = pair_datasets(pairs, p.eval_fraction, p.seed, chat_renderer(ctx.params.section("sft").model_name,
+                                                                                pairs))
+        gold_texts = [r["prompt"] + r["chosen"] for r in datasets["preferences"]]  # what SFT learns, as text
         datasets["preferences"] += incoming_pairs_judged(p, incoming.pairs, judge, dropped)
         datasets["ratings"] += incoming_ratings_judged(p, incoming.ratings, judge, dropped)
 
     files = {name: ctx.out(name) for name in DATASETS}
     counts = write_datasets(files, datasets)
     (ctx.root / ctx.params.paths.data / SOURCE_FINGERPRINT).write_text(json.dumps(source_fingerprint(p, ctx.root)))
-    gold = judge([r["text"] for r in datasets["sft_train"]])
+    gold = judge(gold_texts)
     metrics = {
         "num_train": counts["sft_train"], "num_heldout": counts["heldout"],
         "num_prompts_train": counts["prompts_train"], "num_prompts_eval": counts["prompts_eval"],

@@ -1,5 +1,5 @@
 """``prepare.source``: where the reviews come from (``synthetic``, a local file or directory, ``hub:<dataset>``; or
-``pairs:<file>``, a user's preference pairs instead of reviews),
+``pairs:<file>`` / ``pairs:hub:<dataset>``, a user's preference pairs instead of reviews),
 read for the prepare stage, checked before a run starts and fingerprinted so an edited file makes prepare stale.
 
 DVC cannot depend on a path held in a param (``synthetic`` is not a file), so the pipeline supervisor compares the
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.data import DataFormatError, generate_reviews, load_hub_texts, read_text_records
+from rlhf_core.data import HUB_PREFIX, DataFormatError, generate_reviews, load_hub_texts, read_text_records
 from rlhf_core.user_pairs import read_pairs
 from tasks.store.provenance import md5_dir, md5_file
 
@@ -24,13 +24,33 @@ SOURCE_FINGERPRINT = ".source-fingerprint.json"
 """In ``paths.data``: the md5 of the local file/directory ``prepare.source`` named when prepare last ran."""
 
 
+def _named(p: Any) -> str:
+    """``prepare.source`` without its ``pairs:`` prefix."""
+    return p.source[len(PAIRS_PREFIX):] if p.source.startswith(PAIRS_PREFIX) else p.source
+
+
+def hub_source(p: Any) -> str | None:
+    """``hub:<dataset>`` when ``prepare.source`` names a dataset to load (``hub:...`` or ``pairs:hub:...``;
+    ``prepare.split`` and ``prepare.source_revision`` pick its split and revision), else None."""
+    named = _named(p)
+    return named if named.startswith(HUB_PREFIX) else None
+
+
 def source_path(p: Any, root: Path) -> Path | None:
     """The local file/directory ``prepare.source`` names (relative to the project), None for synthetic/hub."""
-    if p.source == "synthetic" or p.source.startswith("hub:"):
+    if p.source == "synthetic" or hub_source(p) is not None:
         return None
-    named = p.source[len(PAIRS_PREFIX):] if p.source.startswith(PAIRS_PREFIX) else p.source
-    path = Path(os.path.expanduser(named))
+    path = Path(os.path.expanduser(_named(p)))
     return path if path.is_absolute() else root / path
+
+
+def read_source(p: Any, root: Path, reader: Any, *args: Any) -> Any:
+    """``reader(source, *args, split=..., revision=...)`` of ``prepare.source``'s file or hub dataset (``read_pairs``,
+    ``read_problems``), its errors naming the parameter (``source_error``)."""
+    try:
+        return reader(hub_source(p) or source_path(p, root), *args, split=p.split, revision=p.source_revision)
+    except (DataFormatError, FileNotFoundError) as error:
+        raise source_error(p, error) from None
 
 
 def source_error(p: Any, error: Exception) -> Exception:
@@ -65,12 +85,9 @@ def check_source(p: Any, root: Path) -> None:
 
 
 def load_pairs(p: Any, root: Path) -> list[dict]:
-    """The preference pairs of ``prepare.source: pairs:<file>``, every row checked (errors name the parameter, the
-    file, the row and the column: ``source_error``)."""
-    try:
-        return read_pairs(source_path(p, root))
-    except (DataFormatError, FileNotFoundError) as error:
-        raise source_error(p, error) from None
+    """The preference pairs of ``prepare.source: pairs:<file>`` (or ``pairs:hub:<dataset>``), every row checked
+    (errors name the parameter, the file, the row and the column: ``source_error``)."""
+    return read_source(p, root, read_pairs)
 
 
 def load_source(p: Any, root: Path) -> list[str]:
@@ -109,5 +126,5 @@ def source_changed(p: Any, root: Path, data_dir: Path) -> str | None:
     return None
 
 
-__all__ = ["PAIRS_PREFIX", "SOURCE_FINGERPRINT", "check_source", "load_pairs", "load_source", "source_changed", "source_error",
-           "source_fingerprint", "source_path"]
+__all__ = ["PAIRS_PREFIX", "SOURCE_FINGERPRINT", "check_source", "hub_source", "load_pairs", "load_source",
+           "read_source", "source_changed", "source_error", "source_fingerprint", "source_path"]
