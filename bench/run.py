@@ -81,9 +81,9 @@ WORKLOADS = [
       for method in ("grpo", "rloo")],
     # (f) issue 32 point 5: GRPO with the exact-answer verifier on the arithmetic task's SFT policy (3x128 GPT-2),
     # ours against TRL 1.16.0, then held-out pass@1 of both trained policies by one evaluation (the folder's grpo
-    # settings, fewer steps)
-    ("arithmetic", "sft-3x128", {"steps": 200, "learning_rate": 1e-4, "beta": 0.0, "per_device_train_batch_size": 64,
-                                 "num_generations": 8, "max_completion_length": 32, "temperature": 1.0,
+    # settings: pipelines/arithmetic/params.yaml)
+    ("arithmetic", "sft-3x128", {"steps": 600, "learning_rate": 1.5e-4, "beta": 0.0, "per_device_train_batch_size": 64,
+                                 "num_generations": 4, "max_completion_length": 32, "temperature": 1.0,
                                  "eval_problems": 64, "eval_samples": 8}),
 ]
 QUICK = {"step": {"steps": 1}, "generate": {"repeats": 1}, "sentiment": {"steps": 3, "seeds": [0]},
