@@ -26,6 +26,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 BENCH_DIR = Path(__file__).resolve().parent
+CHECKOUT = BENCH_DIR.parent
 CACHE_DIR = Path(os.environ.get("BENCH_CACHE", BENCH_DIR / ".cache"))
 RT_POLARITY = Path(os.environ.get("RT_POLARITY_DIR", BENCH_DIR.parent.parent / "shared" / "data" / "rt-polarity"))
 
@@ -42,6 +43,12 @@ SIZES = {
     "mid": {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 1024, "vocab_size": 50257, **NO_DROPOUT},
     "gpt2s": {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257, **NO_DROPOUT},
 }
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` relative to the checkout when inside it (commands and results then read the same in every clone)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(CHECKOUT)) if path.is_relative_to(CHECKOUT) else str(path)
 
 
 def cpu_has_bf16_units() -> bool:

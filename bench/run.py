@@ -99,7 +99,7 @@ def command(lib: str, workload: str, args: dict) -> list[str]:
         cmd += ["--method", args["method"]]
         args = {k: v for k, v in args.items() if k != "method"}
     if workload == "arithmetic":  # the trained policy goes where the evaluation reads it
-        args = {**args, "save_dir": shown_path(arithmetic_dir(lib, args["seed"]))}
+        args = {**args, "save_dir": common.shown_path(arithmetic_dir(lib, args["seed"]))}
     return cmd + ["--args", json.dumps(args, separators=(",", ":"))]
 
 
@@ -137,17 +137,11 @@ def arithmetic_dir(lib: str, seed: int) -> Path:
     return common.CACHE_DIR.resolve() / "arithmetic" / f"{lib}-seed{seed}"
 
 
-def shown_path(path: Path) -> str:
-    """``path`` relative to the checkout when inside it (the commands then read the same in every clone)."""
-    path = Path(path).resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def evaluate_arithmetic(args: dict, seed: int) -> dict:
     """Workload (f)'s held-out pass@1 of the SFT policy and of both policies trained with ``seed``: one process
     (.venv), one sampler and verifier for all three."""
-    models = {"sft": shown_path(arithmetic_task.task_paths()["sft"]),
-              **{lib: shown_path(arithmetic_dir(lib, seed)) for lib in ("ours", OTHER["arithmetic"])}}
+    models = {"sft": common.shown_path(arithmetic_task.task_paths()["sft"]),
+              **{lib: common.shown_path(arithmetic_dir(lib, seed)) for lib in ("ours", OTHER["arithmetic"])}}
     eval_args = {k: args[k] for k in ("eval_problems", "eval_samples", "max_completion_length", "threads")}
     cmd = [str(PYTHONS["ours"].relative_to(ROOT)), "bench/workloads/arithmetic_grpo.py", "--evaluate",
            "--args", json.dumps({**eval_args, "models": models}, separators=(",", ":"))]

@@ -41,9 +41,6 @@ import online  # noqa: E402  (its step timer: one TrainerCallback for both train
 ROOT = Path(__file__).resolve().parents[2]
 # The arithmetic pipeline's folder (its SFT policy and problems); ARITHMETIC_DIR points at another checkout's.
 TASK_DIR = Path(os.environ.get("ARITHMETIC_DIR", ROOT / "pipelines" / "arithmetic"))
-SHOWN_TASK_DIR = (str(TASK_DIR.resolve().relative_to(ROOT)) if TASK_DIR.resolve().is_relative_to(ROOT)
-                  else str(TASK_DIR))
-"""``TASK_DIR`` as results name it: relative to the checkout when inside it (the same in every clone)."""
 DEFAULTS = {"steps": 600, "seed": 0, "learning_rate": 1.5e-4, "beta": 0.0, "per_device_train_batch_size": 64,
             "num_generations": 4, "max_completion_length": 32, "temperature": 1.0, "threads": 1,
             "eval_problems": 64, "eval_samples": 8, "eval_seed": 0}
@@ -172,7 +169,7 @@ def train(lib: str, args: dict) -> dict:
     trainer.model.save_pretrained(str(save_dir))
     tokenizer.save_pretrained(str(save_dir))
     return {"lib": common.version_of(lib), "seed": args["seed"], "steps": len(timer.seconds),
-            "task_dir": SHOWN_TASK_DIR, "save_dir": str(save_dir), "reward_per_step": reward.means,
+            "task_dir": common.shown_path(TASK_DIR), "save_dir": str(save_dir), "reward_per_step": reward.means,
             "positions_from_mask": bool(args.get("positions_from_mask")),
             "first_step_completions_md5": reward.first_digest,
             "reward_first10": statistics.mean(reward.means[:10]), "reward_last10": statistics.mean(reward.means[-10:]),
@@ -191,7 +188,7 @@ def evaluate(args: dict) -> dict:
     n = args["eval_samples"]
     tokenizer = AutoTokenizer.from_pretrained(str(paths["sft"]))
     prompts = [r["query"] for r in rows for _ in range(n)]
-    result = {"eval_problems": len(rows), "eval_samples": n, "task_dir": SHOWN_TASK_DIR}
+    result = {"eval_problems": len(rows), "eval_samples": n, "task_dir": common.shown_path(TASK_DIR)}
     for name, directory in args["models"].items():
         model = AutoModelForCausalLM.from_pretrained(str(directory))
         samples = sample_responses(model, tokenizer, prompts, args["max_completion_length"], 64, args["eval_seed"])

@@ -24,6 +24,7 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders chat templates with
 
 from rlhf_core.models.chat_format import SIMPLE_CHAT_TEMPLATE
+from tasks.stages.common.problems import as_messages
 from tasks.stages.common.source import PAIRS_PREFIX
 
 Render = Callable[[list[dict], bool], str]
@@ -65,22 +66,18 @@ def chat_renderer(model_name: str, pairs: list[dict]) -> Render:
         messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _messages(value: Any, role: str) -> list[dict]:
-    return value if isinstance(value, list) else [{"role": role, "content": value}]
-
-
 def as_text(pair: dict, render: Render = plain_render) -> dict:
     """``{"prompt", "chosen", "rejected"}`` as texts: a plain pair as it is, a conversational one rendered (see the
     module docstring; a text prompt is a user turn, a text answer an assistant turn)."""
     if not is_conversational(pair):
         return {c: pair[c] for c in ("prompt", "chosen", "rejected")}
-    prompt = _messages(pair["prompt"], "user")
+    prompt = as_messages(pair["prompt"], "user")
     prompt_text = render(prompt, True)
     base = render(prompt, False)
     generation_prompt = prompt_text[len(base):]  # "Assistant:", "<|im_start|>assistant\n"
 
     def answer(value: Any) -> str:
-        rest = render(prompt + _messages(value, "assistant"), False)[len(base):].rstrip()  # "Assistant: ..."
+        rest = render(prompt + as_messages(value, "assistant"), False)[len(base):].rstrip()  # "Assistant: ..."
         return rest[len(generation_prompt):] if rest.startswith(generation_prompt) else " " + rest
 
     return {"prompt": prompt_text, "chosen": answer(pair["chosen"]), "rejected": answer(pair["rejected"])}
@@ -89,7 +86,7 @@ def as_text(pair: dict, render: Render = plain_render) -> dict:
 def sft_row(pair: dict) -> dict:
     """The pair's prompt and chosen answer as a conversational prompt-completion row (SFT's data of a file with
     conversations)."""
-    return {"prompt": _messages(pair["prompt"], "user"), "completion": _messages(pair["chosen"], "assistant")}
+    return {"prompt": as_messages(pair["prompt"], "user"), "completion": as_messages(pair["chosen"], "assistant")}
 
 
 def pair_datasets(pairs: list[dict], eval_fraction: float, seed: int,
